@@ -1,0 +1,98 @@
+"""Push counters on the parameter server and the statistics read from them.
+
+The version counter is the heart of staleness: every push takes a unique
+ticket from it, and staleness is the number of tickets issued between a
+worker's pull and its push.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+STALENESS_BINS = 256  # histogram bins; the last one also counts anything larger
+
+
+@dataclasses.dataclass
+class AsyncStats:
+    """Per-run counters of an `AsyncParameterServerStrategy`.
+
+    Attributes:
+        windows: pushes that took a version ticket (applied or dropped as stale).
+        applied: pushes applied to the central variables.
+        mean_staleness: mean staleness of the ticketed pushes.
+        max_staleness: largest staleness seen (saturates at 255).
+        dropped_stale: pushes dropped because staleness > `max_staleness`.
+        dropped_nonfinite: windows whose update held NaN/Inf; never pushed.
+        bytes_pulled: bytes read from the PS by window pulls.
+        bytes_pushed: bytes sent to the PS by ticketed pushes (dropped ones too).
+        staleness_histogram: counts of pushes by staleness 0..255.
+    """
+
+    windows: int
+    applied: int
+    mean_staleness: float
+    max_staleness: int
+    dropped_stale: int
+    dropped_nonfinite: int
+    bytes_pulled: int
+    bytes_pushed: int
+    staleness_histogram: np.ndarray
+
+    def as_logs(self):
+        """Windows pushed and mean staleness, for Keras logs (progress bar, History)."""
+        return {"windows": self.windows, "staleness": self.mean_staleness}
+
+
+class PushCounters(tf.Module):
+    """Version ticket and counters, created on the (first) PS.
+
+    Create under the strategy's scope. Every method that changes a counter is
+    called from inside a window closure on a worker; the ops run on the PS.
+    """
+
+    def __init__(self):
+        super().__init__(name="asgd_counters")
+        self.version = tf.Variable(0, dtype=tf.int64, trainable=False, name="version")
+        self.staleness_sum = tf.Variable(0, dtype=tf.int64, trainable=False, name="staleness_sum")
+        self.dropped_stale = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_stale")
+        self.dropped_nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_nonfinite")
+        self.histogram = tf.Variable(
+            tf.zeros([STALENESS_BINS], tf.int64), trainable=False, name="staleness_histogram"
+        )
+
+    def take_ticket(self, pulled_version):
+        """Takes a version ticket; returns staleness tau (int64) and records it.
+
+        Call under `tf.control_dependencies` on the window's update, so that the
+        ticket is taken when the update exists, not at pull time.
+        """
+        ticket = self.version.assign_add(1, read_value=True)
+        tau = ticket - 1 - pulled_version
+        bin_ = tf.minimum(tau, STALENESS_BINS - 1)
+        record = [
+            self.staleness_sum.assign_add(tau, read_value=False),
+            self.histogram.scatter_add(
+                tf.IndexedSlices(tf.ones([1], tf.int64), tf.reshape(bin_, [1]))
+            ),
+        ]
+        with tf.control_dependencies(record):
+            return tf.identity(tau)
+
+    def stats(self, bytes_per_pull, bytes_per_push):
+        version = int(self.version.numpy())
+        dropped = int(self.dropped_stale.numpy())
+        nonfinite = int(self.dropped_nonfinite.numpy())
+        hist = self.histogram.numpy()
+        seen = np.nonzero(hist)[0]
+        return AsyncStats(
+            windows=version,
+            applied=version - dropped,
+            mean_staleness=float(self.staleness_sum.numpy()) / version if version else 0.0,
+            max_staleness=int(seen[-1]) if len(seen) else 0,
+            dropped_stale=dropped,
+            dropped_nonfinite=nonfinite,
+            bytes_pulled=(version + nonfinite) * bytes_per_pull,
+            bytes_pushed=version * bytes_per_push,
+            staleness_histogram=hist,
+        )

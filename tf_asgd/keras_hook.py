@@ -1,0 +1,205 @@
+"""The narrow hook into Keras 3's TensorFlow trainer.
+
+Keras 3.15 has no parameter-server path: under TF's `ParameterServerStrategy`
+its `fit` raises `ValueError: To use this dataset, you need to pass this
+dataset to ClusterCoordinator.create_per_worker_dataset`. `install()` wraps a
+few methods of `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`; each
+wrapper checks whether the model's strategy is an
+`AsyncParameterServerStrategy` and otherwise calls the original unchanged.
+
+For models of ours:
+- `fit` checks the model, puts the strategy in training mode (datasets are
+  then handed out as per-worker iterators) and drives windows;
+- `make_train_function` returns a function that schedules one window closure
+  (`scheduling.WindowTrainer`) per `n_sync` steps and returns at once;
+- `_get_metrics_result_or_logs` (called by `fit` at each epoch's end) joins
+  the windows and returns the epoch's metrics and push counters;
+- `evaluate`, `predict` and `_maybe_symbolic_build` run on the chief against
+  the central variables, with datasets handed out as local iterators;
+- `train_on_batch` is refused (windows need an iterator per worker).
+
+Pinned to the Keras versions in `SUPPORTED_KERAS`; `install()` refuses others
+rather than patch code it has not been tested against.
+
+The module also holds `stateless_apply`: Keras's TF optimizer refuses
+`stateless_apply` because of `tf.distribute`; inside a window there is no
+distribution to honour, so the backend-neutral implementation is used.
+"""
+
+import contextlib
+import functools
+import threading
+import types
+
+import keras
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+from tensorflow.python.distribute.coordinator import remote_value
+
+SUPPORTED_KERAS = ("3.15",)
+
+_installed = False
+_local = threading.local()
+
+
+def _ours(model):
+    from tf_asgd.strategy import AsyncParameterServerStrategy
+
+    return isinstance(getattr(model, "_distribute_strategy", None), AsyncParameterServerStrategy)
+
+
+def in_local_mode():
+    """True while Keras should see plain local datasets (evaluate, predict, build)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def local_mode():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def remote_value_ready(rv):
+    """Whether a `RemoteValue` has its result (or error), without blocking."""
+    return rv._status is not remote_value.RemoteValueStatus.NOT_READY
+
+
+_BASE_METHODS = ("assign", "assign_add", "assign_sub", "_backend_update_step", "_apply_weight_decay")
+
+
+def _var_key(self, variable):
+    # Inside a StatelessScope `variable.value` is the mapped tensor; key on
+    # the tf.Variable itself, as the optimizer did when it was built.
+    if isinstance(variable, keras.Variable):
+        variable = variable._value
+    return TFOptimizer._var_key(self, variable)
+
+
+def stateless_apply(optimizer, optimizer_values, grads, trainable_values):
+    """`optimizer.stateless_apply` for Keras's TF optimizers, inside a window."""
+    patched = {name: types.MethodType(getattr(BaseOptimizer, name), optimizer) for name in _BASE_METHODS}
+    patched["_var_key"] = types.MethodType(_var_key, optimizer)
+    optimizer.__dict__.update(patched)
+    try:
+        return BaseOptimizer.stateless_apply(optimizer, optimizer_values, grads, trainable_values)
+    finally:
+        for name in patched:
+            optimizer.__dict__.pop(name, None)
+
+
+def _window_trainer(model):
+    from tf_asgd.scheduling import WindowTrainer
+
+    trainer = getattr(model, "_asgd_trainer", None)
+    if trainer is None or trainer.model is not model or trainer.optimizer is not model.optimizer:
+        trainer = WindowTrainer(model, model._distribute_strategy)
+        trainer.optimizer = model.optimizer
+        model._asgd_trainer = trainer
+    return trainer
+
+
+def _check_outside_scope(model):
+    from tf_asgd.strategy import AsyncParameterServerStrategy
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy() and isinstance(
+        tf.distribute.get_strategy(), AsyncParameterServerStrategy
+    ) and not _ours(model):
+        raise ValueError(
+            f"Model {model.name!r} was created outside "
+            "`AsyncParameterServerStrategy.scope()`, so its variables are not "
+            "on the parameter servers. Create and compile the model inside "
+            "`with strategy.scope():`."
+        )
+
+
+def _wrap(name, ours_impl):
+    original = getattr(tf_trainer.TensorFlowTrainer, name)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        if _ours(self):
+            return ours_impl(original, self, *args, **kwargs)
+        if name == "fit":
+            _check_outside_scope(self)
+        return original(self, *args, **kwargs)
+
+    wrapper._asgd_original = original
+    setattr(tf_trainer.TensorFlowTrainer, name, wrapper)
+
+
+def _fit(original, model, *args, **kwargs):
+    if getattr(model, "_asgd_fitting", False):
+        raise RuntimeError("fit is already running on this model.")
+    model._assert_compile_called("fit")
+    strategy = model._distribute_strategy
+    if model.steps_per_execution != strategy.n_sync:
+        # One Keras "execution" is one window of n_sync steps.
+        model.steps_per_execution = strategy.n_sync
+    model.train_function = None
+    model._asgd_fitting = True
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        model._asgd_fitting = False
+        trainer = getattr(model, "_asgd_trainer", None)
+        if trainer is not None:
+            trainer.coordinator.join()  # nothing left running after fit, even on error
+
+
+def _make_train_function(original, model, force=False):
+    if model.train_function is not None and not force:
+        return model.train_function
+    trainer = _window_trainer(model)
+    model.train_function = trainer.train_function
+    return model.train_function
+
+
+def _get_metrics_result_or_logs(original, model, logs):
+    if getattr(model, "_asgd_fitting", False) and not in_local_mode():
+        return _window_trainer(model).finish()
+    return original(model, logs)
+
+
+def _reset_metrics(original, model):
+    original(model)
+    trainer = getattr(model, "_asgd_trainer", None)
+    if trainer is not None and getattr(model, "_asgd_fitting", False) and not in_local_mode():
+        trainer.reset_metrics()
+
+
+def _local(original, model, *args, **kwargs):
+    with local_mode():
+        return original(model, *args, **kwargs)
+
+
+def _train_on_batch(original, model, *args, **kwargs):
+    raise NotImplementedError(
+        "train_on_batch is not supported under AsyncParameterServerStrategy: "
+        "a window needs a dataset iterator on each worker. Use model.fit."
+    )
+
+
+def install():
+    """Installs the hook once. Raises if the Keras version is not supported."""
+    global _installed
+    if _installed:
+        return
+    if not keras.__version__.startswith(SUPPORTED_KERAS):
+        raise RuntimeError(
+            f"tf_asgd's Keras hook supports Keras {', '.join(SUPPORTED_KERAS)}.x; "
+            f"found {keras.__version__}."
+        )
+    _wrap("fit", _fit)
+    _wrap("make_train_function", _make_train_function)
+    _wrap("_get_metrics_result_or_logs", _get_metrics_result_or_logs)
+    _wrap("reset_metrics", _reset_metrics)
+    _wrap("evaluate", _local)
+    _wrap("predict", _local)
+    _wrap("_maybe_symbolic_build", _local)
+    _wrap("train_on_batch", _train_on_batch)
+    _installed = True

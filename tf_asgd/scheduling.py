@@ -1,0 +1,239 @@
+"""Window scheduling: one `ClusterCoordinator` closure per `n_sync` window.
+
+A window is GPU A-SGD's unit of work (Paine et al. 2013). On one worker it:
+
+1. pulls the central variables and the version counter from the PS,
+2. runs `n_sync` local steps on the worker's own batches, carrying the
+   weights, optimizer state and metric state as loop tensors (the model's
+   `stateless_call`; nothing is written to the PS meanwhile),
+3. pushes the accumulated update `local_end - local_start` once: it takes a
+   version ticket (staleness `tau` = tickets issued since the pull) and the
+   PS adds `scale(tau) * update` (`update_rules.staleness_scale`).
+
+Ordering matters because TF runs an op as soon as its inputs are ready: the
+ticket is taken under a control dependency on the computed update, and the
+worker-local state is written from values that depend on it.
+"""
+
+import numpy as np
+import tensorflow as tf
+import tensorflow.experimental.numpy as tnp
+from keras import StatelessScope, Variable
+from keras.utils import unpack_x_y_sample_weight
+
+from tf_asgd import keras_hook, update_rules
+
+
+def _raw(v):
+    """The `tf.Variable` behind a Keras variable."""
+    return v.value if isinstance(v, Variable) else v
+
+
+def _nbytes(variables):
+    return int(sum(np.prod(v.shape) * v.dtype.size for v in map(_raw, variables)))
+
+
+class WindowTrainer:
+    """Trains one Keras model with window closures on the workers.
+
+    Built by the Keras hook on the first `fit` of a model whose strategy is an
+    `AsyncParameterServerStrategy`; users do not create it.
+    """
+
+    def __init__(self, model, strategy):
+        self.model, self.strategy = model, strategy
+        self.coordinator = strategy.coordinator
+        opt = model.optimizer
+        self.push_rule = getattr(opt, "asgd_push_rule", None)
+        self.local_optimizer = (
+            self.push_rule.local_optimizer if self.push_rule else opt
+        )
+        self.variables = list(model.trainable_variables) + list(
+            model.non_trainable_variables
+        )
+        for v in self.variables:
+            if "/job:ps" not in _raw(v).device:
+                raise ValueError(
+                    f"Variable {v.path!r} lives on {_raw(v).device or 'the chief'}, "
+                    "not on a parameter server: the model was built outside "
+                    "`AsyncParameterServerStrategy.scope()`. Create and compile "
+                    "the model inside `with strategy.scope():`."
+                )
+        lo = self.local_optimizer
+        # Shared optimizer state: the step counter and the learning rate are
+        # read from the PS each window (so schedules and callbacks such as
+        # ReduceLROnPlateau see the global values); the rest (momentum, Adam's
+        # moments) is the worker's own, kept in per-worker variables.
+        self._shared_ids = {id(lo.iterations)}
+        if isinstance(getattr(lo, "_learning_rate", None), Variable):
+            self._shared_ids.add(id(lo._learning_rate))
+        with strategy.scope():
+            self.worker_state = [
+                tf.Variable(_raw(v).read_value(), per_worker_variable=True, trainable=False)
+                for v in lo.variables
+                if id(v) not in self._shared_ids
+            ]
+            self.rule_state = (
+                self.push_rule.create_worker_state(self.variables)
+                if self.push_rule
+                else []
+            )
+        self._metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
+        self._metric_sum = None
+        self._pending = []
+        self.bytes_per_pull = _nbytes(self.variables)
+        self.bytes_per_push = self.bytes_per_pull
+        self._window = tf.function(self._window_fn)
+
+    # ---- chief side -------------------------------------------------------
+
+    def train_function(self, iterator):
+        """Keras's `train_function`: schedules one window and returns at once."""
+        rv = self.coordinator.schedule(
+            self._window, args=(iterator, tf.constant(self.strategy.n_sync, tf.int32))
+        )
+        self._pending.append(rv)
+        self._drain(block=False)
+        return self.logs()
+
+    def _drain(self, block):
+        while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
+            values = [np.asarray(t) for t in self._pending.pop(0).fetch()]
+            if self._metric_sum is None:
+                self._metric_sum = values
+            else:
+                self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
+
+    def reset_metrics(self):
+        self._metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
+        self._metric_sum = None
+
+    def metric_values(self):
+        if self._metric_sum is None:
+            return list(self._metric_init)
+        return [i + s for i, s in zip(self._metric_init, self._metric_sum)]
+
+    def logs(self):
+        """Metric results over the windows finished so far this epoch."""
+        mapping = list(zip(self.model.metrics_variables, self.metric_values()))
+        with StatelessScope(state_mapping=mapping):
+            logs = self.model.get_metrics_result()
+        logs = {k: float(v) for k, v in logs.items()}
+        logs.update(self.strategy.stats(self).as_logs())
+        return logs
+
+    def finish(self):
+        """Waits for every scheduled window; writes the epoch's metrics back."""
+        self.coordinator.join()
+        self._drain(block=True)
+        for var, value in zip(self.model.metrics_variables, self.metric_values()):
+            var.assign(value)
+        return self.logs()
+
+    # ---- worker side ------------------------------------------------------
+
+    def _window_fn(self, iterator, num_steps):
+        model, lo, counters = self.model, self.local_optimizer, self.strategy.counters
+        n_train = len(model.trainable_variables)
+        # Pull.
+        pulled_version = counters.version.read_value()
+        start = [tf.identity(_raw(v).read_value()) for v in self.variables]
+        opt_values, pw = [], iter(self.worker_state)
+        for v in lo.variables:
+            opt_values.append(
+                _raw(v).read_value() if id(v) in self._shared_ids else next(pw).read_value()
+            )
+        metric_values = [tf.constant(m) for m in self._metric_init]
+        opt_values_at_pull = list(opt_values)
+
+        def step(weights, opt_values, metric_values):
+            x, y, sample_weight = unpack_x_y_sample_weight(next(iterator))
+            trainable, non_trainable = weights[:n_train], weights[n_train:]
+            with tf.GradientTape() as tape:
+                tape.watch(trainable)
+                y_pred, non_trainable = model.stateless_call(
+                    trainable, non_trainable, x, training=True
+                )
+                loss, (_, _, metric_values) = model.stateless_compute_loss(
+                    trainable, non_trainable, metric_values, x=x, y=y,
+                    y_pred=y_pred, sample_weight=sample_weight, training=True,
+                )
+            grads = tape.gradient(loss, trainable)
+            trainable, opt_values = keras_hook.stateless_apply(
+                lo, opt_values, grads, trainable
+            )
+            mapping = list(zip(model.metrics_variables, metric_values))
+            with StatelessScope(state_mapping=mapping) as scope:
+                model._loss_tracker.update_state(
+                    loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0]
+                )
+                model.compute_metrics(x, y, y_pred, sample_weight)
+            metric_values = [
+                scope.get_current_value(v) if scope.get_current_value(v) is not None else m
+                for v, m in zip(model.metrics_variables, metric_values)
+            ]
+            return list(trainable) + list(non_trainable), opt_values, metric_values
+
+        weights = list(start)
+        for _ in tf.range(num_steps):
+            weights, opt_values, metric_values = step(weights, opt_values, metric_values)
+
+        update = [w - s for w, s in zip(weights, start)]
+        new_worker_state = [
+            o for v, o in zip(lo.variables, opt_values) if id(v) not in self._shared_ids
+        ]
+        if self.push_rule:
+            update, rule_updates = self.push_rule.transform(
+                update, start, self.rule_state, n_train
+            )
+        else:
+            rule_updates = []
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(u)) for u in update if u.dtype.is_floating]
+        )
+
+        def push():
+            # The ticket depends on the update: it is taken at push time.
+            with tf.control_dependencies(update):
+                tau = counters.take_ticket(pulled_version)
+            rule = self.strategy.staleness
+            max_staleness = self.strategy.max_staleness
+            with tf.device(_raw(counters.version).device):
+                scale = update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp)
+                dropped = (
+                    tf.cast(tau > max_staleness, tf.int64)
+                    if max_staleness is not None
+                    else tf.constant(0, tf.int64)
+                )
+            ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
+            for v, u in zip(self.variables, update):
+                raw = _raw(v)
+                with tf.device(raw.device):
+                    if u.dtype.is_floating:
+                        ops.append(raw.assign_add(tf.cast(scale, u.dtype) * u, read_value=False))
+                    else:  # integer state (RNG seeds): advance it unscaled
+                        ops.append(raw.assign_add(u, read_value=False))
+            ops.append(
+                _raw(lo.iterations).assign_add(tf.cast(num_steps, lo.iterations.dtype), read_value=False)
+            )
+            with tf.control_dependencies(ops):
+                return tf.constant(True)
+
+        def skip():
+            op = counters.dropped_nonfinite.assign_add(1, read_value=False)
+            with tf.control_dependencies([op]):
+                return tf.constant(False)
+
+        pushed = tf.cond(finite, push, skip)
+        # Per-worker variables are captured at call time, which does not reach
+        # into cond branches: write the worker's state here, keeping the old
+        # state when the window was not pushed.
+        old_state = [o for v, o in zip(lo.variables, opt_values_at_pull) if id(v) not in self._shared_ids]
+        state_ops = []
+        with tf.control_dependencies([pushed]):
+            for var, new, old in zip(self.worker_state, new_worker_state, old_state):
+                state_ops.append(var.assign(tf.where(pushed, new, old), read_value=False))
+            for var, new in rule_updates:
+                state_ops.append(var.assign(tf.where(pushed, new, var.read_value()), read_value=False))
+        with tf.control_dependencies([pushed] + state_ops):
+            return [tf.identity(m - i) for m, i in zip(metric_values, self._metric_init)]

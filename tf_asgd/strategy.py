@@ -1,0 +1,117 @@
+"""`AsyncParameterServerStrategy`: GPU A-SGD on TF's parameter-server runtime.
+
+Example:
+
+```python
+import keras, tf_asgd
+
+with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=10, staleness="dynsgd")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, epochs=2, batch_size=32)
+    print(strategy.stats())
+```
+"""
+
+import tensorflow as tf
+
+from tf_asgd import cluster as cluster_lib
+from tf_asgd import keras_hook, update_rules
+from tf_asgd.counters import PushCounters
+
+
+class _WindowDataset:
+    """What `experimental_distribute_dataset` hands to Keras.
+
+    Iterated during training, it yields per-worker iterators of the dataset
+    repeated forever (each worker draws its own batches; Keras's
+    `steps_per_epoch` ends an epoch). Iterated by evaluate, predict or the
+    model's symbolic build (`keras_hook.local_mode`), it yields a plain
+    iterator on the chief.
+    """
+
+    def __init__(self, dataset, strategy):
+        self._dataset = dataset
+        self._strategy = strategy
+        self._per_worker = None
+
+    def __iter__(self):
+        if keras_hook.in_local_mode():
+            return iter(self._dataset)
+        if self._per_worker is None:
+            self._per_worker = self._strategy.coordinator.create_per_worker_dataset(
+                self._dataset.repeat()
+            )
+        return iter(self._per_worker)
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+
+class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+    """Asynchronous windowed SGD with staleness-scaled updates on the PS.
+
+    Variables created under `scope()` live on the PS tasks (whole variables
+    placed round-robin over the PS, or split by `variable_partitioner`).
+    Keras's `model.fit` on a model built under the scope trains it with one
+    `ClusterCoordinator` closure per window of `n_sync` local steps on some
+    worker: pull, `n_sync` steps of the compiled optimizer on the worker's own
+    copy, push the accumulated update once. The PS applies
+    `staleness_scale(tau) * update`, where `tau` counts the pushes committed
+    between this window's pull and its push.
+
+    Args:
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
+            (e.g. `TFConfigClusterResolver()` or `LocalCluster.resolver`) with
+            at least one `ps` and one `worker` task.
+        n_sync: local steps per window (`1` is classic per-step async SGD).
+        staleness: `"none"` (Downpour) or `"dynsgd"` (scale by 1/(tau+1)).
+        max_staleness: pushes with `tau > max_staleness` are dropped and
+            counted; `None` keeps every push.
+        variable_partitioner: passed to `ParameterServerStrategy`.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver,
+        n_sync=10,
+        staleness="dynsgd",
+        max_staleness=None,
+        variable_partitioner=None,
+    ):
+        # Validate everything before connecting, so bad input changes nothing.
+        if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
+            raise ValueError(f"n_sync must be a positive integer, got {n_sync!r}.")
+        update_rules.validate_staleness(staleness, max_staleness)
+        cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
+        keras_hook.install()
+        super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
+        self.n_sync = n_sync
+        self.staleness = staleness
+        self.max_staleness = max_staleness
+        # evaluate/predict run on the chief against the central variables.
+        self.extended._allow_run_without_coordinator = True
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        with self.scope():
+            self.counters = PushCounters()
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        return _WindowDataset(dataset, self)
+
+    def stats(self, trainer=None):
+        """The run's push counters as an `AsyncStats`.
+
+        `trainer` (a model's `WindowTrainer`) gives the byte counts their
+        per-window size; without one they are reported as 0.
+        """
+        pull = trainer.bytes_per_pull if trainer else 0
+        push = trainer.bytes_per_push if trainer else 0
+        return self.counters.stats(pull, push)
+
+    def model_stats(self, model):
+        """`stats()` with byte counts for `model`."""
+        return self.stats(getattr(model, "_asgd_trainer", None))
