@@ -19,7 +19,7 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 ```
 """
 
-from tf_asgd import data, models, update_rules
+from tf_asgd import data, models, optimizers, update_rules
 from tf_asgd.cluster import LocalCluster, parse_tf_config
 from tf_asgd.counters import AsyncStats
 from tf_asgd.strategy import AsyncParameterServerStrategy
@@ -32,6 +32,7 @@ __all__ = [
     "LocalCluster",
     "data",
     "models",
+    "optimizers",
     "parse_tf_config",
     "update_rules",
 ]

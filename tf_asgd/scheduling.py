@@ -45,9 +45,6 @@ class WindowTrainer:
         self.coordinator = strategy.coordinator
         opt = model.optimizer
         self.push_rule = getattr(opt, "asgd_push_rule", None)
-        self.local_optimizer = (
-            self.push_rule.local_optimizer if self.push_rule else opt
-        )
         self.variables = list(model.trainable_variables) + list(
             model.non_trainable_variables
         )
@@ -59,25 +56,34 @@ class WindowTrainer:
                     "`AsyncParameterServerStrategy.scope()`. Create and compile "
                     "the model inside `with strategy.scope():`."
                 )
-        lo = self.local_optimizer
-        # Shared optimizer state: the step counter and the learning rate are
-        # read from the PS each window (so schedules and callbacks such as
-        # ReduceLROnPlateau see the global values); the rest (momentum, Adam's
-        # moments) is the worker's own, kept in per-worker variables.
-        self._shared_ids = {id(lo.iterations)}
-        if isinstance(getattr(lo, "_learning_rate", None), Variable):
-            self._shared_ids.add(id(lo._learning_rate))
         with strategy.scope():
+            self.local_optimizer = (
+                self.push_rule.local_optimizer(model.trainable_variables)
+                if self.push_rule
+                else opt
+            )
+            lo = self.local_optimizer
+            # Shared optimizer state: the step counter (the compiled optimizer's,
+            # so that `model.optimizer.iterations` counts every step applied) and
+            # the learning rate are read from the PS each window, so schedules
+            # and callbacks such as ReduceLROnPlateau see the global values. The
+            # rest (momentum, Adam's moments) is the worker's own, kept in
+            # per-worker variables.
+            self._shared = {id(lo.iterations): opt.iterations}
+            if isinstance(getattr(lo, "_learning_rate", None), Variable):
+                self._shared[id(lo._learning_rate)] = lo._learning_rate
             self.worker_state = [
                 tf.Variable(_raw(v).read_value(), per_worker_variable=True, trainable=False)
                 for v in lo.variables
-                if id(v) not in self._shared_ids
+                if id(v) not in self._shared
             ]
             self.rule_state = (
-                self.push_rule.create_worker_state(self.variables)
+                self.push_rule.create_worker_state(model.trainable_variables)
                 if self.push_rule
                 else []
             )
+        # Per finished window: (worker index, pi statistics or None).
+        self.window_log = []
         self._metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
         self._metric_sum = None
         self._pending = []
@@ -98,7 +104,11 @@ class WindowTrainer:
 
     def _drain(self, block):
         while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
-            values = [np.asarray(t) for t in self._pending.pop(0).fetch()]
+            out = self._pending.pop(0).fetch()
+            values = [np.asarray(t) for t in out["metrics"]]
+            self.window_log.append(
+                (int(out["worker"]), bool(out["pushed"]), np.asarray(out["pi"]) if self.push_rule else None)
+            )
             if self._metric_sum is None:
                 self._metric_sum = values
             else:
@@ -140,8 +150,9 @@ class WindowTrainer:
         start = [tf.identity(_raw(v).read_value()) for v in self.variables]
         opt_values, pw = [], iter(self.worker_state)
         for v in lo.variables:
+            shared = self._shared.get(id(v))
             opt_values.append(
-                _raw(v).read_value() if id(v) in self._shared_ids else next(pw).read_value()
+                _raw(shared).read_value() if shared is not None else next(pw).read_value()
             )
         metric_values = [tf.constant(m) for m in self._metric_init]
         opt_values_at_pull = list(opt_values)
@@ -180,14 +191,15 @@ class WindowTrainer:
 
         update = [w - s for w, s in zip(weights, start)]
         new_worker_state = [
-            o for v, o in zip(lo.variables, opt_values) if id(v) not in self._shared_ids
+            o for v, o in zip(lo.variables, opt_values) if id(v) not in self._shared
         ]
         if self.push_rule:
-            update, rule_updates = self.push_rule.transform(
-                update, start, self.rule_state, n_train
+            pushed_train, rule_updates, pi_stats = self.push_rule.transform(
+                update[:n_train], start[:n_train]
             )
+            update = list(pushed_train) + update[n_train:]
         else:
-            rule_updates = []
+            rule_updates, pi_stats = [], tf.zeros([0, 3])
         finite = tf.reduce_all(
             [tf.reduce_all(tf.math.is_finite(u)) for u in update if u.dtype.is_floating]
         )
@@ -213,8 +225,9 @@ class WindowTrainer:
                         ops.append(raw.assign_add(tf.cast(scale, u.dtype) * u, read_value=False))
                     else:  # integer state (RNG seeds): advance it unscaled
                         ops.append(raw.assign_add(u, read_value=False))
+            iterations = _raw(self.model.optimizer.iterations)
             ops.append(
-                _raw(lo.iterations).assign_add(tf.cast(num_steps, lo.iterations.dtype), read_value=False)
+                iterations.assign_add(tf.cast(num_steps, iterations.dtype), read_value=False)
             )
             with tf.control_dependencies(ops):
                 return tf.constant(True)
@@ -228,7 +241,7 @@ class WindowTrainer:
         # Per-worker variables are captured at call time, which does not reach
         # into cond branches: write the worker's state here, keeping the old
         # state when the window was not pushed.
-        old_state = [o for v, o in zip(lo.variables, opt_values_at_pull) if id(v) not in self._shared_ids]
+        old_state = [o for v, o in zip(lo.variables, opt_values_at_pull) if id(v) not in self._shared]
         state_ops = []
         with tf.control_dependencies([pushed]):
             for var, new, old in zip(self.worker_state, new_worker_state, old_state):
@@ -236,4 +249,9 @@ class WindowTrainer:
             for var, new in rule_updates:
                 state_ops.append(var.assign(tf.where(pushed, new, var.read_value()), read_value=False))
         with tf.control_dependencies([pushed] + state_ops):
-            return [tf.identity(m - i) for m, i in zip(metric_values, self._metric_init)]
+            return {
+                "metrics": [tf.identity(m - i) for m, i in zip(metric_values, self._metric_init)],
+                "worker": tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int32),
+                "pushed": tf.identity(pushed),
+                "pi": tf.identity(pi_stats),
+            }

@@ -1,0 +1,183 @@
+"""GEM, Gradient Energy Matching (Hermans & Louppe 2018), as a Keras optimizer.
+
+Each worker rescales its update element-wise so that the asynchronous
+system's kinetic energy stays at or below that of a target momentum-SGD
+process, the *proxy* (learning rate `eta` and momentum `mu`, taken from the
+wrapped optimizer). Per push, with the worker's update `g`:
+
+1. `g = -eta * grad` (see "Windows" below for `n_sync > 1`),
+2. `m <- mu * m + g` (the worker's estimate of the proxy's momentum),
+3. `dc = central_now - central_at_previous_pull`,
+4. `pi = clip((kappa * |m| - |dc|) / (|g| + eps), 0, pi_max)`,
+5. push `pi * g`.
+The rule itself is `update_rules.gem_step`.
+
+Windows: under `AsyncParameterServerStrategy` a worker runs `n_sync` local
+steps of plain SGD (learning rate `eta`, no momentum: momentum belongs to the
+proxy) and treats the window as one push: `g` is the window's accumulated
+update `sum_k -eta * grad_k`, `m` takes one proxy step per window, and
+`central_now` is the central value pulled at the start of this window
+(`central_at_previous_pull` the one pulled at the start of the worker's
+previous window; `dc = 0` on a worker's first window). With `n_sync = 1`
+this is the paper's algorithm. `m`, the previous pull and a first-window
+flag are per-worker variables: they persist across windows on the worker
+that owns them and start fresh on a worker that (re)joins.
+
+Without a parameter-server strategy (one process), `GEM` is an ordinary
+Keras optimizer: one worker, `n_sync = 1`, central = the model's variables.
+
+Example:
+
+>>> import keras, tf_asgd
+>>> opt = tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=2.0)
+>>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+>>> model.compile(opt, "mse")
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+import tensorflow.experimental.numpy as tnp
+from keras import ops
+
+from tf_asgd import update_rules
+
+
+@keras.saving.register_keras_serializable(package="tf_asgd")
+class GEM(keras.optimizers.Optimizer):
+    """Gradient Energy Matching around a momentum-SGD proxy.
+
+    Args:
+        optimizer: the proxy, a `keras.optimizers.SGD` with `momentum > 0`
+            (its learning rate, schedules included, and momentum are used).
+        kappa: amplification of the proxy's energy (the paper: 1, with 2 a
+            good value); > 0.
+        pi_max: upper clip of `pi` (the reference code: 5); > 0.
+        epsilon: added to `|g|` in the denominator.
+    """
+
+    def __init__(self, optimizer, kappa=1.0, pi_max=update_rules.GEM_PI_MAX,
+                 epsilon=update_rules.GEM_EPSILON, name="gem", **kwargs):
+        if isinstance(optimizer, dict):
+            optimizer = keras.optimizers.deserialize(optimizer)
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ValueError(f"GEM wraps a Keras optimizer, got {optimizer!r}.")
+        momentum = getattr(optimizer, "momentum", None)
+        if not isinstance(optimizer, keras.optimizers.SGD) or not momentum or momentum <= 0:
+            raise ValueError(
+                "GEM's proxy is momentum SGD: wrap keras.optimizers.SGD with "
+                f"momentum > 0, got {type(optimizer).__name__} with momentum={momentum!r}."
+            )
+        if getattr(optimizer, "nesterov", False):
+            raise ValueError("GEM's proxy is plain momentum SGD; nesterov=True is not supported.")
+        _check_positive("kappa", kappa)
+        _check_positive("pi_max", pi_max)
+        _check_positive("epsilon", epsilon, allow_zero=True)
+        kwargs.pop("learning_rate", None)
+        lr = optimizer._learning_rate
+        if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) and not callable(lr):
+            lr = float(ops.convert_to_numpy(lr))
+        super().__init__(learning_rate=lr, name=name, **kwargs)
+        self.inner = optimizer
+        self.momentum = float(momentum)
+        self.kappa, self.pi_max, self.epsilon = float(kappa), float(pi_max), float(epsilon)
+        self.asgd_push_rule = GEMPushRule(self)
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self.proxy_momentums = [
+            self.add_variable_from_reference(v, name="proxy_momentum") for v in variables
+        ]
+        self.previous_central = [
+            self.add_variable_from_reference(v, name="previous_central") for v in variables
+        ]
+
+    def update_step(self, gradient, variable, learning_rate):
+        # One process: one worker pushing every step, so `dc` is the variable's
+        # own last move.
+        i = self._get_variable_index(variable)
+        m, prev = self.proxy_momentums[i], self.previous_central[i]
+        lr = ops.cast(learning_rate, variable.dtype)
+        g = -lr * ops.cast(gradient, variable.dtype)
+        dc = ops.where(self.iterations > 0, variable - prev, ops.zeros_like(variable))
+        pushed, new_m, _ = update_rules.gem_step(
+            g, m, dc, self.momentum, self.kappa, self.pi_max, self.epsilon, xp=tnp
+        )
+        self.assign(prev, variable)
+        self.assign(m, new_m)
+        self.assign_add(variable, pushed)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("learning_rate", None)
+        config.update(
+            optimizer=keras.optimizers.serialize(self.inner),
+            kappa=self.kappa,
+            pi_max=self.pi_max,
+            epsilon=self.epsilon,
+        )
+        return config
+
+
+def _check_positive(name, value, allow_zero=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"GEM's {name} must be a finite number {bound}, got {value!r}.")
+
+
+class GEMPushRule:
+    """GEM's part of a window (see the module docstring): local plain SGD,
+    then `pi * g` pushed. Used by `scheduling.WindowTrainer`."""
+
+    def __init__(self, gem):
+        self.gem = gem
+        self._local = None
+
+    def local_optimizer(self, trainable_variables):
+        """Plain SGD at the proxy's learning rate, for the local steps."""
+        if self._local is None:
+            config = dict(self.gem.inner.get_config(), momentum=0.0, nesterov=False,
+                          name="gem_local_sgd")
+            self._local = keras.optimizers.SGD.from_config(config)
+            self._local.build(trainable_variables)
+        return self._local
+
+    def create_worker_state(self, trainable_variables):
+        """Per-worker `m`, previous pull, and a first-window flag."""
+        def per_worker(v, name):
+            return tf.Variable(tf.zeros(v.shape, v.dtype), per_worker_variable=True,
+                               trainable=False, name=name)
+        self.momentums = [per_worker(v, "gem_m") for v in trainable_variables]
+        self.previous = [per_worker(v, "gem_prev") for v in trainable_variables]
+        self.started = tf.Variable(False, per_worker_variable=True, trainable=False,
+                                   name="gem_started")
+        return self.momentums + self.previous + [self.started]
+
+    def transform(self, updates, pulled):
+        """Returns `(pushed, state_updates, pi_stats)` for the trainable updates.
+
+        `pi_stats` is a `[n_variables, 3]` tensor: mean of `pi`, fraction
+        clipped at 0, fraction clipped at `pi_max`.
+        """
+        g_ = self.gem
+        started = self.started.read_value()
+        pushed, state, stats = [], [], []
+        for g, c, m_var, p_var in zip(updates, pulled, self.momentums, self.previous):
+            prev = p_var.read_value()
+            dc = tf.where(started, c - prev, tf.zeros_like(c))
+            out, new_m, pi = update_rules.gem_step(
+                g, m_var.read_value(), dc, g_.momentum, g_.kappa, g_.pi_max, g_.epsilon, xp=tnp
+            )
+            pushed.append(out)
+            state += [(m_var, new_m), (p_var, c)]
+            stats.append(tf.stack([
+                tf.reduce_mean(pi),
+                tf.reduce_mean(tf.cast(pi <= 0.0, pi.dtype)),
+                tf.reduce_mean(tf.cast(pi >= g_.pi_max, pi.dtype)),
+            ]))
+        state.append((self.started, tf.constant(True)))
+        return pushed, state, tf.stack(stats)
