@@ -4,6 +4,8 @@
 inside the package), the offline default of the tests and the launcher.
 """
 
+import os
+
 import numpy as np
 
 
@@ -22,3 +24,201 @@ def load_digits(test_fraction=0.2, seed=0):
     x, y = x[order], y[order]
     n_test = int(round(len(x) * test_fraction))
     return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
+
+
+# ---------------------------------------------------------------------------
+# Larger data sets for the launcher's configs (tf_asgd.training). Loaded with
+# the ecosystem's readers (keras.datasets, keras.utils.image_dataset_from_directory,
+# tf.data TFRecords); a missing data set raises `MissingDataError` naming the
+# path tried and how to get the data.
+
+
+class MissingDataError(FileNotFoundError):
+    """A data set is not where the config says it is (and was not downloaded)."""
+
+
+def _keras_cache(name):
+    return os.path.join(
+        os.environ.get("KERAS_HOME", os.path.join(os.path.expanduser("~"), ".keras")),
+        "datasets",
+        name,
+    )
+
+
+def load_mnist(path="", download=True):
+    """MNIST as `((x_train, y_train), (x_test, y_test))`, images 28x28x1 uint8.
+
+    `path` is a Keras-format `mnist.npz` (arrays `x_train`, `y_train`,
+    `x_test`, `y_test`); "" means `~/.keras/datasets/mnist.npz`, which
+    `keras.datasets.mnist.load_data()` downloads when `download` is true.
+    """
+    tried = path or _keras_cache("mnist.npz")
+    if os.path.isfile(tried):
+        with np.load(tried, allow_pickle=False) as f:
+            xy = (f["x_train"], f["y_train"]), (f["x_test"], f["y_test"])
+    elif path or not download:
+        raise MissingDataError(
+            f"MNIST not found at {tried!r}. Get it with "
+            "`python -c 'import keras; keras.datasets.mnist.load_data()'` on a "
+            "machine with network access (it writes ~/.keras/datasets/mnist.npz), "
+            "then copy that file here or pass --config.data_dir=/path/to/mnist.npz."
+        )
+    else:
+        import keras
+
+        try:
+            xy = keras.datasets.mnist.load_data()
+        except Exception as e:  # no network, blocked proxy, ...
+            raise MissingDataError(
+                f"MNIST not found at {tried!r} and downloading it failed ({e}). "
+                "Copy a Keras-format mnist.npz there or pass "
+                "--config.data_dir=/path/to/mnist.npz."
+            ) from e
+    (x, y), (xt, yt) = xy
+    return (x[..., None], y.astype("int64")), (xt[..., None], yt.astype("int64"))
+
+
+def load_cifar10(data_dir="", download=True):
+    """CIFAR-10 as `((x_train, y_train), (x_test, y_test))`, 32x32x3 uint8, labels (n,).
+
+    `data_dir` is the `cifar-10-batches-py` directory of the python version
+    (`data_batch_1..5`, `test_batch`); "" means Keras's cache, which
+    `keras.datasets.cifar10.load_data()` fills when `download` is true.
+    """
+    default = _keras_cache(os.path.join("cifar-10-batches-py-target", "cifar-10-batches-py"))
+    tried = data_dir or default
+    if os.path.isfile(os.path.join(tried, "data_batch_1")):
+        from keras.src.datasets.cifar import load_batch  # Keras's own batch reader
+
+        xs, ys = zip(*(load_batch(os.path.join(tried, f"data_batch_{i}")) for i in range(1, 6)))
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        xt, yt = load_batch(os.path.join(tried, "test_batch"))
+        x, xt = x.transpose(0, 2, 3, 1), np.asarray(xt).transpose(0, 2, 3, 1)
+    elif data_dir or not download:
+        raise MissingDataError(
+            f"CIFAR-10 not found at {tried!r} (expected data_batch_1..5 and "
+            "test_batch). Get the python version from "
+            "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, extract it "
+            "and pass --config.data_dir=/path/to/cifar-10-batches-py."
+        )
+    else:
+        import keras
+
+        try:
+            (x, y), (xt, yt) = keras.datasets.cifar10.load_data()
+        except Exception as e:
+            raise MissingDataError(
+                f"CIFAR-10 not found at {tried!r} and downloading it failed ({e}). "
+                "Extract https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz "
+                "and pass --config.data_dir=/path/to/cifar-10-batches-py."
+            ) from e
+    return (
+        (np.asarray(x, "uint8"), np.asarray(y, "int64").reshape(-1)),
+        (np.asarray(xt, "uint8"), np.asarray(yt, "int64").reshape(-1)),
+    )
+
+
+def random_crop_flip(image, crop_size):
+    """Training augmentation: a random `crop_size` square crop and a random mirror."""
+    import tensorflow as tf
+
+    channels = image.shape[-1]
+    image = tf.image.random_crop(image, [crop_size, crop_size, channels])
+    return tf.image.random_flip_left_right(image)
+
+
+def center_crop(images, crop_size):
+    """The centre `crop_size` square of a batch `[B, H, W, C]` (or one image)."""
+    h, w = images.shape[-3], images.shape[-2]
+    top, left = (h - crop_size) // 2, (w - crop_size) // 2
+    return images[..., top : top + crop_size, left : left + crop_size, :]
+
+
+def ten_crops(images, crop_size):
+    """Paine et al.'s / Krizhevsky's multi-crop test views of a batch `[B, H, W, C]`.
+
+    Returns `[10, B, crop, crop, C]`: the 4 corner crops, the centre crop, and
+    the horizontal mirrors of those 5.
+    """
+    import tensorflow as tf
+
+    h, w = images.shape[1], images.shape[2]
+    c = crop_size
+    crops = [
+        images[:, :c, :c],
+        images[:, :c, w - c :],
+        images[:, h - c :, :c],
+        images[:, h - c :, w - c :],
+        center_crop(images, c),
+    ]
+    crops += [tf.reverse(x, axis=[2]) for x in crops]
+    return tf.stack(crops)
+
+
+def _imagenet_tfrecord_files(data_dir, split):
+    import tensorflow as tf
+
+    prefix = "train" if split == "train" else "validation"
+    return sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{prefix}-*")))
+
+
+def _parse_imagenet_example(serialized, image_size):
+    import tensorflow as tf
+
+    features = tf.io.parse_single_example(
+        serialized,
+        {
+            "image/encoded": tf.io.FixedLenFeature([], tf.string),
+            "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+        },
+    )
+    image = tf.io.decode_jpeg(features["image/encoded"], channels=3)
+    image = tf.image.resize(image, [image_size, image_size])
+    return image, features["image/class/label"] - 1  # labels are stored 1..1000
+
+
+def imagenet_dataset(data_dir, split, image_size=256, seed=0):
+    """ImageNet as an unbatched `tf.data.Dataset` of (float image 0..255, int64 label).
+
+    Reads `data_dir/{train,val}/<class>/*` with
+    `keras.utils.image_dataset_from_directory`, or TFRecords
+    `data_dir/{train,validation}-*` (TF's ImageNet build-script layout).
+    Images are resized to `image_size` squares. Returns `(dataset, count)`,
+    `count` being the number of examples (or -1 when unknown, TFRecords).
+    """
+    import tensorflow as tf
+
+    folder = os.path.join(data_dir, "train" if split == "train" else "val")
+    if os.path.isdir(folder):
+        import keras
+
+        ds = keras.utils.image_dataset_from_directory(
+            folder,
+            labels="inferred",
+            label_mode="int",
+            image_size=(image_size, image_size),
+            batch_size=None,
+            shuffle=split == "train",
+            seed=seed,
+        )
+        count = int(ds.cardinality())
+        return ds.map(lambda x, y: (x, tf.cast(y, tf.int64))), count
+    files = _imagenet_tfrecord_files(data_dir, split)
+    if files:
+        ds = tf.data.Dataset.from_tensor_slices(files)
+        if split == "train":
+            ds = ds.shuffle(len(files), seed=seed)
+        ds = ds.interleave(tf.data.TFRecordDataset, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.map(
+            lambda s: _parse_imagenet_example(s, image_size),
+            num_parallel_calls=tf.data.AUTOTUNE,
+        )
+        return ds, -1
+    raise MissingDataError(
+        f"ImageNet {split} data not found under {data_dir!r}: tried the directory "
+        f"{folder!r} (one sub-directory per class) and TFRecords "
+        f"{os.path.join(data_dir, ('train' if split == 'train' else 'validation') + '-*')!r}. "
+        "Download ILSVRC2012 from https://image-net.org (registration needed), "
+        "arrange it as train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (or build "
+        "TFRecords), and pass --config.data_dir=/path/to/imagenet."
+    )
