@@ -1,0 +1,89 @@
+r"""Launcher: `python -m tf_asgd.launch --config=configs/default.py --workdir=DIR`.
+
+Without `TF_CONFIG` it starts a local loopback cluster (`--config.num_workers`
+workers, `--config.num_ps` parameter servers), trains, evaluates, writes the
+workdir and stops every process. With `TF_CONFIG` the task's role decides:
+`chief` trains, `worker`/`ps` serve until SIGTERM, `evaluator` evaluates new
+checkpoints. See docs/launcher.md.
+
+Config fields are overridden with `--config.<field>=<value>`, for example
+`--config.epochs=5 --config.optimizer.learning_rate=0.1 --config.gem.enabled=False`.
+Run with `--config=configs/default.py --help` to also see every config field.
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+CONFIG_FIELDS = """Config fields (override with --config.<field>=<value>):
+  model                 model builder in tf_asgd.models (digits_convnet, gem_mnist_convnet,
+                        cuda_convnet_cifar10, paine2013_imagenet_convnet)
+  dataset               digits | mnist | cifar10 | imagenet
+  data_dir              local data path ('' = the data set's default place)
+  download              let keras.datasets download missing mnist/cifar10
+  augment               random crop + flip (cifar10, imagenet)
+  image_size, crop_size imagenet resize side / training crop side (0 = default)
+  ten_crop_eval         final multi-crop (10-view) evaluation
+  batch_size            examples per worker step
+  epochs                epochs to train (a resumed run continues up to this)
+  steps_per_epoch       steps per epoch (0 = training examples // batch_size)
+  eval_steps            test batches to evaluate (0 = all)
+  validate_every_epoch  evaluate the test split after each epoch
+  seed                  random seed
+  n_sync                local steps per window between pull and push
+  staleness             none (Downpour) | dynsgd (push scaled by 1/(staleness+1))
+  max_staleness         drop pushes staler than this (unset = keep all)
+  optimizer.name        sgd | adam
+  optimizer.learning_rate, optimizer.momentum
+  gem.enabled, gem.kappa  wrap the optimizer in tf_asgd.optimizers.GEM
+  num_workers, num_ps   local cluster size (ignored under TF_CONFIG)
+  shared_process        host all local tasks in one child process
+  gpus_per_worker       GPUs per local worker process (CUDA_VISIBLE_DEVICES)
+  max_checkpoints       checkpoints kept in WORKDIR/checkpoints
+  log_every_secs        seconds between progress log lines (0 = off)
+  verbose               Keras fit verbosity (-1 = bar on a terminal, else per epoch)
+"""
+
+config_flags.DEFINE_config_file(
+    "config", None,
+    "Path to a config file with get_config() (e.g. configs/default.py).\n" + CONFIG_FIELDS,
+    lock_config=True,
+)
+flags.DEFINE_string(
+    "workdir", None,
+    "Output directory: checkpoints/, model.keras, tensorboard/, metrics.csv, results.json. "
+    "Needed by the chief, the evaluator and local runs; worker and ps tasks ignore it.",
+)
+flags.DEFINE_bool(
+    "resume", False,
+    "Continue from the newest checkpoint in --workdir (central variables, optimizer step, "
+    "version counter, epoch count).",
+)
+flags.DEFINE_integer(
+    "gpus_per_worker", None,
+    "GPUs per local worker process, each worker seeing its own through CUDA_VISIBLE_DEVICES; "
+    "overrides config.gpus_per_worker. PS tasks and the chief never use a GPU.",
+)
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from tf_asgd import training
+
+    config = FLAGS.config
+    if config is None:
+        raise app.UsageError("--config is required, e.g. --config=configs/default.py")
+    if FLAGS.gpus_per_worker is not None:
+        config.gpus_per_worker = FLAGS.gpus_per_worker
+    role = training.tf_config_role()  # fails at once on a malformed TF_CONFIG
+    if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
+        raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
+    logging.info("config:\n%s", config)
+    training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume)
+
+
+if __name__ == "__main__":
+    app.run(main)
