@@ -1,0 +1,161 @@
+"""Many-worker simulator runs: GEM's stability claim at 16 to 100 workers.
+
+Runs `tf_asgd.simulator` (the very update rules of the cluster, with NumPy)
+for every method x worker count x learning rate, and writes to `--out`:
+
+- `stability.csv`, `stability.png`: final and best held-out loss per run,
+  and whether it stayed stable (finite final loss at most half the initial);
+- `curves.csv`, `curves_eta<eta>.png`: held-out loss and accuracy of the
+  central parameters against pushes / samples seen;
+- `pi.csv`, `pi.png`: GEM's pi per tensor (mean and median) over time;
+- `staleness.csv`, `staleness.png`: staleness histograms for each timing /
+  delay distribution the simulator offers.
+
+Example (a few seconds):
+
+    python tools/simulate.py --workers 16,100 --etas 0.1 --pushes 500
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from tf_asgd import plots, simulator
+
+
+def _floats(s):
+    return [float(v) for v in s.split(",") if v]
+
+
+def _ints(s):
+    return [int(v) for v in s.split(",") if v]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/simulator")
+    p.add_argument("--methods", default="downpour,dynsgd,gem")
+    p.add_argument("--workers", type=_ints, default=[16, 32, 100])
+    p.add_argument("--etas", type=_floats, default=[0.05, 0.1, 0.3, 1.0])
+    p.add_argument("--pushes", type=int, default=3000)
+    p.add_argument("--n-sync", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--mu", type=float, default=0.9)
+    p.add_argument("--kappa", type=float, default=1.0)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--timing", default="exponential", choices=simulator.TIMINGS)
+    p.add_argument("--delay", default=None, choices=simulator.DELAYS)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    methods = args.methods.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    (x, y), (xt, yt) = simulator.digits_features()
+
+    stability, curves, pis, runs = [], [], [], {}
+    t0 = time.time()
+    for eta in args.etas:
+        for workers in args.workers:
+            for method in methods:
+                r = simulator.simulate(
+                    x, y, method=method, workers=workers, pushes=args.pushes,
+                    n_sync=args.n_sync, batch_size=args.batch_size, eta=eta,
+                    mu=args.mu, kappa=args.kappa, hidden=args.hidden,
+                    timing=args.timing, delay=args.delay,
+                    eval_every=args.eval_every, eval_data=(xt, yt), seed=args.seed,
+                )
+                runs[(eta, workers, method)] = r
+                losses = [rec["loss"] for rec in r.records]
+                final, initial = losses[-1], losses[0]
+                # Stable: it learned (held-out loss at most half the initial one), finite.
+                stable = bool(np.isfinite(final) and final <= 0.5 * initial and not r.diverged)
+                hist = r.staleness_histogram
+                stability.append(dict(
+                    method=method, workers=workers, eta=eta, pushes=r.records[-1]["push"],
+                    initial_loss=initial, final_loss=final, best_loss=float(np.min(losses)),
+                    final_accuracy=r.records[-1]["accuracy"],
+                    mean_staleness=float((np.arange(len(hist)) * hist).sum() / max(1, hist.sum())),
+                    stable=int(stable),
+                ))
+                for rec in r.records:
+                    curves.append(dict(method=method, workers=workers, eta=eta, **rec))
+                for row in r.pi:
+                    pis.append(dict(workers=workers, eta=eta, **row))
+                print(json.dumps(stability[-1]), flush=True)
+
+    plots.write_csv(os.path.join(args.out, "stability.csv"), stability)
+    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+    if pis:
+        plots.write_csv(os.path.join(args.out, "pi.csv"), pis)
+
+    # Curves: one figure per eta, a loss and an accuracy panel per worker count.
+    for eta in args.etas:
+        panels = []
+        for workers in args.workers:
+            for key, label in (("loss", "held-out loss"), ("accuracy", "held-out accuracy")):
+                series = []
+                for method in methods:
+                    recs = runs[(eta, workers, method)].records
+                    series.append((method, [r["samples"] for r in recs], [min(r[key], 10.0) for r in recs]))
+                panels.append(dict(
+                    title=f"{workers} workers, eta {eta}", xlabel="samples seen",
+                    ylabel=label, series=series,
+                    ylim=(0, 1) if key == "accuracy" else None,
+                ))
+        plots.plot_panels(os.path.join(args.out, f"curves_eta{eta:g}.png"), panels, ncols=2,
+                          title=f"Simulated async SGD on digits (MLP), {args.timing if not args.delay else args.delay} staleness")
+
+    # Stability map: final loss against eta, one panel per worker count.
+    panels = []
+    for workers in args.workers:
+        series = []
+        for method in methods:
+            rows = [s for s in stability if s["workers"] == workers and s["method"] == method]
+            series.append((method, [s["eta"] for s in rows], [min(s["final_loss"], 10.0) for s in rows]))
+        panels.append(dict(title=f"{workers} workers: final held-out loss", xlabel="eta",
+                           ylabel="loss (capped at 10)", series=series, logx=True, logy=True))
+    plots.plot_panels(os.path.join(args.out, "stability.png"), panels, ncols=len(panels))
+
+    # pi over time, per tensor: GEM runs at the largest worker count.
+    if pis:
+        panels = []
+        wmax = max(args.workers)
+        for eta in args.etas:
+            rows = [r for r in runs[(eta, wmax, "gem")].pi] if (eta, wmax, "gem") in runs else []
+            if not rows:
+                continue
+            names = [k[: -len(":mean")] for k in rows[0] if k.endswith(":mean")]
+            series = [(f"{n} mean", [r["push"] for r in rows], [r[n + ":mean"] for r in rows]) for n in names]
+            series += [(f"{n} median", [r["push"] for r in rows], [r[n + ":median"] for r in rows]) for n in names]
+            panels.append(dict(title=f"GEM pi per tensor, {wmax} workers, eta {eta}",
+                               xlabel="push", ylabel="pi", series=series))
+        plots.plot_panels(os.path.join(args.out, "pi.png"), panels, ncols=2)
+
+    # Staleness distributions the simulator can produce (Downpour, short runs).
+    wmid = args.workers[len(args.workers) // 2]
+    rows, series = [], []
+    settings = [("timing", t) for t in simulator.TIMINGS] + [("delay", d) for d in simulator.DELAYS]
+    for kind, value in settings:
+        kw = {"timing": value} if kind == "timing" else {"delay": value}
+        r = simulator.simulate(x, y, method="downpour", workers=wmid, pushes=max(10 * wmid, 200),
+                               eta=0.01, eval_every=10**9, seed=args.seed, **kw)
+        h = r.staleness_histogram
+        for tau, count in enumerate(h):
+            rows.append(dict(kind=kind, distribution=value, workers=wmid, staleness=tau, count=int(count)))
+        series.append((f"{kind}={value}", np.arange(len(h)), h / h.sum()))
+    plots.write_csv(os.path.join(args.out, "staleness.csv"), rows)
+    plots.plot_panels(
+        os.path.join(args.out, "staleness.png"),
+        [dict(title=f"staleness distributions, {wmid} workers", xlabel="staleness (pushes)",
+              ylabel="fraction of pushes", series=series)], ncols=1, panel_size=(8, 4),
+    )
+    print(f"wrote {args.out} in {time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
