@@ -28,10 +28,14 @@ distribution to honour, so the backend-neutral implementation is used.
 
 import contextlib
 import functools
+import inspect
 import threading
 import types
 
 import keras
+import tensorflow as tf
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import array_slicing
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -104,7 +108,6 @@ def _window_trainer(model):
 
 def _check_outside_scope(model):
     from tf_asgd.strategy import AsyncParameterServerStrategy
-    import tensorflow as tf
 
     if tf.distribute.has_strategy() and isinstance(
         tf.distribute.get_strategy(), AsyncParameterServerStrategy
@@ -141,14 +144,46 @@ def _fit(original, model, *args, **kwargs):
         # One Keras "execution" is one window of n_sync steps.
         model.steps_per_execution = strategy.n_sync
     model.train_function = None
+    kwargs = _repeat_when_steps_given(original, model, args, kwargs)
     model._asgd_fitting = True
     try:
-        return original(model, *args, **kwargs)
+        return original(model, **kwargs)
     finally:
         model._asgd_fitting = False
         trainer = getattr(model, "_asgd_trainer", None)
         if trainer is not None:
             trainer.coordinator.join()  # nothing left running after fit, even on error
+
+
+def _repeat_when_steps_given(original, model, args, kwargs):
+    """Workers draw from the training data repeated forever; with an explicit
+    `steps_per_epoch` Keras must not stop at the data's own length."""
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    kw = dict(bound.arguments)
+    kw.pop("self")
+    if kw["steps_per_epoch"] is None:
+        return kw
+    x = kw["x"]
+    if isinstance(x, tf.data.Dataset):
+        kw["x"] = x.repeat()
+        return kw
+    if kw["validation_split"] and kw["validation_data"] is None:
+        (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_data"] = (
+            array_slicing.train_validation_split(
+                (kw["x"], kw["y"], kw["sample_weight"]),
+                validation_split=kw["validation_split"],
+            )
+        )
+        kw["validation_split"] = 0.0
+    adapter = data_adapters.get_data_adapter(
+        x=kw["x"], y=kw["y"], sample_weight=kw["sample_weight"],
+        batch_size=kw["batch_size"], shuffle=kw["shuffle"],
+        class_weight=kw["class_weight"],
+    )
+    kw.update(x=adapter.get_tf_dataset().repeat(), y=None, sample_weight=None,
+              class_weight=None, batch_size=None)
+    return kw
 
 
 def _make_train_function(original, model, force=False):
@@ -177,6 +212,34 @@ def _local(original, model, *args, **kwargs):
         return original(model, *args, **kwargs)
 
 
+def _symbolic_build(original, model, iterator=None, data_batch=None):
+    if iterator is not None:
+        _check_input_shapes(model, iterator._get_iterator().element_spec)
+    with local_mode():
+        return original(model, iterator=iterator, data_batch=data_batch)
+
+
+def _check_input_shapes(model, element_spec):
+    """A clear error, before anything runs on the cluster, for data whose
+    shapes the model cannot take."""
+    inputs = getattr(model, "inputs", None) if model.built else None
+    if not inputs:
+        return
+    x_spec = element_spec[0] if isinstance(element_spec, tuple) else element_spec
+    x_specs = tf.nest.flatten(x_spec)
+    if len(x_specs) != len(inputs):
+        raise ValueError(
+            f"The training data has {len(x_specs)} input(s); model {model.name!r} "
+            f"takes {len(inputs)}."
+        )
+    for spec, inp in zip(x_specs, inputs):
+        if not tf.TensorShape(spec.shape).is_compatible_with(inp.shape):
+            raise ValueError(
+                f"The training data's input shape {tuple(spec.shape)} does not match "
+                f"model {model.name!r}'s input shape {tuple(inp.shape)}."
+            )
+
+
 def _train_on_batch(original, model, *args, **kwargs):
     raise NotImplementedError(
         "train_on_batch is not supported under AsyncParameterServerStrategy: "
@@ -200,6 +263,6 @@ def install():
     _wrap("reset_metrics", _reset_metrics)
     _wrap("evaluate", _local)
     _wrap("predict", _local)
-    _wrap("_maybe_symbolic_build", _local)
+    _wrap("_maybe_symbolic_build", _symbolic_build)
     _wrap("train_on_batch", _train_on_batch)
     _installed = True

@@ -33,6 +33,31 @@ def _nbytes(variables):
     return int(sum(np.prod(v.shape) * v.dtype.size for v in map(_raw, variables)))
 
 
+def push_update(variables, updates, pulled_version, counters, rule, max_staleness):
+    """The PS side of a push; call inside a closure running on a worker.
+
+    Takes a version ticket once every update tensor exists (so staleness is
+    measured at push time), computes `scale(tau)` on the PS that holds the
+    counter, and adds `scale * update` to each variable on its own PS.
+    Pushes with `tau > max_staleness` are counted as dropped (their scale is
+    0). Returns the list of ops; their control dependencies order the push.
+    """
+    with tf.control_dependencies(updates):
+        tau = counters.take_ticket(pulled_version)
+    with tf.device(_raw(counters.version).device):
+        scale = update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp)
+        dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
+    ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
+    for v, u in zip(variables, updates):
+        raw = _raw(v)
+        with tf.device(raw.device):
+            if u.dtype.is_floating:
+                ops.append(raw.assign_add(tf.cast(scale, u.dtype) * u, read_value=False))
+            else:  # integer state (RNG seeds): advance it unscaled
+                ops.append(raw.assign_add(u, read_value=False))
+    return ops
+
+
 class WindowTrainer:
     """Trains one Keras model with window closures on the workers.
 
@@ -205,26 +230,10 @@ class WindowTrainer:
         )
 
         def push():
-            # The ticket depends on the update: it is taken at push time.
-            with tf.control_dependencies(update):
-                tau = counters.take_ticket(pulled_version)
-            rule = self.strategy.staleness
-            max_staleness = self.strategy.max_staleness
-            with tf.device(_raw(counters.version).device):
-                scale = update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp)
-                dropped = (
-                    tf.cast(tau > max_staleness, tf.int64)
-                    if max_staleness is not None
-                    else tf.constant(0, tf.int64)
-                )
-            ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
-            for v, u in zip(self.variables, update):
-                raw = _raw(v)
-                with tf.device(raw.device):
-                    if u.dtype.is_floating:
-                        ops.append(raw.assign_add(tf.cast(scale, u.dtype) * u, read_value=False))
-                    else:  # integer state (RNG seeds): advance it unscaled
-                        ops.append(raw.assign_add(u, read_value=False))
+            ops = push_update(
+                self.variables, update, pulled_version, counters,
+                self.strategy.staleness, self.strategy.max_staleness,
+            )
             iterations = _raw(self.model.optimizer.iterations)
             ops.append(
                 iterations.assign_add(tf.cast(num_steps, iterations.dtype), read_value=False)

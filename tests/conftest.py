@@ -1,0 +1,38 @@
+"""Shared fixtures: offline digits data and real loopback TF clusters."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+import tf_asgd  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def digits():
+    return tf_asgd.data.load_digits()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """2 workers and 1 PS, all tasks in one child process, for the session."""
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def cluster3():
+    """3 workers and 1 PS (GEM's fixed-order test)."""
+    with tf_asgd.LocalCluster(num_workers=3, num_ps=1, shared_process=True) as c:
+        yield c
+
+
+def compile_digits(model, optimizer=None):
+    model.compile(
+        optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model

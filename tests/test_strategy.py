@@ -1,0 +1,170 @@
+"""AsyncParameterServerStrategy on a real loopback cluster with model.fit."""
+
+import subprocess
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+from tf_asgd import scheduling, update_rules
+from tf_asgd.cluster import make_resolver
+
+from conftest import compile_digits
+
+
+def _strategy(cluster, **kwargs):
+    return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, **kwargs)
+
+
+def test_digits_convnet_fit_evaluate_predict_save(cluster, digits, tmp_path):
+    (x, y), (xt, yt) = digits
+    strategy = _strategy(cluster, n_sync=10, staleness="dynsgd")
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    history = model.fit(x, y, batch_size=32, epochs=6, validation_data=(xt, yt), verbose=0)
+
+    assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy", "staleness", "windows"}
+    assert all(len(v) == 6 for v in history.history.values())
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    loss, acc = model.evaluate(xt, yt, verbose=0)
+    assert acc >= 0.95
+    logits = model.predict(xt, verbose=0)
+    assert abs(np.mean(np.argmax(logits, -1) == yt) - acc) < 1e-6
+
+    stats = strategy.model_stats(model)
+    steps = int(np.ceil(len(x) / 32))
+    windows_per_epoch = int(np.ceil(steps / 10))
+    assert stats.windows == 6 * windows_per_epoch == history.history["windows"][-1]
+    assert int(model.optimizer.iterations.numpy()) == stats.applied * 10
+    assert stats.bytes_pulled == stats.windows * sum(
+        int(np.prod(v.shape)) * 4 for v in model.variables
+    )
+
+    path = tmp_path / "digits.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)  # outside any strategy
+    np.testing.assert_allclose(loaded.predict(xt, verbose=0), logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_sync", [1, 100])
+def test_n_sync_extremes_train_with_real_staleness(cluster, digits, n_sync):
+    (x, y), (xt, yt) = digits
+    strategy = _strategy(cluster, n_sync=n_sync, staleness="dynsgd")
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    # 400 steps per epoch: 4 windows of 100, or 400 windows of 1, over 2 workers.
+    history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=400, verbose=0)
+    _, acc = model.evaluate(xt, yt, verbose=0)
+    assert acc >= 0.9, history.history
+
+    stats = strategy.model_stats(model)
+    assert stats.windows == 2 * 400 // n_sync
+    # Two busy workers overlap: some pushes land after the other's.
+    assert stats.mean_staleness > 0
+    # The histogram is the version arithmetic: every ticket counted once,
+    # and its weighted sum is the staleness sum.
+    hist = stats.staleness_histogram
+    assert hist.sum() == stats.windows
+    assert np.isclose((hist * np.arange(len(hist))).sum() / stats.windows, stats.mean_staleness)
+    workers = {w for w, _, _ in model._asgd_trainer.window_log}
+    assert workers == {0, 1}
+
+
+@pytest.mark.parametrize("rule,max_staleness", [("dynsgd", None), ("none", None), ("dynsgd", 1)])
+def test_ps_rule_is_exact(cluster, rule, max_staleness):
+    """Known updates pushed with known pulled versions: the central variables
+    and counters follow update_rules.apply_push to float tolerance."""
+    strategy = _strategy(cluster, n_sync=1, staleness=rule, max_staleness=max_staleness)
+    init = np.arange(6, dtype="float32").reshape(2, 3)
+    with strategy.scope():
+        var = tf.Variable(init)
+    rng = np.random.default_rng(1)
+    updates = rng.normal(size=(5, 2, 3)).astype("float32")
+    pulled = [0, 0, 0, 1, 4]  # tickets are taken in order: tau = i - pulled
+
+    @tf.function
+    def push(update, pulled_version):
+        ops = scheduling.push_update(
+            [var], [update], pulled_version, strategy.counters, rule, max_staleness
+        )
+        with tf.control_dependencies(ops):
+            return tf.constant(0)
+
+    expected = init.copy()
+    for i, (u, p) in enumerate(zip(updates, pulled)):
+        strategy.coordinator.schedule(push, args=(tf.constant(u), tf.constant(p, tf.int64)))
+        strategy.coordinator.join()  # one push at a time: a fixed ticket order
+        expected = update_rules.apply_push(expected, u, tau=i - p, rule=rule, max_staleness=max_staleness)
+    np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+    stats = strategy.stats()
+    taus = [i - p for i, p in enumerate(pulled)]
+    assert stats.windows == 5
+    assert stats.mean_staleness == pytest.approx(np.mean(taus))
+    assert stats.max_staleness == max(taus)
+    assert stats.dropped_stale == sum(update_rules.is_dropped(t, max_staleness) for t in taus)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"n_sync": 0}, "n_sync must be a positive integer"),
+     ({"n_sync": -3}, "n_sync must be a positive integer"),
+     ({"staleness": "fancy"}, "Unknown staleness rule 'fancy'"),
+     ({"max_staleness": -1}, "max_staleness must be >= 0")],
+)
+def test_bad_strategy_arguments(cluster, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _strategy(cluster, **kwargs)
+
+
+@pytest.mark.parametrize("missing", ["ps", "worker"])
+def test_cluster_without_ps_or_worker(cluster, missing):
+    spec = {k: v for k, v in cluster.cluster_spec.items() if k != missing}
+    with pytest.raises(ValueError, match=f"The cluster has no '{missing}' task"):
+        tf_asgd.AsyncParameterServerStrategy(make_resolver(spec))
+    with pytest.raises(ValueError, match="at least one worker and one ps"):
+        tf_asgd.LocalCluster(num_workers=1, num_ps=0)
+
+
+def test_fit_on_model_built_outside_scope(cluster, digits):
+    (x, y), _ = digits
+    strategy = _strategy(cluster, n_sync=10)
+    model = compile_digits(tf_asgd.models.digits_convnet())
+    with strategy.scope():
+        with pytest.raises(ValueError, match="created outside `AsyncParameterServerStrategy.scope"):
+            model.fit(x, y, epochs=1, verbose=0)
+
+
+def test_dataset_shape_mismatch(cluster, digits):
+    (x, y), _ = digits
+    strategy = _strategy(cluster, n_sync=10)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.gem_mnist_convnet())  # expects 28x28x1
+    with pytest.raises(ValueError, match=r"input shape \(None, 8, 8, 1\) does not match .*\(None, 28, 28, 1\)"):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert strategy.stats().windows == 0  # nothing was pushed
+
+
+def test_train_on_batch_is_refused(cluster, digits):
+    (x, y), _ = digits
+    strategy = _strategy(cluster, n_sync=10)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    with pytest.raises(NotImplementedError, match="use model.fit|Use model.fit"):
+        model.train_on_batch(x[:32], y[:32])
+
+
+def _task_servers():
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "tf_asgd.task_server" in line}
+
+
+def test_local_cluster_stops_every_process_also_on_error():
+    with pytest.raises(RuntimeError, match="boom"):
+        with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as c:
+            pids = set(c.pids().values())
+            assert len(pids) == 3 and pids <= _task_servers()
+            raise RuntimeError("boom")
+    assert not pids & _task_servers()
