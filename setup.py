@@ -25,6 +25,6 @@ setup(
         "and-cuda": ["tensorflow[and-cuda]>=2.21,<2.22"],
         # Stock ParameterServerStrategy baseline for tools/bench.py.
         "bench": ["tf-keras>=2.21,<2.22", "matplotlib"],
-        "test": ["pytest", "scikit-learn", "matplotlib"],
+        "test": ["pytest", "scikit-learn", "matplotlib", "tf-keras>=2.21,<2.22"],
     },
 )
