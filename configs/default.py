@@ -25,7 +25,7 @@ def get_config():
     c.ten_crop_eval = False  # final evaluation averages 10 crops (corners, centre, flips)
     # Training.
     c.batch_size = 32  # per worker step
-    c.epochs = 3
+    c.epochs = 10
     c.steps_per_epoch = 0  # 0: training examples // batch_size
     c.eval_steps = 0  # 0: the whole test split
     c.validate_every_epoch = True  # evaluate the test split after each epoch

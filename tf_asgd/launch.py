@@ -12,6 +12,7 @@ Run with `--config=configs/default.py --help` to also see every config field.
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -78,7 +79,10 @@ def main(argv):
         raise app.UsageError("--config is required, e.g. --config=configs/default.py")
     if FLAGS.gpus_per_worker is not None:
         config.gpus_per_worker = FLAGS.gpus_per_worker
-    role = training.tf_config_role()  # fails at once on a malformed TF_CONFIG
+    try:
+        role = training.tf_config_role()  # fails at once on a malformed TF_CONFIG
+    except ValueError as e:
+        sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
     logging.info("config:\n%s", config)

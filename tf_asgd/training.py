@@ -491,6 +491,7 @@ def run_local(config, workdir, resume=False):
             config.num_workers, config.num_ps, shared_process=shared,
             gpus_per_worker=config.gpus_per_worker,
         ) as local:
+            logging.info("local cluster %s, processes %s", json.dumps(local.cluster_spec), local.pids())
             return train_and_evaluate(config, workdir, local.resolver, resume=resume)
     finally:
         if previous is not None:

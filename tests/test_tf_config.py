@@ -1,0 +1,68 @@
+"""TF_CONFIG parsing for the launcher: good and bad inputs, and the launcher's own check."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tf_asgd import training
+
+CLUSTER = {
+    "chief": ["host0:2222"],
+    "worker": ["host1:2222", "host2:2222"],
+    "ps": ["host3:2222"],
+}
+
+
+def tf_config(cluster=CLUSTER, task_type="worker", index=0):
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+
+
+def test_unset_or_empty_means_local():
+    assert training.tf_config_role({}) is None
+    assert training.tf_config_role({"TF_CONFIG": "  "}) is None
+
+
+@pytest.mark.parametrize(
+    "task_type,index", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]
+)
+def test_good_roles(task_type, index):
+    cluster, got_type, got_index = training.tf_config_role(tf_config(task_type=task_type, index=index))
+    assert cluster == CLUSTER
+    assert (got_type, got_index) == (task_type, index)
+
+
+@pytest.mark.parametrize(
+    "environ,quoted",
+    [
+        ({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]'}, "not valid JSON"),
+        (tf_config(task_type="master"), "'master'"),
+        (tf_config(task_type="worker", index=2), "index 2 is out of range for job 'worker'"),
+        (tf_config(task_type="ps", index=-1), "index -1"),
+        (tf_config(cluster={"chief": ["a:1"], "worker": ["b:1"]}, task_type="chief"), "no 'ps' task"),
+        (tf_config(cluster={"chief": ["a:1"], "ps": ["b:1"]}, task_type="ps"), "no 'worker' task"),
+        (tf_config(cluster={"worker": ["a:1"], "ps": ["b:1"]}, task_type="ps"), "exactly one 'chief'"),
+        (tf_config(cluster={**CLUSTER, "chief": ["a:1", "b:1"]}, task_type="ps"), "exactly one 'chief'"),
+        (tf_config(cluster={**CLUSTER, "trainer": ["a:1"]}, task_type="ps"), "unknown job 'trainer'"),
+        (tf_config(cluster={**CLUSTER, "ps": ["no-port"]}, task_type="ps"), "'host:port'"),
+    ],
+)
+def test_bad_tf_config_quotes_the_problem(environ, quoted):
+    with pytest.raises(ValueError, match=None) as err:
+        training.tf_config_role(environ)
+    assert quoted in str(err.value)
+
+
+def test_launcher_fails_at_once_on_malformed_tf_config(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **tf_config(task_type="worker", index=5))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_asgd.launch", "--config=configs/default.py", f"--workdir={tmp_path}"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "bad TF_CONFIG" in proc.stderr
+    assert "index 5 is out of range for job 'worker'" in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing written, nothing started
