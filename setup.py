@@ -20,6 +20,8 @@ setup(
         "numpy",
         "absl-py",
         "ml-collections",
+        # TensorBoard summaries (launcher logs, GEM's PiMonitor); TF 2.21 does not pull it in.
+        "tensorboard>=2.21,<2.22",
     ],
     extras_require={
         "and-cuda": ["tensorflow[and-cuda]>=2.21,<2.22"],

@@ -23,6 +23,13 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
+def cluster1():
+    """1 worker and 1 PS."""
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
 def cluster3():
     """3 workers and 1 PS (GEM's fixed-order test)."""
     with tf_asgd.LocalCluster(num_workers=3, num_ps=1, shared_process=True) as c:

@@ -37,6 +37,7 @@ Example:
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 from keras import ops
@@ -181,3 +182,60 @@ class GEMPushRule:
             ]))
         state.append((self.started, tf.constant(True)))
         return pushed, state, tf.stack(stats)
+
+
+def pi_history(model):
+    """GEM's `pi` per pushed window and trainable tensor, from the last `fit`.
+
+    Returns `(names, stats)`: the trainable variables' paths and an array
+    `[windows, n_variables, 3]` of pi's mean, fraction clipped at 0 and
+    fraction clipped at `pi_max`, in the order the windows finished.
+    """
+    trainer = getattr(model, "_asgd_trainer", None)
+    if trainer is None or trainer.push_rule is None:
+        raise ValueError(
+            f"Model {model.name!r} has not been trained with GEM under an "
+            "AsyncParameterServerStrategy."
+        )
+    names = [v.path for v in model.trainable_variables]
+    rows = [r.pi for r in trainer.window_log if r.pushed]
+    return names, np.stack(rows) if rows else np.zeros([0, len(names), 3])
+
+
+class PiMonitor(keras.callbacks.Callback):
+    """Writes GEM's `pi` per tensor to TensorBoard at each epoch's end.
+
+    Scalars `gem_pi/<variable path>/{mean,zero,max}`, averaged over the
+    epoch's windows, as in the paper's figures of `pi` per tensor over time.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=5, callbacks=[tf_asgd.gem.PiMonitor("logs/pi")])
+    ```
+    """
+
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir = log_dir
+        self._writer = None
+        self._seen = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        names, stats = pi_history(self.model)
+        epoch_stats, self._seen = stats[self._seen:], len(stats)
+        if not len(epoch_stats):
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        with self._writer.as_default(step=epoch):
+            for name, (mean, zero, top) in zip(names, epoch_stats.mean(axis=0)):
+                tf.summary.scalar(f"gem_pi/{name}/mean", mean)
+                tf.summary.scalar(f"gem_pi/{name}/zero", zero)
+                tf.summary.scalar(f"gem_pi/{name}/max", top)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

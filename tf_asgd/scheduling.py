@@ -15,6 +15,8 @@ ticket is taken under a control dependency on the computed update, and the
 worker-local state is written from values that depend on it.
 """
 
+import typing
+
 import numpy as np
 import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
@@ -31,6 +33,14 @@ def _raw(v):
 
 def _nbytes(variables):
     return int(sum(np.prod(v.shape) * v.dtype.size for v in map(_raw, variables)))
+
+
+class WindowRecord(typing.NamedTuple):
+    """What the chief learns of each finished window."""
+
+    worker: int  # index of the worker that ran it
+    pushed: bool  # False: its update held NaN/Inf and was not pushed
+    pi: typing.Optional[np.ndarray]  # GEM: [n_trainable, 3] pi mean, frac at 0, frac at pi_max
 
 
 def push_update(variables, updates, pulled_version, counters, rule, max_staleness):
@@ -111,6 +121,7 @@ class WindowTrainer:
         self.window_log = []
         self._metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
         self._metric_sum = None
+        self._epoch_windows = []
         self._pending = []
         self.bytes_per_pull = _nbytes(self.variables)
         self.bytes_per_push = self.bytes_per_pull
@@ -131,9 +142,12 @@ class WindowTrainer:
         while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
             out = self._pending.pop(0).fetch()
             values = [np.asarray(t) for t in out["metrics"]]
-            self.window_log.append(
-                (int(out["worker"]), bool(out["pushed"]), np.asarray(out["pi"]) if self.push_rule else None)
+            record = WindowRecord(
+                int(out["worker"]), bool(out["pushed"]),
+                np.asarray(out["pi"]) if self.push_rule else None,
             )
+            self.window_log.append(record)
+            self._epoch_windows.append(record)
             if self._metric_sum is None:
                 self._metric_sum = values
             else:
@@ -142,28 +156,50 @@ class WindowTrainer:
     def reset_metrics(self):
         self._metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
         self._metric_sum = None
+        self._epoch_windows = []
 
     def metric_values(self):
         if self._metric_sum is None:
             return list(self._metric_init)
         return [i + s for i, s in zip(self._metric_init, self._metric_sum)]
 
-    def logs(self):
-        """Metric results over the windows finished so far this epoch."""
+    def logs(self, counters=False):
+        """Metric results over the windows finished so far this epoch.
+
+        `counters` adds the PS counters (a few reads from the PS: once an
+        epoch, not once a window).
+        """
         mapping = list(zip(self.model.metrics_variables, self.metric_values()))
         with StatelessScope(state_mapping=mapping):
             logs = self.model.get_metrics_result()
         logs = {k: float(v) for k, v in logs.items()}
-        logs.update(self.strategy.stats(self).as_logs())
+        if counters:
+            logs.update(self.strategy.stats(self).as_logs())
+        else:
+            logs["windows"] = len(self.window_log)
+        pis = [r.pi for r in self._epoch_windows if r.pi is not None and r.pushed]
+        if pis:
+            mean = np.mean(pis, axis=(0, 1))
+            logs.update(gem_pi_mean=mean[0], gem_pi_zero=mean[1], gem_pi_max=mean[2])
         return logs
 
     def finish(self):
-        """Waits for every scheduled window; writes the epoch's metrics back."""
+        """Waits for every scheduled window; writes the epoch's metrics back.
+
+        Raises if every window of the epoch held NaN/Inf: training cannot
+        progress, and spinning on would hide it.
+        """
         self.coordinator.join()
         self._drain(block=True)
+        if self._epoch_windows and not any(r.pushed for r in self._epoch_windows):
+            raise FloatingPointError(
+                f"All {len(self._epoch_windows)} windows of this epoch computed "
+                "updates with NaN or Inf; none was pushed. Lower the learning "
+                "rate or check the data for NaN/Inf."
+            )
         for var, value in zip(self.model.metrics_variables, self.metric_values()):
             var.assign(value)
-        return self.logs()
+        return self.logs(counters=True)
 
     # ---- worker side ------------------------------------------------------
 
