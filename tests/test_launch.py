@@ -1,0 +1,202 @@
+"""The launcher end to end: `python -m tf_asgd.launch` as users run it.
+
+Each test starts real processes (the launcher, its local TF cluster, or
+TF_CONFIG tasks on loopback) and checks that every one of them is gone at
+the end.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tf_asgd import training
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = [
+    "--config=configs/default.py",
+    "--config.steps_per_epoch=20",
+    "--config.validate_every_epoch=False",
+    "--config.log_every_secs=0",
+]
+
+
+def launcher(args, env=None, **kw):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    env.pop("TF_CONFIG", None)  # local runs; tests that need one set it
+    return [sys.executable, "-m", "tf_asgd.launch", *args], env
+
+
+def run_launcher(args, timeout=180, extra_env=None):
+    cmd, env = launcher(args)
+    env.update(extra_env or {})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def local_cluster_ports(log):
+    m = re.search(r"local cluster (\{.*?\}), processes", log)
+    assert m, "the launcher did not log its local cluster"
+    spec = json.loads(m.group(1))
+    return [a.split(":")[1] for job in ("worker", "ps") for a in spec[job]]
+
+
+def task_server_processes(ports):
+    """Live processes whose command line is a tf_asgd.task_server for one of `ports`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "tf_asgd.task_server" in cmd and any(f":{p}" in cmd for p in ports):
+            found.append((pid, cmd))
+    return found
+
+
+def assert_all_stopped(ports, within=15.0):
+    deadline = time.time() + within
+    while task_server_processes(ports) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not task_server_processes(ports)
+
+
+def test_help_lists_every_flag():
+    proc = run_launcher(["--help"], timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr  # absl's --help exits 1
+    out = proc.stdout + proc.stderr
+    for flag in ("--config", "--workdir", "--[no]resume", "--gpus_per_worker"):
+        assert flag in out
+    for field in ("n_sync", "staleness", "gem.enabled", "num_workers", "batch_size", "steps_per_epoch"):
+        assert field in out
+
+
+def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path):
+    workdir = str(tmp_path / "run")
+    t0 = time.time()
+    first = run_launcher([*SHORT, "--config.epochs=2", f"--workdir={workdir}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_secs = time.time() - t0
+    assert_all_stopped(local_cluster_ports(first.stderr))
+
+    for name in ("model.keras", "metrics.csv", "results.json", "DONE", "checkpoints"):
+        assert os.path.exists(os.path.join(workdir, name)), name
+    with open(os.path.join(workdir, "results.json")) as f:
+        r1 = json.load(f)
+    assert r1["epochs"] == 2 and r1["initial_epoch"] == 0
+    windows_per_epoch = 2  # 20 steps per epoch, n_sync 10
+    assert r1["version"] == r1["windows"] == 2 * windows_per_epoch
+    assert r1["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
+    assert 0 <= r1["mean_staleness"] <= 1  # 2 workers
+    with open(os.path.join(workdir, "metrics.csv")) as f:
+        rows = f.read().splitlines()
+    assert rows[0].startswith("epoch") and "samples_per_sec" in rows[0] and "staleness" in rows[0]
+    assert len(rows) == 3
+
+    # A second run without --resume refuses to clobber the checkpoints.
+    again = run_launcher([*SHORT, "--config.epochs=3", f"--workdir={workdir}"])
+    assert again.returncode != 0 and "--resume" in again.stderr
+
+    second = run_launcher([*SHORT, "--config.epochs=3", "--resume", f"--workdir={workdir}"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert_all_stopped(local_cluster_ports(second.stderr))
+    with open(os.path.join(workdir, "results.json")) as f:
+        r2 = json.load(f)
+    assert r2["initial_epoch"] == 2 and r2["epochs"] == 3
+    # The version counter went on from the checkpoint: one more epoch of windows.
+    assert r2["version"] == r1["version"] + windows_per_epoch
+    with open(os.path.join(workdir, "metrics.csv")) as f:
+        rows = f.read().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"]
+    print(f"launcher, 2 short epochs: {first_secs:.1f} s, accuracy {r1['test_accuracy']:.3f}")
+
+    # The evaluator role reads the same checkpoints: the newest one gives the
+    # chief's final test metrics (central variables restored exactly).
+    from ml_collections import config_flags  # noqa: F401  (configs are ConfigDicts)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("default_config", os.path.join(ROOT, "configs", "default.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.epochs = 3
+    evaluated = training.evaluate_checkpoints(config, workdir, timeout_secs=1)
+    assert [e["epoch"] for e in evaluated][-1] == 3
+    assert evaluated[-1]["accuracy"] == pytest.approx(r2["test_accuracy"], abs=1e-6)
+    assert os.path.exists(os.path.join(workdir, "eval_metrics.csv"))
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    cmd, env = launcher([*SHORT, "--config.epochs=1000", f"--workdir={tmp_path}"])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = []
+        for line in proc.stderr:  # wait until training runs
+            log.append(line)
+            if "saved checkpoint" in line:
+                break
+        ports = local_cluster_ports("".join(log))
+        assert task_server_processes(ports)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert_all_stopped(ports)
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_tf_config_roles_on_loopback(tmp_path):
+    """ps and worker tasks serve until SIGTERM; the chief trains against them."""
+    p = _free_ports(3)
+    cluster = {
+        "chief": [f"localhost:{p[0]}"],
+        "worker": [f"localhost:{p[1]}"],
+        "ps": [f"localhost:{p[2]}"],
+    }
+
+    def start(task_type, extra=()):
+        cmd, env = launcher([*SHORT, "--config.epochs=1", *extra])
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": 0}})
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+
+    servers = [start("ps"), start("worker")]
+    try:
+        chief = start("chief", [f"--workdir={tmp_path}"])
+        _, err = chief.communicate(timeout=240)
+        assert chief.returncode == 0, err[-3000:]
+        with open(tmp_path / "results.json") as f:
+            results = json.load(f)
+        assert results["num_workers"] == 1 and results["windows"] == 2
+        for s in servers:  # still serving after the chief is done
+            assert s.poll() is None
+            s.send_signal(signal.SIGTERM)
+        for s in servers:
+            s.communicate(timeout=30)
+            assert s.returncode == 0
+    finally:
+        for s in servers:
+            if s.poll() is None:
+                s.kill()
+                s.wait()
