@@ -249,6 +249,7 @@ def main(argv=None):
     p.add_argument("--pss-workers", default=None, help="worker counts for stock PS (default: --workers)")
     p.add_argument("--n-sync", default="1,10,100")
     p.add_argument("--staleness", default="dynsgd")
+    p.add_argument("--modes", default="keras,pss,asgd")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--inner", type=int, default=1, help="measurements per configuration per round")
     p.add_argument("--seconds", type=float, default=3.0, help="target length of one measurement")
@@ -264,7 +265,9 @@ def main(argv=None):
 
     workers = [int(w) for w in args.workers.split(",")]
     pss_workers = [int(w) for w in (args.pss_workers or args.workers).split(",")]
-    plan = [("keras", 0)] + [("pss", w) for w in pss_workers] + [("asgd", w) for w in workers]
+    modes = args.modes.split(",")
+    plan = ([("keras", 0)] if "keras" in modes else []) + [("pss", w) for w in pss_workers if "pss" in modes] + [
+        ("asgd", w) for w in workers if "asgd" in modes]
     raw = []
     t0 = time.time()
     for rnd in range(args.rounds):

@@ -1,0 +1,118 @@
+"""The tools in tools/ run on a tiny setting and write well-formed files.
+
+Never a speed: only that each tool runs end to end on a real local cluster
+(or the simulator) and that its CSV, Markdown and PNG outputs are complete.
+"""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(tool, *args, timeout=240):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, tool), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _csv(path, columns):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows, path
+    assert set(columns) <= set(rows[0]), (path, rows[0].keys())
+    return rows
+
+
+def _png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC, path
+    assert os.path.getsize(path) > 5000, path
+
+
+def _positive(rows, key):
+    for r in rows:
+        v = float(r[key])
+        assert math.isfinite(v) and v > 0, (key, r)
+
+
+def test_simulate_tool(tmp_path):
+    _run("simulate.py", "--out", str(tmp_path), "--workers", "16,32", "--etas", "0.1",
+         "--pushes", "60", "--eval-every", "20")
+    stab = _csv(tmp_path / "stability.csv", ["method", "workers", "eta", "final_loss", "stable"])
+    assert {(r["method"], r["workers"]) for r in stab} == {
+        (m, w) for m in ("downpour", "dynsgd", "gem") for w in ("16", "32")}
+    curves = _csv(tmp_path / "curves.csv", ["method", "push", "samples", "loss", "accuracy"])
+    assert len(curves) == 6 * 4  # 6 runs x (initial + 3 evaluations)
+    pi = _csv(tmp_path / "pi.csv", ["push", "dense_1/kernel:mean", "dense_2/bias:median"])
+    assert all(0 <= float(r["dense_1/kernel:mean"]) <= 5 for r in pi)
+    stale = _csv(tmp_path / "staleness.csv", ["distribution", "staleness", "count"])
+    assert {r["distribution"] for r in stale} >= {"constant", "exponential", "geometric"}
+    for name in ("stability.png", "curves_eta0.1.png", "pi.png", "staleness.png"):
+        _png(tmp_path / name)
+
+
+def test_scaleout_tool_and_sleep_op(tmp_path):
+    import time
+
+    sys.path.insert(0, TOOLS)
+    import scaleout
+
+    ds = scaleout.emulated_dataset((8, 8, 1), 2, step_ms=30)
+    t = time.perf_counter()
+    for _ in ds.take(4):
+        pass
+    assert time.perf_counter() - t >= 4 * 0.03  # the device time is really spent
+    _run("scaleout.py", "--out", str(tmp_path), "--workers", "1,2", "--n-sync", "2",
+         "--step-ms", "2", "--seconds", "0.2", "--max-pushes", "8", "--ceiling")
+    rows = _csv(tmp_path / "scaleout.csv", ["workers", "n_sync", "samples_per_s", "speedup",
+                                            "chief_cpu_ms_per_push", "host_cpu_ms_per_push"])
+    assert {(r["kind"], r["workers"]) for r in rows} == {
+        (k, w) for k in ("emulated", "ceiling") for w in ("1", "2")}
+    _positive(rows, "samples_per_s")
+    _positive(rows, "mb_per_push")
+    assert "| emulated | 2 | 2 |" in (tmp_path / "scaleout.md").read_text()
+    _png(tmp_path / "scaleout.png")
+
+
+def test_bench_tool(tmp_path):
+    _run("bench.py", "--out", str(tmp_path), "--workers", "1", "--n-sync", "2",
+         "--modes", "keras,pss,asgd", "--rounds", "1", "--seconds", "0.2")
+    rows = _csv(tmp_path / "summary.csv", ["mode", "workers", "n_sync", "samples_per_s",
+                                           "ratio_to_keras", "ratio_to_pss", "bytes_pulled_per_sample"])
+    assert [(r["mode"], r["n_sync"]) for r in rows] == [("keras", "0"), ("pss", "1"), ("asgd", "2")]
+    _positive(rows, "samples_per_s")
+    asgd = rows[2]
+    # One pull and one push of the whole model per window of 2 steps of 64 samples.
+    assert float(asgd["bytes_pulled_per_sample"]) == pytest.approx(
+        float(rows[1]["bytes_pulled_per_sample"]) / 2)
+    assert float(rows[0]["ratio_to_keras"]) == 1.0 and float(rows[1]["ratio_to_pss"]) == 1.0
+    assert len(_csv(tmp_path / "raw.csv", ["mode", "round", "seconds"])) == 3
+    assert "| asgd | 1 | 2 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_experiments_tool(tmp_path):
+    _run("experiments.py", "--out", str(tmp_path), "--sweeps", "nsync,start", "--nsyncs", "1,4",
+         "--nsync-workers", "2", "--start-workers", "2", "--start-nsync", "4", "--warm-steps", "8",
+         "--steps", "40", "--step-ms", "0", "--smooth", "8")
+    windows = _csv(tmp_path / "windows.csv", ["run", "time", "samples", "error", "loss"])
+    runs = {r["run"] for r in windows}
+    assert runs == {"nsync:n_sync=1", "nsync:n_sync=4", "start:cold start", "start:warm start"}
+    for run in runs:
+        rows = [r for r in windows if r["run"] == run]
+        samples = [float(r["samples"]) for r in rows]
+        assert samples == sorted(samples) and samples[-1] == 40 * 32  # every minibatch recorded
+        assert all(0 <= float(r["error"]) <= 1 for r in rows)
+    summary = _csv(tmp_path / "summary.csv", ["run", "wall_s", "test_accuracy", "mean_staleness"])
+    assert len(summary) == 4
+    for name in ("nsync_curves.png", "nsync_staleness.png", "start_curves.png"):
+        _png(tmp_path / name)

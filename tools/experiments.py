@@ -1,0 +1,299 @@
+"""The GPU A-SGD paper's experiments on a real local cluster: n_sync sweep,
+worker sweep, cold versus warm start.
+
+Each run trains a fresh model with Keras 3 `model.fit` under
+`tf_asgd.AsyncParameterServerStrategy` on a `LocalCluster` and records every
+window as it finishes on the coordinator: its finish time and its training
+loss and error (the minibatch metrics the worker computed during the
+window). Curves are the training error smoothed over the last 400
+minibatches (as in Paine et al. 2013), against wall time and samples seen.
+
+Runs (defaults in brackets):
+
+- `nsync`: n_sync in `--nsyncs` [1,10,100,900] at `--nsync-workers` [2];
+- `workers`: workers in `--workers` [1,2,4,8] at `--workers-nsync` [10];
+- `start`: cold (all workers from step 0) versus warm start (the first
+  `--warm-steps` minibatches one window at a time, so one worker trains and
+  staleness is 0, then all workers) at `--start-workers` [4] and
+  `--start-nsync` [100].
+
+`--step-ms` adds an emulated device time per minibatch (tf.data sleep, no
+CPU; see tools/scaleout.py) so that several workers on 2 cores behave like
+several GPUs in wall time. Data: the digits set (offline); `--data mnist` or
+`cifar10` use `~/.keras/datasets` if the files are already there.
+
+Writes `windows.csv` (one row per window), `summary.csv`, and
+`<sweep>_curves.png`, `<sweep>_staleness.png` to `--out`.
+
+    python tools/experiments.py --sweeps nsync --nsyncs 1,10 --steps 200
+"""
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_data(name):
+    import tf_asgd
+
+    if name == "digits":
+        return tf_asgd.data.load_digits(), "digits_convnet"
+    path = os.path.expanduser(f"~/.keras/datasets/{'mnist.npz' if name == 'mnist' else 'cifar-10-batches-py'}")
+    if not os.path.exists(path):
+        raise SystemExit(f"{name} is not present offline ({path} is missing); use --data digits.")
+    import keras
+
+    (x, y), (xt, yt) = getattr(keras.datasets, name).load_data()
+    x, xt = x.astype("float32") / 255.0, xt.astype("float32") / 255.0
+    if x.ndim == 3:
+        x, xt = x[..., None], xt[..., None]
+    return ((x, y.ravel().astype("int64")), (xt, yt.ravel().astype("int64"))), "gem_mnist_convnet"
+
+
+class WindowRecorder:
+    """Records each window's finish time and metric deltas on the coordinator.
+
+    It watches the window closures' `RemoteValue`s that the model's window
+    trainer keeps (`model._asgd_trainer._pending`, an internal of
+    tf_asgd.scheduling) from a polling thread, so that nothing in training
+    waits for it.
+    """
+
+    def __init__(self, model, poll_s=0.002):
+        self.model, self.poll_s = model, poll_s
+        self.windows, self._watched, self._trainer = [], [], None
+        self._stop = threading.Event()
+        self._thread = None
+        self.t0 = None
+
+    def attach(self):
+        trainer = self.model._asgd_trainer
+        if trainer is self._trainer:
+            return
+        watched = self._watched
+
+        class _Watched(list):
+            def append(self, rv):
+                watched.append(rv)
+                super().append(rv)
+
+        trainer._pending = _Watched(trainer._pending)
+        self._trainer = trainer
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+
+    def _poll(self):
+        from tf_asgd import keras_hook
+
+        while not self._stop.is_set() or self._watched:
+            i = 0
+            while i < len(self._watched):
+                rv = self._watched[i]
+                if keras_hook.remote_value_ready(rv):
+                    t = time.perf_counter()
+                    try:
+                        out = rv.fetch()
+                        if isinstance(out, dict):  # newer window closures return a dict
+                            out = out["metrics"]
+                        values = [np.asarray(v) for v in out]
+                    except Exception:  # a failed window: nothing to record
+                        values = None
+                    if values is not None:
+                        self.windows.append((t, values))
+                    del self._watched[i]
+                else:
+                    i += 1
+            if self._stop.is_set() and self._watched:
+                continue
+            time.sleep(self.poll_s)
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def _metric_index(model):
+    paths = [v.path for v in model.metrics_variables]
+    def find(*words):
+        for i, p in enumerate(paths):
+            if all(w in p for w in words):
+                return i
+        raise KeyError(f"no metric variable with {words} in {paths}")
+    return find("loss", "total"), find("loss", "count"), find("accuracy", "total"), find("accuracy", "count")
+
+
+def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_steps=0, name=""):
+    """One training run; returns (window rows, summary row)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_asgd
+    from scaleout import sleep_transformation
+
+    (x, y), (xt, yt) = data
+    # No shuffle seed: each worker draws its own order.
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(
+        args.batch_size, drop_remainder=True)
+    if args.step_ms > 0:
+        ds = ds.apply(sleep_transformation(args.step_ms * 1000))
+    keras.utils.set_random_seed(args.seed)
+    with strategy.scope():
+        model = getattr(tf_asgd.models, model_name)()
+        model.compile(keras.optimizers.SGD(args.eta, momentum=args.momentum),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    rec = WindowRecorder(model)
+
+    class Attach(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            rec.attach()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            rec.attach()
+
+    stats0 = strategy.counters.stats(0, 0)
+    t0 = time.perf_counter()
+    rec.t0 = t0
+    try:
+        if warm_steps:
+            # Warm start: one window at a time (each epoch joins), then all workers.
+            strategy.n_sync = n_sync
+            model.fit(ds, steps_per_epoch=n_sync, epochs=max(1, warm_steps // n_sync),
+                      verbose=0, callbacks=[Attach()])
+        strategy.n_sync = n_sync
+        model.fit(ds, steps_per_epoch=steps - warm_steps, epochs=1, verbose=0, callbacks=[Attach()])
+    finally:
+        rec.close()
+    wall = time.perf_counter() - t0
+    stats1 = strategy.counters.stats(0, 0)
+    test_loss, test_acc = model.evaluate(xt, yt, verbose=0, batch_size=256)
+    li, lc, ai, ac = _metric_index(model)
+    rows, samples = [], 0
+    for t, v in sorted(rec.windows, key=lambda w: w[0]):
+        count = float(v[ac])
+        if count <= 0:
+            continue
+        samples += count
+        rows.append(dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps,
+                         time=t - t0, samples=samples, minibatches=count / args.batch_size,
+                         loss=float(v[li]) / float(v[lc]), error=1.0 - float(v[ai]) / count))
+    hist = stats1.staleness_histogram - stats0.staleness_histogram
+    pushes = int(hist.sum())
+    summary = dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps, steps=steps,
+                   wall_s=wall, samples_per_s=steps * args.batch_size / wall, windows=len(rows),
+                   mean_staleness=float((np.arange(len(hist)) * hist).sum() / max(1, pushes)),
+                   final_train_error_400=_smoothed(rows, args)[-1] if rows else float("nan"),
+                   test_accuracy=float(test_acc), test_loss=float(test_loss))
+    return rows, summary, hist
+
+
+def _smoothed(rows, args):
+    from tf_asgd import plots
+
+    return plots.sliding_mean([r["error"] for r in rows], args.smooth,
+                              weights=[r["minibatches"] for r in rows])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/experiments")
+    p.add_argument("--data", default="digits", choices=("digits", "mnist", "cifar10"))
+    p.add_argument("--sweeps", default="nsync,workers,start")
+    p.add_argument("--nsyncs", default="1,10,100,900")
+    p.add_argument("--nsync-workers", type=int, default=2)
+    p.add_argument("--workers", default="1,2,4,8")
+    p.add_argument("--workers-nsync", type=int, default=10)
+    p.add_argument("--start-workers", type=int, default=4)
+    p.add_argument("--start-nsync", type=int, default=100)
+    p.add_argument("--warm-steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=3600, help="minibatches per run (all workers)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--eta", type=float, default=0.02)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--step-ms", type=float, default=3.0, help="emulated device time per minibatch")
+    p.add_argument("--smooth", type=int, default=400, help="smoothing window in minibatches")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    import tf_asgd
+    from tf_asgd import plots
+
+    data, model_name = load_data(args.data)
+    sweeps = args.sweeps.split(",")
+    plan = {}  # workers -> [(sweep, n_sync, warm_steps)]
+    if "nsync" in sweeps:
+        for n in map(int, args.nsyncs.split(",")):
+            plan.setdefault(args.nsync_workers, []).append(("nsync", n, 0))
+    if "workers" in sweeps:
+        for w in map(int, args.workers.split(",")):
+            plan.setdefault(w, []).append(("workers", args.workers_nsync, 0))
+    if "start" in sweeps:
+        for warm in (0, args.warm_steps):
+            plan.setdefault(args.start_workers, []).append(("start", args.start_nsync, warm))
+
+    windows, summaries, hists = [], [], {}
+    t0 = time.time()
+    for workers in sorted(plan):
+        with tf_asgd.LocalCluster(workers, 1, shared_process=True) as cluster:
+            strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1)
+            for sweep, n, warm in plan[workers]:
+                label = {"nsync": f"n_sync={n}", "workers": f"{workers} workers",
+                         "start": "warm start" if warm else "cold start"}[sweep]
+                steps = max(args.steps, 2 * n * workers + warm)
+                rows, summary, hist = train_run(strategy, workers, n, steps, args, data, model_name,
+                                                warm_steps=warm, name=f"{sweep}:{label}")
+                summary["sweep"] = sweep
+                for r in rows:
+                    r["sweep"] = sweep
+                windows += rows
+                summaries.append(summary)
+                hists[(sweep, label)] = hist
+                print(summary, flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    plots.write_csv(os.path.join(args.out, "windows.csv"), windows)
+    plots.write_csv(os.path.join(args.out, "summary.csv"), summaries)
+    stale_rows = []
+    for sweep in sweeps:
+        runs = [s["run"] for s in summaries if s["sweep"] == sweep]
+        if not runs:
+            continue
+        by_time, by_samples, stale = [], [], []
+        for run in runs:
+            rows = [r for r in windows if r["run"] == run]
+            if not rows:
+                continue
+            label = run.split(":", 1)[1]
+            sm = _smoothed(rows, args)
+            by_time.append((label, [r["time"] for r in rows], sm))
+            by_samples.append((label, [r["samples"] for r in rows], sm))
+            h = hists[(sweep, label)]
+            last = np.nonzero(h)[0]
+            h = h[: (last[-1] + 1) if len(last) else 1]
+            stale.append((label, np.arange(len(h)), h / max(1, h.sum())))
+            stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
+        title = f"{args.data}, {model_name}, batch {args.batch_size}, eta {args.eta}, emulated {args.step_ms} ms/step"
+        plots.plot_panels(os.path.join(args.out, f"{sweep}_curves.png"), [
+            dict(title=f"training error ({args.smooth}-minibatch window)", xlabel="wall time (s)",
+                 ylabel="training error", series=by_time, ylim=(0, 1)),
+            dict(title=f"training error ({args.smooth}-minibatch window)", xlabel="samples seen",
+                 ylabel="training error", series=by_samples, ylim=(0, 1)),
+        ], ncols=2, title=title)
+        plots.plot_panels(os.path.join(args.out, f"{sweep}_staleness.png"), [
+            dict(title="staleness of pushes", xlabel="staleness", ylabel="fraction of pushes",
+                 series=stale, kind="bar")], ncols=1, panel_size=(7, 4))
+    plots.write_csv(os.path.join(args.out, "staleness.csv"), stale_rows)
+    print(f"experiments took {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

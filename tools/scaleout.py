@@ -1,0 +1,200 @@
+"""Scale-out with emulated GPU workers: speed-up over 1 worker, and where time goes.
+
+A 2-core machine cannot run 8 or 32 GPUs, so each worker's step is made to
+cost a fixed *device time* that uses no CPU: tf.data's internal `sleep`
+transformation (`tensorflow.python.data.experimental.ops.testing.sleep`)
+delays each element (one minibatch) of the per-worker dataset by `--step-ms`,
+as a GPU kernel would keep a step busy. The rest is real: Keras 3
+`model.fit` under `tf_asgd.AsyncParameterServerStrategy`, every window
+pulls all variables from the PS and pushes its update, the PS applies it.
+All tasks share one child process (`LocalCluster(shared_process=True)`), so
+32 workers fit in memory. To keep the real per-step CPU work small next to
+the emulated device time, the minibatch is `--batch-size` (default 1), the
+local optimizer plain SGD and the default model the small digits convnet
+(38k parameters): a step of the GEM MNIST convnet (2.47M parameters) costs
+about 7 ms of real CPU even at batch 1 (its gradient and SGD update touch
+every parameter), so 2 cores cannot emulate more than a few such workers.
+
+For each worker count and `n_sync` it reports samples/s, the speed-up over
+1 worker at the same `n_sync`, the ideal (workers), and per push (window):
+the coordinator's CPU time (this process) and the task host's CPU time
+(workers' real compute + PS + RPC; PS and workers share that process).
+`--ceiling` also measures the cluster's maximal push rate with no device time
+(`--step-ms 0`, n_sync 1): the cost of a push when nothing else limits it.
+
+Writes `scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
+
+    python tools/scaleout.py --workers 1,2 --n-sync 10 --step-ms 5 --seconds 1
+"""
+
+import argparse
+import os
+import sys
+import time
+
+
+def sleep_transformation(micros):
+    """tf.data's per-element sleep (no CPU used), or a clear error if TF lacks it."""
+    try:
+        from tensorflow.python.data.experimental.ops import testing
+    except ImportError as e:  # internal API: guard it
+        raise RuntimeError(
+            "This TensorFlow has no tensorflow.python.data.experimental.ops.testing; "
+            "emulated device time is unavailable."
+        ) from e
+    if not hasattr(testing, "sleep"):
+        raise RuntimeError("tensorflow.python.data.experimental.ops.testing.sleep is missing.")
+    return testing.sleep(int(micros))
+
+
+def emulated_dataset(input_shape, batch_size, step_ms, num_classes=10, seed=0):
+    """A dataset of synthetic minibatches, each delayed by `step_ms` of device time."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    x = rng.random((4 * batch_size,) + tuple(input_shape), dtype=np.float32)
+    y = rng.integers(0, num_classes, 4 * batch_size).astype("int64")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    if step_ms > 0:
+        ds = ds.apply(sleep_transformation(step_ms * 1000))
+    return ds
+
+
+def _cpu_seconds(pid):
+    """User + system CPU seconds of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(workers, n_syncs, args):
+    """Runs one cluster of `workers`; returns a row per n_sync."""
+    import keras
+
+    import tf_asgd
+
+    rows = []
+    with tf_asgd.LocalCluster(workers, args.ps, shared_process=True) as cluster:
+        host_pid = list(cluster.pids().values())[0]
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness)
+        with strategy.scope():
+            model = getattr(tf_asgd.models, args.model)()
+            model.compile(keras.optimizers.SGD(0.01),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        nparams = model.count_params()
+        for step_ms, ns in ([(args.step_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else [])):
+            ds = emulated_dataset(model.input_shape[1:], args.batch_size, step_ms)
+            for n in ns:
+                strategy.n_sync = n
+                # Warm-up: one window per worker (traces the window once).
+                model.fit(ds, steps_per_epoch=n * workers, epochs=1, verbose=0)
+                window_s = max(n * step_ms / 1000.0, 1e-3)
+                windows_per_worker = max(args.min_windows, min(
+                    int(round(args.seconds / window_s)), -(-args.max_pushes // workers)))
+                steps = windows_per_worker * workers * n
+                before = strategy.model_stats(model)
+                c0, h0 = time.process_time(), _cpu_seconds(host_pid)
+                t0 = time.perf_counter()
+                model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
+                dt = time.perf_counter() - t0
+                chief_cpu, host_cpu = time.process_time() - c0, _cpu_seconds(host_pid) - h0
+                after = strategy.model_stats(model)
+                pushes = after.windows - before.windows
+                # What the chief pays per scheduled window to read the counters
+                # (the fit hook's logs read them from the PS on every window).
+                t1 = time.perf_counter()
+                for _ in range(10):
+                    strategy.model_stats(model)
+                stats_ms = (time.perf_counter() - t1) * 100
+                row = dict(
+                    workers=workers, n_sync=n, step_ms=step_ms, ps=args.ps, params=nparams,
+                    steps=steps, seconds=dt, samples_per_s=steps * args.batch_size / dt,
+                    pushes=pushes, pushes_per_s=pushes / dt,
+                    ideal_samples_per_s=workers * args.batch_size * 1000.0 / step_ms if step_ms else "",
+                    chief_cpu_ms_per_push=1000 * chief_cpu / pushes,
+                    host_cpu_ms_per_push=1000 * host_cpu / pushes,
+                    mb_per_push=(after.bytes_pulled + after.bytes_pushed
+                                 - before.bytes_pulled - before.bytes_pushed) / pushes / 1e6,
+                    mean_staleness=after.mean_staleness, stats_read_ms=stats_ms,
+                    kind="ceiling" if step_ms == 0 else "emulated",
+                )
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/scaleout")
+    p.add_argument("--model", default="digits_convnet")
+    p.add_argument("--workers", default="1,2,4,8,16,32")
+    p.add_argument("--n-sync", default="1,10,100")
+    p.add_argument("--step-ms", type=float, default=20.0, help="emulated device time per step")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--ps", type=int, default=1)
+    p.add_argument("--staleness", default="dynsgd")
+    p.add_argument("--seconds", type=float, default=4.0, help="target length of one measurement")
+    p.add_argument("--min-windows", type=int, default=2, help="windows per worker at least")
+    p.add_argument("--max-pushes", type=int, default=300, help="pushes per measurement at most (unless min-windows needs more)")
+    p.add_argument("--ceiling", action="store_true", help="also measure the push-rate ceiling")
+    p.add_argument("--tag", default="", help="suffix for the output files")
+    args = p.parse_args(argv)
+    from tf_asgd import plots
+
+    n_syncs = [int(n) for n in args.n_sync.split(",")]
+    rows = []
+    t0 = time.time()
+    for w in [int(w) for w in args.workers.split(",")]:
+        rows += measure(w, n_syncs, args)
+    base = {r["n_sync"]: r["samples_per_s"] for r in rows if r["workers"] == min(x["workers"] for x in rows) and r["kind"] == "emulated"}
+    wmin = min(r["workers"] for r in rows)
+    for r in rows:
+        if r["kind"] == "emulated" and r["n_sync"] in base:
+            r["speedup"] = r["samples_per_s"] / base[r["n_sync"]] * wmin
+            r["efficiency"] = r["speedup"] / r["workers"]
+        if r["kind"] == "emulated" and r["ideal_samples_per_s"]:
+            # Robust to a slow baseline: throughput as a fraction of the device limit.
+            r["of_ideal"] = r["samples_per_s"] / r["ideal_samples_per_s"]
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"_{args.tag}" if args.tag else ""
+    plots.write_csv(os.path.join(args.out, f"scaleout{tag}.csv"), rows)
+    lines = [
+        f"Model `{args.model}` ({rows[0]['params']} parameters), batch {args.batch_size}, "
+        f"emulated device time {args.step_ms} ms/step, {args.ps} PS, staleness `{args.staleness}`, "
+        f"all tasks in one process; {os.cpu_count()} CPU cores. Speed-up is over 1 worker at the same n_sync.",
+        "",
+        "| kind | workers | n_sync | samples/s | speed-up | efficiency | of ideal | pushes/s | MB/push | chief CPU ms/push | host CPU ms/push | mean staleness | stats read ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in sorted(rows, key=lambda r: (r["kind"], r["n_sync"], r["workers"])):
+        sp = f"{r['speedup']:.2f}" if "speedup" in r else "-"
+        ef = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
+        oi = f"{r['of_ideal']:.2f}" if "of_ideal" in r else "-"
+        lines.append(
+            f"| {r['kind']} | {r['workers']} | {r['n_sync']} | {r['samples_per_s']:.1f} | {sp} | {ef} | {oi} | "
+            f"{r['pushes_per_s']:.1f} | {r['mb_per_push']:.1f} | {r['chief_cpu_ms_per_push']:.1f} | "
+            f"{r['host_cpu_ms_per_push']:.1f} | {r['mean_staleness']:.2f} | {r['stats_read_ms']:.1f} |"
+        )
+    with open(os.path.join(args.out, f"scaleout{tag}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    series = []
+    for n in n_syncs:
+        pts = sorted((r["workers"], r["speedup"]) for r in rows if r.get("n_sync") == n and "speedup" in r)
+        series.append((f"n_sync {n}", [a for a, _ in pts], [b for _, b in pts]))
+    ws = sorted({r["workers"] for r in rows})
+    series.append(("ideal", ws, ws))
+    plots.plot_panels(
+        os.path.join(args.out, f"scaleout{tag}.png"),
+        [dict(title=f"speed-up, emulated {args.step_ms} ms device steps, {args.ps} PS",
+              xlabel="workers", ylabel="speed-up over 1 worker", series=series, logx=True, logy=True)],
+        ncols=1, panel_size=(6, 4.5),
+    )
+    print("\n".join(lines))
+    print(f"scaleout took {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
