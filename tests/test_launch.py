@@ -5,6 +5,7 @@ TF_CONFIG tasks on loopback) and checks that every one of them is gone at
 the end.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -27,8 +28,8 @@ SHORT = [
 ]
 
 
-def launcher(args, env=None, **kw):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+def launcher(args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)  # local runs; tests that need one set it
     return [sys.executable, "-m", "tf_asgd.launch", *args], env
 
@@ -121,9 +122,6 @@ def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path
 
     # The evaluator role reads the same checkpoints: the newest one gives the
     # chief's final test metrics (central variables restored exactly).
-    from ml_collections import config_flags  # noqa: F401  (configs are ConfigDicts)
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("default_config", os.path.join(ROOT, "configs", "default.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

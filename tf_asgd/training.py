@@ -552,7 +552,13 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
     done = lambda: os.path.exists(os.path.join(workdir, DONE_FILE))  # noqa: E731
     out = []
-    for path in tf.train.checkpoints_iterator(ckpt_dir, min_interval_secs=1, timeout=timeout_secs or 5, timeout_fn=lambda: done() or bool(timeout_secs)):
+    # Poll every 5 s until DONE appears (or, with timeout_secs, until no new
+    # checkpoint came for that long).
+    checkpoints = tf.train.checkpoints_iterator(
+        ckpt_dir, min_interval_secs=1, timeout=timeout_secs or 5,
+        timeout_fn=lambda: done() or bool(timeout_secs),
+    )
+    for path in checkpoints:
         checkpoint.restore(path).expect_partial()
         epoch = int(epoch_var.numpy())
         result = model.evaluate(data.test, steps=data.test_steps, return_dict=True, verbose=0)
