@@ -68,8 +68,10 @@ def test_n_sync_extremes_train_with_real_staleness(cluster, digits, n_sync):
     hist = stats.staleness_histogram
     assert hist.sum() == stats.windows
     assert np.isclose((hist * np.arange(len(hist))).sum() / stats.windows, stats.mean_staleness)
-    workers = {r.worker for r in model._asgd_trainer.window_log}
-    assert workers == {0, 1}
+    log = strategy.window_log(model)
+    assert {r.worker for r in log} == {0, 1}
+    assert len(log) == stats.windows and all(np.isfinite(r.loss) for r in log)
+    assert [r.seen_at for r in log] == sorted(r.seen_at for r in log)
 
 
 @pytest.mark.parametrize("rule,max_staleness", [("dynsgd", None), ("none", None), ("dynsgd", 1)])

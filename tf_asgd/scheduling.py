@@ -15,6 +15,7 @@ ticket is taken under a control dependency on the computed update, and the
 worker-local state is written from values that depend on it.
 """
 
+import time
 import typing
 
 import numpy as np
@@ -40,6 +41,8 @@ class WindowRecord(typing.NamedTuple):
 
     worker: int  # index of the worker that ran it
     pushed: bool  # False: its update held NaN/Inf and was not pushed
+    loss: float  # mean training loss over the window's steps
+    seen_at: float  # time.perf_counter() on the chief when it saw the window done
     pi: typing.Optional[np.ndarray]  # GEM: [n_trainable, 3] pi mean, frac at 0, frac at pi_max
 
 
@@ -123,6 +126,8 @@ class WindowTrainer:
         self._metric_sum = None
         self._epoch_windows = []
         self._pending = []
+        ids = [id(v) for v in model.metrics_variables]
+        self._loss_index = [ids.index(id(v)) for v in model._loss_tracker.variables]
         self.bytes_per_pull = _nbytes(self.variables)
         self.bytes_per_push = self.bytes_per_pull
         self._window = tf.function(self._window_fn)
@@ -142,9 +147,13 @@ class WindowTrainer:
         while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
             out = self._pending.pop(0).fetch()
             values = [np.asarray(t) for t in out["metrics"]]
+            total, count = (values[i] for i in self._loss_index)
             record = WindowRecord(
-                int(out["worker"]), bool(out["pushed"]),
-                np.asarray(out["pi"]) if self.push_rule else None,
+                worker=int(out["worker"]),
+                pushed=bool(out["pushed"]),
+                loss=float(total / count) if count else float("nan"),
+                seen_at=time.perf_counter(),
+                pi=np.asarray(out["pi"]) if self.push_rule else None,
             )
             self.window_log.append(record)
             self._epoch_windows.append(record)

@@ -112,6 +112,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         push = trainer.bytes_per_push if trainer else 0
         return self.counters.stats(pull, push)
 
+    def window_log(self, model):
+        """Every finished window of `model`'s training so far, in the order the
+        chief saw them: a list of `scheduling.WindowRecord` (worker, pushed,
+        mean loss, time seen, GEM's pi statistics)."""
+        trainer = getattr(model, "_asgd_trainer", None)
+        return list(trainer.window_log) if trainer else []
+
     def model_stats(self, model):
         """`stats()` with byte counts for `model`."""
         return self.stats(getattr(model, "_asgd_trainer", None))
