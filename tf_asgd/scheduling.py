@@ -115,13 +115,9 @@ class WindowTrainer:
                 for v in lo.variables
                 if id(v) not in self._shared
             ]
-            self.rule_state = (
+            if self.push_rule:
                 self.push_rule.create_worker_state(model.trainable_variables)
-                if self.push_rule
-                else []
-            )
-        # Per finished window: (worker index, pi statistics or None).
-        self.window_log = []
+        self.window_log = []  # a WindowRecord per finished window, in order seen
         self._metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
         self._metric_sum = None
         self._epoch_windows = []
