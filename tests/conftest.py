@@ -10,6 +10,12 @@ import pytest  # noqa: E402
 import tf_asgd  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _seed():
+    """Same initial weights every run; what stays random is the cluster's timing."""
+    keras.utils.set_random_seed(0)
+
+
 @pytest.fixture(scope="session")
 def digits():
     return tf_asgd.data.load_digits()
