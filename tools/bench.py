@@ -268,12 +268,19 @@ def main(argv=None):
     modes = args.modes.split(",")
     plan = ([("keras", 0)] if "keras" in modes else []) + [("pss", w) for w in pss_workers if "pss" in modes] + [
         ("asgd", w) for w in workers if "asgd" in modes]
-    raw = []
+    raw, failures = [], []
     t0 = time.time()
     for rnd in range(args.rounds):
         # Alternate: each round visits every configuration; odd rounds backwards.
         for mode, w in plan if rnd % 2 == 0 else plan[::-1]:
-            rows = _run_child(args, mode, w)
+            try:
+                rows = _run_child(args, mode, w)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                # One failed child (e.g. a server that did not come up) must not
+                # lose the other measurements: report it and go on.
+                print(f"FAILED {mode} x{w} in round {rnd}: {str(e)[-500:]}", file=sys.stderr, flush=True)
+                failures.append(dict(mode=mode, workers=w, round=rnd))
+                continue
             for r in rows:
                 r["round"] = rnd
                 print(json.dumps(r), flush=True)
@@ -282,9 +289,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     plots.write_csv(os.path.join(args.out, "raw.csv"), raw)
     plots.write_csv(os.path.join(args.out, "summary.csv"), rows)
+    text = markdown(rows, args)
+    if failures:
+        text += "\nFailed runs (not in the medians): " + ", ".join(
+            f"{f['mode']} x{f['workers']} round {f['round']}" for f in failures) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(markdown(rows, args))
-    print(markdown(rows, args))
+        f.write(text)
+    print(text)
     print(f"bench took {time.time() - t0:.0f} s", flush=True)
     return 0
 
