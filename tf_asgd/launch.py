@@ -84,7 +84,11 @@ def main(argv):
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
     logging.info("config:\n%s", config)
-    training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume)
+    try:
+        training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume)
+    except training.ClusterTaskLostError as e:
+        logging.error("%s", e)
+        sys.exit(f"tf_asgd.launch: {e}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ A window is GPU A-SGD's unit of work (Paine et al. 2013). On one worker it:
 Ordering matters because TF runs an op as soon as its inputs are ready: the
 ticket is taken under a control dependency on the computed update, and the
 worker-local state is written from values that depend on it.
+
+Exactly once: when a worker dies, TF's `ClusterCoordinator` puts its
+in-flight closure back and runs it again on a live worker. If the dead worker
+had already pushed (it died between its push and returning the result), a
+plain re-run would push that window a second time. Each window therefore
+carries an id from the chief; a push records it in a ring of applied ids on
+the PS, and an attempt whose id is already recorded runs no steps and pushes
+nothing (`WindowRecord.replayed`).
 """
 
 import time
@@ -23,6 +31,7 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 from keras import StatelessScope, Variable
 from keras.utils import unpack_x_y_sample_weight
+from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from tf_asgd import keras_hook, update_rules
 
@@ -44,6 +53,12 @@ class WindowRecord(typing.NamedTuple):
     loss: float  # mean training loss over the window's steps
     seen_at: float  # time.perf_counter() on the chief when it saw the window done
     pi: typing.Optional[np.ndarray]  # GEM: [n_trainable, 3] pi mean, frac at 0, frac at pi_max
+    # True: a re-run (after a worker died) of a window whose earlier attempt
+    # had already pushed; this attempt ran no steps and pushed nothing.
+    replayed: bool = False
+
+
+APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 
 
 def push_update(variables, updates, pulled_version, counters, rule, max_staleness):
@@ -62,13 +77,28 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
         dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
     ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
     for v, u in zip(variables, updates):
-        raw = _raw(v)
-        with tf.device(raw.device):
-            if u.dtype.is_floating:
-                ops.append(raw.assign_add(tf.cast(scale, u.dtype) * u, read_value=False))
-            else:  # integer state (RNG seeds): advance it unscaled
-                ops.append(raw.assign_add(u, read_value=False))
+        for shard, piece in _shards(_raw(v), u):
+            with tf.device(shard.device):
+                if piece.dtype.is_floating:
+                    piece = tf.cast(scale, piece.dtype) * piece
+                # else: integer state (RNG seeds) advances unscaled
+                ops.append(shard.assign_add(piece, read_value=False))
     return ops
+
+
+def _read(raw):
+    """The value of a (possibly sharded) PS variable."""
+    if isinstance(raw, ShardedVariable):
+        return tf.concat([s.read_value() for s in raw.variables], axis=0)
+    return raw.read_value()
+
+
+def _shards(raw, value):
+    """`(variable, slice of value)` per PS shard of a (possibly sharded) variable."""
+    if isinstance(raw, ShardedVariable):
+        sizes = [s.shape[0] for s in raw.variables]
+        return list(zip(raw.variables, tf.split(value, sizes, axis=0)))
+    return [(raw, value)]
 
 
 class WindowTrainer:
@@ -87,9 +117,11 @@ class WindowTrainer:
             model.non_trainable_variables
         )
         for v in self.variables:
-            if "/job:ps" not in _raw(v).device:
+            raw = _raw(v)
+            device = (raw.variables[0] if isinstance(raw, ShardedVariable) else raw).device
+            if "/job:ps" not in device:
                 raise ValueError(
-                    f"Variable {v.path!r} lives on {_raw(v).device or 'the chief'}, "
+                    f"Variable {v.path!r} lives on {device or 'the chief'}, "
                     "not on a parameter server: the model was built outside "
                     "`AsyncParameterServerStrategy.scope()`. Create and compile "
                     "the model inside `with strategy.scope():`."
@@ -111,7 +143,7 @@ class WindowTrainer:
             if isinstance(getattr(lo, "_learning_rate", None), Variable):
                 self._shared[id(lo._learning_rate)] = lo._learning_rate
             self.worker_state = [
-                tf.Variable(_raw(v).read_value(), per_worker_variable=True, trainable=False)
+                tf.Variable(_read(_raw(v)), per_worker_variable=True, trainable=False)
                 for v in lo.variables
                 if id(v) not in self._shared
             ]
@@ -122,6 +154,12 @@ class WindowTrainer:
         self._metric_sum = None
         self._epoch_windows = []
         self._pending = []
+        self._next_window_id = 0
+        with strategy.scope():
+            # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
+            self.applied_windows = tf.Variable(
+                tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
+            )
         ids = [id(v) for v in model.metrics_variables]
         self._loss_index = [ids.index(id(v)) for v in model._loss_tracker.variables]
         self.bytes_per_pull = _nbytes(self.variables)
@@ -132,8 +170,11 @@ class WindowTrainer:
 
     def train_function(self, iterator):
         """Keras's `train_function`: schedules one window and returns at once."""
+        window_id = tf.constant(self._next_window_id, tf.int64)
+        self._next_window_id += 1
         rv = self.coordinator.schedule(
-            self._window, args=(iterator, tf.constant(self.strategy.n_sync, tf.int32))
+            self._window,
+            args=(iterator, tf.constant(self.strategy.n_sync, tf.int32), window_id),
         )
         self._pending.append(rv)
         self._drain(block=False)
@@ -150,6 +191,7 @@ class WindowTrainer:
                 loss=float(total / count) if count else float("nan"),
                 seen_at=time.perf_counter(),
                 pi=np.asarray(out["pi"]) if self.push_rule else None,
+                replayed=bool(out["replayed"]),
             )
             self.window_log.append(record)
             self._epoch_windows.append(record)
@@ -208,12 +250,19 @@ class WindowTrainer:
 
     # ---- worker side ------------------------------------------------------
 
-    def _window_fn(self, iterator, num_steps):
+    def _window_fn(self, iterator, num_steps, window_id):
         model, lo, counters = self.model, self.local_optimizer, self.strategy.counters
         n_train = len(model.trainable_variables)
+        # A re-run of a window that an earlier attempt (on a worker that died
+        # before returning) already pushed: run nothing, push nothing.
+        slot = tf.reshape(window_id % APPLIED_RING, [1])
+        replayed = tf.reduce_any(
+            tf.equal(self.applied_windows.sparse_read(slot), window_id + 1)
+        )
+        num_steps = tf.where(replayed, tf.zeros_like(num_steps), num_steps)
         # Pull.
         pulled_version = counters.version.read_value()
-        start = [tf.identity(_raw(v).read_value()) for v in self.variables]
+        start = [tf.identity(_read(_raw(v))) for v in self.variables]
         opt_values, pw = [], iter(self.worker_state)
         for v in lo.variables:
             shared = self._shared.get(id(v))
@@ -279,6 +328,11 @@ class WindowTrainer:
             ops.append(
                 iterations.assign_add(tf.cast(num_steps, iterations.dtype), read_value=False)
             )
+            with tf.device(self.applied_windows.device), tf.control_dependencies(update):
+                ops.append(tf.raw_ops.ResourceScatterUpdate(
+                    resource=self.applied_windows.handle, indices=slot,
+                    updates=tf.reshape(window_id + 1, [1]),
+                ))
             with tf.control_dependencies(ops):
                 return tf.constant(True)
 
@@ -287,7 +341,10 @@ class WindowTrainer:
             with tf.control_dependencies([op]):
                 return tf.constant(False)
 
-        pushed = tf.cond(finite, push, skip)
+        def replay():
+            return tf.constant(False)
+
+        pushed = tf.cond(replayed, replay, lambda: tf.cond(finite, push, skip))
         # Per-worker variables are captured at call time, which does not reach
         # into cond branches: write the worker's state here, keeping the old
         # state when the window was not pushed.
@@ -302,6 +359,8 @@ class WindowTrainer:
             return {
                 "metrics": [tf.identity(m - i) for m, i in zip(metric_values, self._metric_init)],
                 "worker": tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int32),
-                "pushed": tf.identity(pushed),
+                # The window's update is in the central variables (once).
+                "pushed": tf.logical_or(pushed, replayed),
+                "replayed": tf.identity(replayed),
                 "pi": tf.identity(pi_stats),
             }

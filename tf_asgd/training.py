@@ -45,6 +45,12 @@ CHECKPOINT_DIR = "checkpoints"
 DONE_FILE = "DONE"
 
 
+class ClusterTaskLostError(RuntimeError):
+    """Training stopped because a cluster task (a parameter server, or every
+    worker) could not be reached. The message names the unreachable tasks and
+    the checkpoint to `--resume` from."""
+
+
 # ---------------------------------------------------------------------------
 # Roles and devices
 
@@ -303,16 +309,69 @@ def make_progress_callback(config, batch_size):
     return Progress()
 
 
-def make_checkpoint_callback(manager, epoch_var):
-    """Saves a checkpoint after every epoch, numbered by the epochs done."""
+def save_checkpoint(manager, step, reason):
+    """Saves `checkpoints/ckpt-STEP` (STEP: the optimizer's global step) unless
+    the newest checkpoint already has that step. Returns the path or None.
+
+    `tf.train.CheckpointManager` writes the files under temporary names and
+    renames them, then rewrites the `checkpoint` state file atomically, so
+    `tf.train.latest_checkpoint` (what `--resume` reads) only ever names a
+    complete checkpoint.
+    """
+    latest = manager.latest_checkpoint
+    if latest and latest.endswith(f"-{step}"):
+        return None
+    path = manager.save(checkpoint_number=step)
+    logging.info("saved checkpoint %s (%s)", path, reason)
+    return path
+
+
+def make_checkpoint_callback(manager, epoch_var, step_fn):
+    """Saves a checkpoint after every epoch, with the epochs done inside."""
 
     class Checkpoint(_keras_callback_base()):
         def on_epoch_end(self, epoch, logs=None):
             epoch_var.assign(epoch + 1)
-            path = manager.save(checkpoint_number=epoch + 1)
-            logging.info("saved checkpoint %s", path)
+            save_checkpoint(manager, step_fn(), f"epoch {epoch + 1}")
 
     return Checkpoint()
+
+
+def unreachable_tasks(cluster, timeout=2.0):
+    """`["ps:0 (localhost:1234)", ...]`: tasks of `cluster` (a dict) whose port
+    refuses a TCP connection (the chief's own entry is skipped)."""
+    import socket
+
+    down = []
+    for job, addresses in sorted(cluster.items()):
+        if job in ("chief", "evaluator"):
+            continue
+        for i, address in enumerate(addresses):
+            host, port = address.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), timeout=timeout).close()
+            except OSError:
+                down.append(f"{job}:{i} ({address})")
+    return down
+
+
+def _task_lost(error, cluster, manager, epoch_var):
+    down = unreachable_tasks(cluster)
+    latest = manager.latest_checkpoint
+    where = (
+        f"The newest checkpoint is {latest} (epoch {int(epoch_var.numpy())}); rerun "
+        "with --resume to continue from it."
+        if latest else "No checkpoint was written yet; rerun to start again."
+    )
+    what = (
+        f"unreachable: {', '.join(down)}" if down
+        else "every task still accepts connections, so the link failed"
+    )
+    return ClusterTaskLostError(
+        f"Training stopped: lost contact with the cluster ({what}). The parameter "
+        "servers hold the central variables, so training cannot go on without "
+        f"one. {where} (TensorFlow said: {str(error).splitlines()[0][:300]})"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -398,9 +457,12 @@ def train_and_evaluate(config, workdir, resolver, resume=False):
     elif resume:
         logging.info("--resume: no checkpoint in %s, starting from scratch", ckpt_dir)
 
+    def step_fn():
+        return int(model.optimizer.iterations.numpy())
+
     callbacks = [
         make_progress_callback(config, config.batch_size),
-        make_checkpoint_callback(manager, epoch_var),
+        make_checkpoint_callback(manager, epoch_var, step_fn),
         keras.callbacks.CSVLogger(os.path.join(workdir, "metrics.csv"), append=initial_epoch > 0),
     ]
     if tensorboard_available():
@@ -412,17 +474,24 @@ def train_and_evaluate(config, workdir, resolver, resume=False):
         )
     else:
         logging.warning("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
-    history = model.fit(
-        data.train,
-        epochs=config.epochs,
-        initial_epoch=initial_epoch,
-        steps_per_epoch=data.steps_per_epoch,
-        validation_data=data.test if config.validate_every_epoch else None,
-        validation_steps=data.test_steps,
-        callbacks=callbacks,
-        verbose=_verbose(config),
-    )
-    test = model.evaluate(data.test, steps=data.test_steps, return_dict=True, verbose=0)
+    cluster = resolver.cluster_spec().as_dict()
+    try:
+        history = model.fit(
+            data.train,
+            epochs=config.epochs,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=data.steps_per_epoch,
+            validation_data=data.test if config.validate_every_epoch else None,
+            validation_steps=data.test_steps,
+            callbacks=callbacks,
+            verbose=_verbose(config),
+        )
+        test = model.evaluate(data.test, steps=data.test_steps, return_dict=True, verbose=0)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see _sigterm_as_keyboard_interrupt)
+        _checkpoint_on_interrupt(manager, step_fn)
+        raise
+    except tf.errors.UnavailableError as e:  # includes the coordinator's PSUnavailableError
+        raise _task_lost(e, cluster, manager, epoch_var) from e
     results = {f"test_{k}": float(v) for k, v in test.items()}
     if data.test_images is not None:
         results.update(
@@ -454,6 +523,26 @@ def train_and_evaluate(config, workdir, resolver, resume=False):
         stats.windows, stats.mean_staleness, results["wall_seconds"],
     )
     return results
+
+
+def _checkpoint_on_interrupt(manager, step_fn):
+    """Saves a checkpoint of the central variables after Ctrl-C or SIGTERM.
+
+    Windows already pushed are kept (the epoch count stays at the last epoch
+    finished: `--resume` restarts that epoch with the trained weights).
+    Further Ctrl-C/SIGTERM are ignored while it saves.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        save_checkpoint(manager, step_fn(), "interrupted")
+    except Exception as e:  # a dead PS: nothing to save; report and go on stopping
+        logging.error("could not save a checkpoint on interrupt: %s", str(e).splitlines()[0])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _sigterm_as_keyboard_interrupt():
@@ -587,7 +676,12 @@ def run_task(config, workdir, cluster, task_type, task_index, resume=False):
     if task_type == "chief":
         hide_gpus()
         resolver = cluster_lib.make_resolver(cluster, "chief", task_index)
-        return train_and_evaluate(config, workdir, resolver, resume=resume)
+        previous = _sigterm_as_keyboard_interrupt()  # SIGTERM: checkpoint, then stop
+        try:
+            return train_and_evaluate(config, workdir, resolver, resume=resume)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     if task_type in ("worker", "ps"):
         serve_task(cluster, task_type, task_index)
         return None

@@ -1,0 +1,311 @@
+"""Fault injection on real loopback clusters: tasks in their own processes,
+killed with real signals. See docs/faults.md for the table these tests prove.
+
+Every test stops every process it started, also on failure, and runs under a
+wall-clock guard so that a hang fails the test instead of the suite.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+
+from conftest import compile_digits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gem(lr=0.05):
+    return tf_asgd.optimizers.GEM(keras.optimizers.SGD(lr, momentum=0.9), kappa=1.0)
+
+
+# ---------------------------------------------------------------------------
+# A worker killed in the middle of model.fit, then restarted
+
+
+def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(digits):
+    (x, y), (xt, yt) = digits
+    min_epochs, max_epochs, steps, n_sync = 6, 30, 60, 10  # 6 windows an epoch
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet(), _gem())
+        old_pid = cluster.pids()["worker:1"]
+        events = {}
+
+        def inject():
+            try:
+                log = lambda: strategy.window_log(model)  # noqa: E731
+                _wait_for(lambda: sum(r.worker == 1 for r in log()) >= 3, 120, "worker 1 windows")
+                events["killed_at"] = time.perf_counter()
+                events["windows_at_kill"] = len(log())
+                cluster.kill_task("worker:1", signal.SIGKILL)
+                time.sleep(2.0)  # worker 0 trains alone meanwhile
+                events["windows_while_down"] = len(log()) - events["windows_at_kill"]
+                cluster.restart_task("worker:1")
+                events["restarted_at"] = time.perf_counter()
+            except BaseException as e:  # reported by the main thread
+                events["error"] = e
+
+        def rejoined(log):
+            return sum(r.worker == 1 and r.seen_at > events.get("restarted_at", np.inf) for r in log)
+
+        class StopWhenProven(keras.callbacks.Callback):
+            """Ends fit at the first epoch end after `min_epochs` once worker 1
+            has run 2 windows since its restart (bounded by `max_epochs`)."""
+
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch + 1 >= min_epochs and rejoined(strategy.window_log(model)) >= 2:
+                    self.model.stop_training = True
+
+        helper = threading.Thread(target=inject, daemon=True)
+        helper.start()
+        t0 = time.perf_counter()
+        history = model.fit(
+            x, y, batch_size=32, epochs=max_epochs, steps_per_epoch=steps, verbose=0,
+            callbacks=[StopWhenProven()],
+        )
+        fit_secs = time.perf_counter() - t0
+        helper.join(60)
+        assert "error" not in events, events.get("error")
+        assert not _alive(old_pid)
+        assert cluster.pids()["worker:1"] != old_pid
+
+        _, acc = model.evaluate(xt, yt, verbose=0)
+        stats = strategy.model_stats(model)
+        log = strategy.window_log(model)
+        epochs = len(history.history["loss"])
+        windows = epochs * steps // n_sync
+        print(
+            f"worker kill: fit {fit_secs:.1f} s, {epochs} epochs, accuracy {acc:.3f}, "
+            f"{len(log)} windows seen, version {stats.windows}, "
+            f"{events['windows_while_down']} windows while down, restart took "
+            f"{events['restarted_at'] - events['killed_at']:.1f} s, first worker-1 window "
+            f"{min([r.seen_at for r in log if r.worker == 1 and r.seen_at > events['restarted_at']] or [np.nan]) - events['restarted_at']:.1f} s "
+            f"after restart, {rejoined(log)} worker-1 windows after restart"
+        )
+        # Training completed: every scheduled window came back exactly once.
+        assert len(log) == windows and epochs < max_epochs
+        # No window applied twice: every version ticket is a window the chief saw pushed.
+        assert stats.windows == sum(r.pushed for r in log) == windows
+        assert int(model.optimizer.iterations.numpy()) == stats.applied * n_sync
+        # The others went on while worker 1 was down.
+        assert events["windows_while_down"] >= 1
+        # The restarted worker rejoined and ran windows again.
+        assert rejoined(log) >= 2
+        assert acc >= 0.95
+
+
+def test_a_rerun_window_is_never_applied_twice(cluster, digits):
+    """TF re-runs the closure of a worker that died; if that worker had pushed
+    before dying, the re-run must not push again. Re-running a window id that
+    already pushed (as the coordinator does) runs no steps and pushes nothing."""
+    (x, y), _ = digits
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet(), _gem())
+    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
+    trainer = model._asgd_trainer
+    version = strategy.stats().windows
+    before = [v.numpy() for v in model.trainable_variables]
+    steps = int(model.optimizer.iterations.numpy())
+    iterator = iter(strategy.coordinator.create_per_worker_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()))
+
+    next_id = trainer._next_window_id
+    trainer._next_window_id = 2  # an id that pushed during fit: a re-run
+    trainer.train_function(iterator)
+    strategy.coordinator.join()
+    trainer._drain(block=True)
+    replay = trainer.window_log[-1]
+    assert replay.replayed and replay.pushed
+    assert strategy.stats().windows == version  # no ticket, no push
+    assert int(model.optimizer.iterations.numpy()) == steps
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy())
+
+    trainer._next_window_id = next_id  # a new window pushes as usual
+    trainer.train_function(iterator)
+    strategy.coordinator.join()
+    trainer._drain(block=True)
+    assert not trainer.window_log[-1].replayed and trainer.window_log[-1].pushed
+    assert strategy.stats().windows == version + 1
+
+
+# ---------------------------------------------------------------------------
+# The launcher: a PS killed, the chief killed, SIGTERM
+
+
+from test_launch import assert_all_stopped, launcher, local_cluster_ports  # noqa: E402
+
+FAST = [
+    "--config=configs/default.py",
+    "--config.shared_process=False",  # one process per task: each can be killed
+    "--config.validate_every_epoch=False",
+    "--config.log_every_secs=0",
+]
+
+
+class Launch:
+    """A launcher process whose stderr is read line by line."""
+
+    def __init__(self, args):
+        cmd, env = launcher(args)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.log = []
+
+    def wait_for(self, pattern, count=1, timeout=180):
+        deadline = time.time() + timeout
+        found = sum(bool(re.search(pattern, line)) for line in self.log)
+        while found < count:
+            line = self.proc.stderr.readline()  # the launcher logs at least per epoch
+            if not line or time.time() > deadline:
+                raise AssertionError(f"no {count}x {pattern!r} in the launcher log:\n" + "".join(self.log[-40:]))
+            self.log.append(line)
+            found += bool(re.search(pattern, line))
+
+    def pids(self):
+        m = re.search(r"local cluster .*, processes (\{.*\})", "".join(self.log))
+        return {k: int(v) for k, v in re.findall(r"'([a-z]+:\d+)': (\d+)", m.group(1))}
+
+    def ports(self):
+        return local_cluster_ports("".join(self.log))
+
+    def finish(self, timeout):
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.append(err)
+        return "".join(self.log)
+
+
+def _run(args, timeout=240):
+    launch = Launch(args)
+    return launch, launch.finish(timeout)
+
+
+def _resumed(log):
+    m = re.search(r"resumed from (\S+): epoch (\d+), version (\d+)", log)
+    assert m, log[-3000:]
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def _results(workdir):
+    with open(os.path.join(workdir, "results.json")) as f:
+        return json.load(f)
+
+
+def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path):
+    workdir = str(tmp_path / "run")
+    epochs = 8
+    launch = Launch([*FAST, f"--config.epochs={epochs}", f"--workdir={workdir}"])
+    try:
+        launch.wait_for("saved checkpoint", count=3)
+        ports = launch.ports()
+        t0 = time.time()
+        os.kill(launch.pids()["ps:0"], signal.SIGKILL)
+    finally:
+        log = launch.finish(timeout=90)
+    stop_secs = time.time() - t0
+    print(f"PS killed: launcher exited {launch.proc.returncode} after {stop_secs:.1f} s")
+    assert launch.proc.returncode == 1
+    assert stop_secs < 60
+    assert re.search(r"tf_asgd.launch: Training stopped: lost contact with the cluster "
+                     r"\(unreachable: ps:0 \(localhost:\d+\)\).*rerun with --resume", log), log[-3000:]
+    assert_all_stopped(ports)
+
+    # --resume: a fresh cluster, central variables, version and epoch restored.
+    second, log2 = _run([*FAST, f"--config.epochs={epochs}", "--resume", f"--workdir={workdir}"])
+    assert second.proc.returncode == 0, log2[-3000:]
+    assert_all_stopped(second.ports())
+    _, epoch, version = _resumed(log2)
+    assert epoch >= 3 and version > 0 and version % epoch == 0
+    per_epoch = version // epoch
+    r = _results(workdir)
+    print(f"PS killed at epoch {epoch} (version {version}); resumed: accuracy {r['test_accuracy']:.3f}")
+    assert r["initial_epoch"] == epoch and r["epochs"] == epochs
+    assert r["version"] == version + (epochs - epoch) * per_epoch
+    assert r["test_accuracy"] >= 0.95
+
+
+def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
+    workdir = str(tmp_path / "run")
+    args = [*FAST, "--config.epochs=5", f"--workdir={workdir}"]
+    # SIGTERM in the middle of epoch 2: a checkpoint, every task stopped.
+    launch = Launch(args)
+    try:
+        launch.wait_for(r"saved checkpoint .*\(epoch 1\)")
+        ports = launch.ports()
+        time.sleep(1.0)
+        t0 = time.time()
+        launch.proc.send_signal(signal.SIGTERM)
+    finally:
+        log = launch.finish(timeout=90)
+    print(f"SIGTERM: launcher exited {launch.proc.returncode} after {time.time() - t0:.1f} s")
+    assert launch.proc.returncode != 0
+    m = re.search(r"saved checkpoint (\S+) \(interrupted\)", log)
+    assert m, log[-3000:]
+    interrupted = m.group(1)
+    assert_all_stopped(ports)
+
+    # The chief (the launcher) killed with SIGKILL after its first epoch: its
+    # tasks follow it (stdin lifeline); --resume picks the newest checkpoint.
+    launch = Launch([*args, "--resume"])
+    try:
+        launch.wait_for("resumed from")
+        path, epoch, version = _resumed("".join(launch.log))
+        # The interrupted checkpoint is the newest; its epoch (the last one
+        # finished) restarts, with the partial epoch's pushes kept.
+        assert path == interrupted and epoch >= 1 and version > 0
+        launch.wait_for(rf"saved checkpoint .*\(epoch {epoch + 1}\)")
+        ports = launch.ports()
+        launch.proc.kill()
+    finally:
+        launch.finish(timeout=60)
+    assert_all_stopped(ports)
+
+    third, log3 = _run([*args, "--resume"])
+    assert third.proc.returncode == 0, log3[-3000:]
+    _, epoch3, version3 = _resumed(log3)
+    assert epoch3 == epoch + 1 and version3 > version
+    r = _results(workdir)
+    assert r["initial_epoch"] == epoch3 and r["epochs"] == 5
