@@ -159,7 +159,14 @@ class LocalCluster:
 
     @property
     def resolver(self):
-        return make_resolver(self.cluster_spec)
+        """A resolver from the chief's view, with a fresh chief port each time.
+
+        A process that connected to a cluster keeps that chief's gRPC server
+        (TF cannot stop it), so connecting again, to this cluster after
+        another one, needs a port of its own. Workers and PS never dial the
+        chief, so its address may change between connections.
+        """
+        return make_resolver(dict(self.cluster_spec, chief=[f"localhost:{_pick_ports(1)[0]}"]))
 
     def tasks(self):
         return [f"ps:{i}" for i in range(self.num_ps)] + [

@@ -54,6 +54,12 @@ class PushCounters(tf.Module):
     def __init__(self):
         super().__init__(name="asgd_counters")
         self.version = tf.Variable(0, dtype=tf.int64, trainable=False, name="version")
+        # Colocated with the version (so never split by a partitioner): a
+        # push updates them in one place.
+        with tf.distribute.get_strategy().extended.colocate_vars_with(self.version):
+            self._create_counters()
+
+    def _create_counters(self):
         self.staleness_sum = tf.Variable(0, dtype=tf.int64, trainable=False, name="staleness_sum")
         self.dropped_stale = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_stale")
         self.dropped_nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_nonfinite")
@@ -79,16 +85,23 @@ class PushCounters(tf.Module):
         with tf.control_dependencies(record):
             return tf.identity(tau)
 
+    @tf.function
+    def _read_all(self):
+        # One function on the PS and one tensor back: a single round trip.
+        with tf.device(self.version.device):
+            scalars = tf.stack([self.version, self.staleness_sum, self.dropped_stale,
+                                self.dropped_nonfinite])
+            return tf.concat([scalars, self.histogram.read_value()], axis=0)
+
     def stats(self, bytes_per_pull, bytes_per_push):
-        version = int(self.version.numpy())
-        dropped = int(self.dropped_stale.numpy())
-        nonfinite = int(self.dropped_nonfinite.numpy())
-        hist = self.histogram.numpy()
+        values = self._read_all().numpy()
+        version, staleness_sum, dropped, nonfinite = (int(v) for v in values[:4])
+        hist = values[4:]
         seen = np.nonzero(hist)[0]
         return AsyncStats(
             windows=version,
             applied=version - dropped,
-            mean_staleness=float(self.staleness_sum.numpy()) / version if version else 0.0,
+            mean_staleness=staleness_sum / version if version else 0.0,
             max_staleness=int(seen[-1]) if len(seen) else 0,
             dropped_stale=dropped,
             dropped_nonfinite=nonfinite,

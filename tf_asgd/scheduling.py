@@ -149,13 +149,15 @@ class WindowTrainer:
             ]
             if self.push_rule:
                 self.push_rule.create_worker_state(model.trainable_variables)
+            self.data_shifted = tf.Variable(False, per_worker_variable=True, trainable=False)
         self.window_log = []  # a WindowRecord per finished window, in order seen
         self._metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
         self._metric_sum = None
         self._epoch_windows = []
         self._pending = []
         self._next_window_id = 0
-        with strategy.scope():
+        self._logs, self._logs_at = None, 0.0
+        with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
             # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
             self.applied_windows = tf.Variable(
                 tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
@@ -174,24 +176,34 @@ class WindowTrainer:
         self._next_window_id += 1
         rv = self.coordinator.schedule(
             self._window,
-            args=(iterator, tf.constant(self.strategy.n_sync, tf.int32), window_id),
+            args=(iterator, tf.constant(self.strategy.n_sync, tf.int32), window_id,
+                  tf.constant(getattr(iterator, "asgd_shift", 0), tf.int64)),
         )
         self._pending.append(rv)
-        self._drain(block=False)
-        return self.logs()
+        # Progress for callbacks, refreshed a few times a second at most: the
+        # chief's time per window bounds throughput at small n_sync.
+        now = time.perf_counter()
+        if self._logs is None or now - self._logs_at > 0.25:
+            self._drain(block=False)
+            self._logs, self._logs_at = self.logs(), now
+        return self._logs
 
     def _drain(self, block):
         while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
-            out = self._pending.pop(0).fetch()
-            values = [np.asarray(t) for t in out["metrics"]]
+            packed = np.asarray(self._pending.pop(0).fetch())
+            worker, pushed, replayed = packed[:3]
+            values, at = [], 3
+            for init in self._metric_init:
+                values.append(packed[at:at + init.size].reshape(init.shape).astype(init.dtype))
+                at += init.size
             total, count = (values[i] for i in self._loss_index)
             record = WindowRecord(
-                worker=int(out["worker"]),
-                pushed=bool(out["pushed"]),
+                worker=int(worker),
+                pushed=bool(pushed),
                 loss=float(total / count) if count else float("nan"),
                 seen_at=time.perf_counter(),
-                pi=np.asarray(out["pi"]) if self.push_rule else None,
-                replayed=bool(out["replayed"]),
+                pi=packed[at:].reshape(-1, 3) if self.push_rule else None,
+                replayed=bool(replayed),
             )
             self.window_log.append(record)
             self._epoch_windows.append(record)
@@ -204,6 +216,7 @@ class WindowTrainer:
         self._metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
         self._metric_sum = None
         self._epoch_windows = []
+        self._logs = None
 
     def metric_values(self):
         if self._metric_sum is None:
@@ -250,9 +263,15 @@ class WindowTrainer:
 
     # ---- worker side ------------------------------------------------------
 
-    def _window_fn(self, iterator, num_steps, window_id):
+    def _window_fn(self, iterator, num_steps, window_id, data_shift):
         model, lo, counters = self.model, self.local_optimizer, self.strategy.counters
         n_train = len(model.trainable_variables)
+        worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+        # Before its first window, worker i skips i * data_shift batches (see
+        # strategy._WindowDataset): seeded workers must not train on the same batches.
+        shifted = self.data_shifted.read_value()
+        for _ in tf.range(tf.where(shifted, tf.zeros_like(data_shift), worker * data_shift)):
+            next(iterator)
         # A re-run of a window that an earlier attempt (on a worker that died
         # before returning) already pushed: run nothing, push nothing.
         slot = tf.reshape(window_id % APPLIED_RING, [1])
@@ -351,16 +370,20 @@ class WindowTrainer:
         old_state = [o for v, o in zip(lo.variables, opt_values_at_pull) if id(v) not in self._shared]
         state_ops = []
         with tf.control_dependencies([pushed]):
+            state_ops.append(self.data_shifted.assign(True, read_value=False))
             for var, new, old in zip(self.worker_state, new_worker_state, old_state):
                 state_ops.append(var.assign(tf.where(pushed, new, old), read_value=False))
             for var, new in rule_updates:
                 state_ops.append(var.assign(tf.where(pushed, new, var.read_value()), read_value=False))
         with tf.control_dependencies([pushed] + state_ops):
-            return {
-                "metrics": [tf.identity(m - i) for m, i in zip(metric_values, self._metric_init)],
-                "worker": tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int32),
-                # The window's update is in the central variables (once).
-                "pushed": tf.logical_or(pushed, replayed),
-                "replayed": tf.identity(replayed),
-                "pi": tf.identity(pi_stats),
-            }
+            # One tensor, so the chief fetches a window's result in one copy.
+            header = [
+                worker,
+                tf.logical_or(pushed, replayed),  # the update is in the central variables, once
+                replayed,
+            ]
+            parts = [tf.reshape(tf.cast(h, tf.float64), [1]) for h in header]
+            parts += [tf.reshape(tf.cast(m - i, tf.float64), [-1])
+                      for m, i in zip(metric_values, self._metric_init)]
+            parts.append(tf.reshape(tf.cast(pi_stats, tf.float64), [-1]))
+            return tf.concat(parts, axis=0)

@@ -26,26 +26,36 @@ from tf_asgd.counters import PushCounters
 class _WindowDataset:
     """What `experimental_distribute_dataset` hands to Keras.
 
-    Iterated during training, it yields per-worker iterators of the dataset
-    repeated forever (each worker draws its own batches; Keras's
-    `steps_per_epoch` ends an epoch). Iterated by evaluate, predict or the
-    model's symbolic build (`keras_hook.local_mode`), it yields a plain
-    iterator on the chief.
+    Iterated during training, it yields one per-worker iterator of the
+    dataset repeated forever, the same one every epoch (each worker draws its
+    own batches; Keras's `steps_per_epoch` ends an epoch). Iterated by
+    evaluate, predict or the model's symbolic build
+    (`keras_hook.local_mode`), it yields a plain iterator on the chief.
+
+    Every worker runs the same dataset graph, so with a global seed set
+    (`keras.utils.set_random_seed`) all would draw the same batches in the
+    same order. The iterator carries `asgd_shift`: worker `i` skips
+    `i * asgd_shift` batches before its first window, spreading the workers
+    evenly over an epoch.
     """
 
     def __init__(self, dataset, strategy):
         self._dataset = dataset
         self._strategy = strategy
-        self._per_worker = None
+        self._iterator = None
 
     def __iter__(self):
         if keras_hook.in_local_mode():
             return iter(self._dataset)
-        if self._per_worker is None:
-            self._per_worker = self._strategy.coordinator.create_per_worker_dataset(
+        if self._iterator is None:
+            per_worker = self._strategy.coordinator.create_per_worker_dataset(
                 self._dataset.repeat()
             )
-        return iter(self._per_worker)
+            self._iterator = iter(per_worker)
+            batches = int(self._dataset.cardinality())
+            workers = self._strategy.extended._num_workers
+            self._iterator.asgd_shift = max(1, batches // workers) if batches > 0 else 1009
+        return self._iterator
 
     @property
     def element_spec(self):
