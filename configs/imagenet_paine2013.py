@@ -17,40 +17,30 @@ Data, read from a local directory (every worker must see the same path):
         --config.data_dir=/data/imagenet --workdir=/ckpt/paine2013
 """
 
-from ml_collections import config_dict
+import os
+import runpy
 
 
 def get_config():
-    c = config_dict.ConfigDict()
+    # Start from the default config; change only what this setup needs.
+    c = runpy.run_path(os.path.join(os.path.dirname(__file__), "default.py"))["get_config"]()
     c.model = "paine2013_imagenet_convnet"
     c.dataset = "imagenet"
-    c.data_dir = "/data/imagenet"
-    c.download = False  # ImageNet cannot be downloaded automatically
-    c.augment = True
+    c.data_dir = "/data/imagenet"  # class directories or TFRecords; override on the command line
+    c.download = False
+    c.augment = True  # random 224 crops and flips
     c.image_size = 256
     c.crop_size = 224
-    c.ten_crop_eval = True
+    c.ten_crop_eval = True  # multi-crop testing, as in the paper
+    c.validate_every_epoch = False
     c.batch_size = 128
     c.epochs = 90
-    c.steps_per_epoch = 0
-    c.eval_steps = 0
-    c.validate_every_epoch = False  # 10-crop evaluation once at the end
-    c.seed = 0
-    c.n_sync = 100
-    c.staleness = "none"  # the paper applies pushes unscaled
-    c.max_staleness = config_dict.placeholder(int)
-    c.optimizer = config_dict.ConfigDict()
-    c.optimizer.name = "sgd"
+    c.n_sync = 100  # the paper's best
+    c.staleness = "none"
     c.optimizer.learning_rate = 0.01
-    c.optimizer.momentum = 0.9
-    c.gem = config_dict.ConfigDict()
     c.gem.enabled = False
-    c.gem.kappa = 1.0
-    c.num_workers = 8
-    c.num_ps = 1
-    c.shared_process = False
+    c.num_workers = 8  # 8 GPU workers
     c.gpus_per_worker = 1
-    c.max_checkpoints = 3
+    c.shared_process = False  # one process per GPU worker
     c.log_every_secs = 60.0
-    c.verbose = -1
     return c
