@@ -1,6 +1,7 @@
 """AsyncParameterServerStrategy on a real loopback cluster with model.fit."""
 
 import subprocess
+import time
 
 import keras
 import numpy as np
@@ -72,6 +73,10 @@ def test_n_sync_extremes_train_with_real_staleness(cluster, digits, n_sync):
     assert {r.worker for r in log} == {0, 1}
     assert len(log) == stats.windows and all(np.isfinite(r.loss) for r in log)
     assert [r.seen_at for r in log] == sorted(r.seen_at for r in log)
+    results = [strategy.window_results(model, r) for r in log]
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in results)
+    np.testing.assert_allclose([r["loss"] for r in results], [r.loss for r in log], rtol=1e-5)
+    assert all(abs(r.finished_at - time.time()) < 600 for r in log)
 
 
 @pytest.mark.parametrize("rule,max_staleness", [("dynsgd", None), ("none", None), ("dynsgd", 1)])

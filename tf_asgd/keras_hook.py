@@ -44,7 +44,7 @@ from tensorflow.python.distribute.coordinator import remote_value
 SUPPORTED_KERAS = ("3.15",)
 
 _installed = False
-_local = threading.local()
+_thread = threading.local()  # local-mode depth, per thread
 
 
 def _ours(model):
@@ -55,16 +55,16 @@ def _ours(model):
 
 def in_local_mode():
     """True while Keras should see plain local datasets (evaluate, predict, build)."""
-    return getattr(_local, "depth", 0) > 0
+    return getattr(_thread, "depth", 0) > 0
 
 
 @contextlib.contextmanager
 def local_mode():
-    _local.depth = getattr(_local, "depth", 0) + 1
+    _thread.depth = getattr(_thread, "depth", 0) + 1
     try:
         yield
     finally:
-        _local.depth -= 1
+        _thread.depth -= 1
 
 
 def remote_value_ready(rv):
@@ -207,7 +207,7 @@ def _reset_metrics(original, model):
         trainer.reset_metrics()
 
 
-def _local(original, model, *args, **kwargs):
+def _on_chief(original, model, *args, **kwargs):
     with local_mode():
         return original(model, *args, **kwargs)
 
@@ -261,8 +261,8 @@ def install():
     _wrap("make_train_function", _make_train_function)
     _wrap("_get_metrics_result_or_logs", _get_metrics_result_or_logs)
     _wrap("reset_metrics", _reset_metrics)
-    _wrap("evaluate", _local)
-    _wrap("predict", _local)
+    _wrap("evaluate", _on_chief)
+    _wrap("predict", _on_chief)
     _wrap("_maybe_symbolic_build", _symbolic_build)
     _wrap("train_on_batch", _train_on_batch)
     _installed = True

@@ -52,6 +52,8 @@ class WindowRecord(typing.NamedTuple):
     pushed: bool  # False: its update held NaN/Inf and was not pushed
     loss: float  # mean training loss over the window's steps
     seen_at: float  # time.perf_counter() on the chief when it saw the window done
+    finished_at: float  # time.time() on the worker once its push was applied
+    state: tuple  # the window's own metric states (deltas), see WindowTrainer.window_results
     pi: typing.Optional[np.ndarray]  # GEM: [n_trainable, 3] pi mean, frac at 0, frac at pi_max
     # True: a re-run (after a worker died) of a window whose earlier attempt
     # had already pushed; this attempt ran no steps and pushed nothing.
@@ -191,8 +193,8 @@ class WindowTrainer:
     def _drain(self, block):
         while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
             packed = np.asarray(self._pending.pop(0).fetch())
-            worker, pushed, replayed = packed[:3]
-            values, at = [], 3
+            worker, pushed, replayed, finished_at = packed[:4]
+            values, at = [], 4
             for init in self._metric_init:
                 values.append(packed[at:at + init.size].reshape(init.shape).astype(init.dtype))
                 at += init.size
@@ -202,6 +204,8 @@ class WindowTrainer:
                 pushed=bool(pushed),
                 loss=float(total / count) if count else float("nan"),
                 seen_at=time.perf_counter(),
+                finished_at=float(finished_at),
+                state=tuple(values),
                 pi=packed[at:].reshape(-1, 3) if self.push_rule else None,
                 replayed=bool(replayed),
             )
@@ -211,6 +215,12 @@ class WindowTrainer:
                 self._metric_sum = values
             else:
                 self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
+
+    def window_results(self, record):
+        """The metric results (loss, accuracy, ...) of one window's own steps."""
+        mapping = list(zip(self.model.metrics_variables, record.state))
+        with StatelessScope(state_mapping=mapping):
+            return {k: float(v) for k, v in self.model.get_metrics_result().items()}
 
     def reset_metrics(self):
         self._metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
@@ -381,6 +391,7 @@ class WindowTrainer:
                 worker,
                 tf.logical_or(pushed, replayed),  # the update is in the central variables, once
                 replayed,
+                tf.timestamp(),  # under the control dependency: after the push
             ]
             parts = [tf.reshape(tf.cast(h, tf.float64), [1]) for h in header]
             parts += [tf.reshape(tf.cast(m - i, tf.float64), [-1])

@@ -129,6 +129,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         trainer = getattr(model, "_asgd_trainer", None)
         return list(trainer.window_log) if trainer else []
 
+    def window_results(self, model, record):
+        """Metric results of one window's own steps, e.g.
+        `{"loss": 0.31, "accuracy": 0.9}`, for a record of `window_log`."""
+        return model._asgd_trainer.window_results(record)
+
     def model_stats(self, model):
         """`stats()` with byte counts for `model`."""
         return self.stats(getattr(model, "_asgd_trainer", None))

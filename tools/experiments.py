@@ -31,7 +31,6 @@ Writes `windows.csv` (one row per window), `summary.csv`, and
 import argparse
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -54,70 +53,6 @@ def load_data(name):
     if x.ndim == 3:
         x, xt = x[..., None], xt[..., None]
     return ((x, y.ravel().astype("int64")), (xt, yt.ravel().astype("int64"))), "gem_mnist_convnet"
-
-
-class WindowRecorder:
-    """Records each window's finish time and metric deltas on the coordinator.
-
-    It watches the window closures' `RemoteValue`s that the model's window
-    trainer keeps (`model._asgd_trainer._pending`, an internal of
-    tf_asgd.scheduling) from a polling thread, so that nothing in training
-    waits for it.
-    """
-
-    def __init__(self, model, poll_s=0.002):
-        self.model, self.poll_s = model, poll_s
-        self.windows, self._watched, self._trainer = [], [], None
-        self._stop = threading.Event()
-        self._thread = None
-        self.t0 = None
-
-    def attach(self):
-        trainer = self.model._asgd_trainer
-        if trainer is self._trainer:
-            return
-        watched = self._watched
-
-        class _Watched(list):
-            def append(self, rv):
-                watched.append(rv)
-                super().append(rv)
-
-        trainer._pending = _Watched(trainer._pending)
-        self._trainer = trainer
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-
-    def _poll(self):
-        from tf_asgd import keras_hook
-
-        while not self._stop.is_set() or self._watched:
-            i = 0
-            while i < len(self._watched):
-                rv = self._watched[i]
-                if keras_hook.remote_value_ready(rv):
-                    t = time.perf_counter()
-                    try:
-                        out = rv.fetch()
-                        if isinstance(out, dict):  # newer window closures return a dict
-                            out = out["metrics"]
-                        values = [np.asarray(v) for v in out]
-                    except Exception:  # a failed window: nothing to record
-                        values = None
-                    if values is not None:
-                        self.windows.append((t, values))
-                    del self._watched[i]
-                else:
-                    i += 1
-            if self._stop.is_set() and self._watched:
-                continue
-            time.sleep(self.poll_s)
-
-    def close(self):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
 
 def _metric_index(model):
@@ -150,40 +85,28 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
         model.compile(keras.optimizers.SGD(args.eta, momentum=args.momentum),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    rec = WindowRecorder(model)
-
-    class Attach(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            rec.attach()
-
-        def on_epoch_begin(self, epoch, logs=None):
-            rec.attach()
-
     stats0 = strategy.counters.stats(0, 0)
-    t0 = time.perf_counter()
-    rec.t0 = t0
-    try:
-        if warm_steps:
-            # Warm start: one window at a time (each epoch joins), then all workers.
-            strategy.n_sync = n_sync
-            model.fit(ds, steps_per_epoch=n_sync, epochs=max(1, warm_steps // n_sync),
-                      verbose=0, callbacks=[Attach()])
+    t0, wall0 = time.perf_counter(), time.time()
+    if warm_steps:
+        # Warm start: one window at a time (each epoch joins), then all workers.
         strategy.n_sync = n_sync
-        model.fit(ds, steps_per_epoch=steps - warm_steps, epochs=1, verbose=0, callbacks=[Attach()])
-    finally:
-        rec.close()
+        model.fit(ds, steps_per_epoch=n_sync, epochs=max(1, warm_steps // n_sync), verbose=0)
+    strategy.n_sync = n_sync
+    model.fit(ds, steps_per_epoch=steps - warm_steps, epochs=1, verbose=0)
     wall = time.perf_counter() - t0
     stats1 = strategy.counters.stats(0, 0)
     test_loss, test_acc = model.evaluate(xt, yt, verbose=0, batch_size=256)
     li, lc, ai, ac = _metric_index(model)
     rows, samples = [], 0
-    for t, v in sorted(rec.windows, key=lambda w: w[0]):
+    # Every window, in the order its push landed (the worker's clock).
+    for record in sorted(strategy.window_log(model), key=lambda r: r.finished_at):
+        t, v = record.finished_at, record.state
         count = float(v[ac])
         if count <= 0:
             continue
         samples += count
         rows.append(dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps,
-                         time=t - t0, samples=samples, minibatches=count / args.batch_size,
+                         time=t - wall0, samples=samples, minibatches=count / args.batch_size,
                          loss=float(v[li]) / float(v[lc]), error=1.0 - float(v[ai]) / count))
     hist = stats1.staleness_histogram - stats0.staleness_histogram
     pushes = int(hist.sum())
