@@ -10,6 +10,10 @@ import pytest  # noqa: E402
 import tf_asgd  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: bounded repeated fit/kill/restart cycles")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Same initial weights every run; what stays random is the cluster's timing."""
