@@ -60,6 +60,7 @@ class WindowRecord(typing.NamedTuple):
     replayed: bool = False
 
 
+MAX_IN_FLIGHT_PER_WORKER = 2  # windows scheduled but unfinished, per worker
 APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 
 
@@ -158,6 +159,7 @@ class WindowTrainer:
         self._epoch_windows = []
         self._pending = []
         self._next_window_id = 0
+        self._max_in_flight = MAX_IN_FLIGHT_PER_WORKER * strategy.extended._num_workers
         self._logs, self._logs_at = None, 0.0
         with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
             # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
@@ -173,15 +175,21 @@ class WindowTrainer:
     # ---- chief side -------------------------------------------------------
 
     def train_function(self, iterator):
-        """Keras's `train_function`: schedules one window and returns at once."""
+        """Keras's `train_function`: schedules one window.
+
+        It returns at once while fewer than `MAX_IN_FLIGHT_PER_WORKER` windows
+        per worker are unfinished, else once the oldest one finishes: enough
+        queued to keep every worker busy, few enough that the progress bar
+        follows the training and a stop waits for seconds, not an epoch.
+        """
         window_id = tf.constant(self._next_window_id, tf.int64)
         self._next_window_id += 1
         rv = self.coordinator.schedule(
             self._window,
-            args=(iterator, tf.constant(self.strategy.n_sync, tf.int32), window_id,
-                  tf.constant(getattr(iterator, "asgd_shift", 0), tf.int64)),
+            args=(iterator, tf.constant(self.strategy.n_sync, tf.int32), window_id),
         )
         self._pending.append(rv)
+        self._drain(block=True, keep=self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
         # chief's time per window bounds throughput at small n_sync.
         now = time.perf_counter()
@@ -190,8 +198,10 @@ class WindowTrainer:
             self._logs, self._logs_at = self.logs(), now
         return self._logs
 
-    def _drain(self, block):
-        while self._pending and (block or keras_hook.remote_value_ready(self._pending[0])):
+    def _drain(self, block, keep=0):
+        """Records finished windows in order; with `block`, waits until at
+        most `keep` are unfinished."""
+        while len(self._pending) > keep and (block or keras_hook.remote_value_ready(self._pending[0])):
             packed = np.asarray(self._pending.pop(0).fetch())
             worker, pushed, replayed, finished_at = packed[:4]
             values, at = [], 4
@@ -273,14 +283,14 @@ class WindowTrainer:
 
     # ---- worker side ------------------------------------------------------
 
-    def _window_fn(self, iterator, num_steps, window_id, data_shift):
+    def _window_fn(self, iterator, num_steps, window_id):
         model, lo, counters = self.model, self.local_optimizer, self.strategy.counters
         n_train = len(model.trainable_variables)
         worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
-        # Before its first window, worker i skips i * data_shift batches (see
+        # Before its first window, worker i skips i batches (see
         # strategy._WindowDataset): seeded workers must not train on the same batches.
         shifted = self.data_shifted.read_value()
-        for _ in tf.range(tf.where(shifted, tf.zeros_like(data_shift), worker * data_shift)):
+        for _ in tf.range(tf.where(shifted, tf.zeros_like(worker), worker)):
             next(iterator)
         # A re-run of a window that an earlier attempt (on a worker that died
         # before returning) already pushed: run nothing, push nothing.

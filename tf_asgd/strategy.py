@@ -34,9 +34,10 @@ class _WindowDataset:
 
     Every worker runs the same dataset graph, so with a global seed set
     (`keras.utils.set_random_seed`) all would draw the same batches in the
-    same order. The iterator carries `asgd_shift`: worker `i` skips
-    `i * asgd_shift` batches before its first window, spreading the workers
-    evenly over an epoch.
+    same order; worker `i` therefore skips `i` batches before its first
+    window (`scheduling.WindowTrainer`), so that no two workers train on the
+    same batch at the same time. (Skipping more, to spread workers over an
+    epoch, would cost a slow input pipeline that many batches per worker.)
     """
 
     def __init__(self, dataset, strategy):
@@ -52,9 +53,6 @@ class _WindowDataset:
                 self._dataset.repeat()
             )
             self._iterator = iter(per_worker)
-            batches = int(self._dataset.cardinality())
-            workers = self._strategy.extended._num_workers
-            self._iterator.asgd_shift = max(1, batches // workers) if batches > 0 else 1009
         return self._iterator
 
     @property
