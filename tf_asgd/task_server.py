@@ -15,7 +15,7 @@ from tf_asgd.cluster import _READY as READY
 
 
 def serve(cluster, tasks):
-    """Runs TF servers for `tasks` ("job:index") in this process until stdin closes."""
+    """Starts TF servers for `tasks` ("job:index") in this process and returns them; the caller keeps the process alive."""
     import tensorflow as tf
 
     # Tasks that share a process share its inter-op thread pool; a pool no
