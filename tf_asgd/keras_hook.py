@@ -101,7 +101,6 @@ def _window_trainer(model):
     trainer = getattr(model, "_asgd_trainer", None)
     if trainer is None or trainer.model is not model or trainer.optimizer is not model.optimizer:
         trainer = WindowTrainer(model, model._distribute_strategy)
-        trainer.optimizer = model.optimizer
         model._asgd_trainer = trainer
     return trainer
 

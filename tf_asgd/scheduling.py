@@ -113,6 +113,7 @@ class WindowTrainer:
 
     def __init__(self, model, strategy):
         self.model, self.strategy = model, strategy
+        self.optimizer = model.optimizer  # a recompiled model gets a new trainer
         self.coordinator = strategy.coordinator
         opt = model.optimizer
         self.push_rule = getattr(opt, "asgd_push_rule", None)
@@ -226,11 +227,15 @@ class WindowTrainer:
             else:
                 self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
 
-    def window_results(self, record):
-        """The metric results (loss, accuracy, ...) of one window's own steps."""
-        mapping = list(zip(self.model.metrics_variables, record.state))
+    def _metric_results(self, state):
+        """The model's metric results for metric-variable values `state`."""
+        mapping = list(zip(self.model.metrics_variables, state))
         with StatelessScope(state_mapping=mapping):
             return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+
+    def window_results(self, record):
+        """The metric results (loss, accuracy, ...) of one window's own steps."""
+        return self._metric_results(record.state)
 
     def reset_metrics(self):
         self._metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
@@ -249,10 +254,7 @@ class WindowTrainer:
         `counters` adds the PS counters (a few reads from the PS: once an
         epoch, not once a window).
         """
-        mapping = list(zip(self.model.metrics_variables, self.metric_values()))
-        with StatelessScope(state_mapping=mapping):
-            logs = self.model.get_metrics_result()
-        logs = {k: float(v) for k, v in logs.items()}
+        logs = self._metric_results(self.metric_values())
         if counters:
             logs.update(self.strategy.stats(self).as_logs())
         else:
