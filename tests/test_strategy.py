@@ -93,16 +93,17 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
 
     @tf.function
     def push(update, pulled_version):
-        ops = scheduling.push_update(
+        ops, tau = scheduling.push_update(
             [var], [update], pulled_version, strategy.counters, rule, max_staleness
         )
         with tf.control_dependencies(ops):
-            return tf.constant(0)
+            return tf.identity(tau)
 
     expected = init.copy()
     for i, (u, p) in enumerate(zip(updates, pulled)):
-        strategy.coordinator.schedule(push, args=(tf.constant(u), tf.constant(p, tf.int64)))
+        tau = strategy.coordinator.schedule(push, args=(tf.constant(u), tf.constant(p, tf.int64)))
         strategy.coordinator.join()  # one push at a time: a fixed ticket order
+        assert int(tau.fetch()) == i - p
         expected = update_rules.apply_push(expected, u, tau=i - p, rule=rule, max_staleness=max_staleness)
     np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6, atol=1e-6)
 

@@ -2,6 +2,8 @@
 
 `load_digits` is scikit-learn's 8x8 handwritten digits (1,797 images, shipped
 inside the package), the offline default of the tests and the launcher.
+`emulated_device_time` makes workers behave like GPUs of a given speed on a
+CPU-only machine (benchmarks, stragglers).
 """
 
 import os
@@ -24,6 +26,73 @@ def load_digits(test_fraction=0.2, seed=0):
     x, y = x[order], y[order]
     n_test = int(round(len(x) * test_fraction))
     return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
+
+
+# ---------------------------------------------------------------------------
+# Emulated device time: a GPU step costs the worker time but no CPU. On a CPU
+# machine it is emulated by tf.data's per-element sleep, so benchmarks and the
+# straggler test can run many "GPU" workers on two cores.
+
+
+def sleep_transformation(micros):
+    """tf.data's per-element sleep (no CPU used), for `Dataset.apply`.
+
+    `micros` may be a Python number or an int64 scalar tensor. The op is an
+    internal TF API (`tensorflow.python.data.experimental.ops.testing.sleep`):
+    a TF without it gets a clear error, not a silent no-op.
+    """
+    try:
+        from tensorflow.python.data.experimental.ops import testing
+    except ImportError as e:
+        raise RuntimeError(
+            "This TensorFlow has no tensorflow.python.data.experimental.ops.testing; "
+            "emulated device time is unavailable."
+        ) from e
+    if not hasattr(testing, "sleep"):
+        raise RuntimeError("tensorflow.python.data.experimental.ops.testing.sleep is missing.")
+    if isinstance(micros, (int, float)):
+        micros = int(micros)
+    return testing.sleep(micros)
+
+
+def emulated_device_time(step_ms, slowdown=None):
+    """A `per_worker_dataset_fn` that delays every batch by `step_ms` on each worker.
+
+    `slowdown` maps worker indices to factors: `{1: 10.0}` makes worker 1 a
+    straggler whose batches take 10x as long. Pass the result as
+    `AsyncParameterServerStrategy(..., per_worker_dataset_fn=...)`.
+
+    Example:
+
+    ```python
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=10,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(20, {1: 10.0}))
+    ```
+    """
+    if isinstance(step_ms, bool) or not isinstance(step_ms, (int, float)) or step_ms < 0:
+        raise ValueError(f"step_ms must be a number >= 0, got {step_ms!r}.")
+    slowdown = dict(slowdown or {})
+    for index, factor in slowdown.items():
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"slowdown keys must be worker indices >= 0, got {index!r}.")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"slowdown[{index}] must be a number > 0, got {factor!r}.")
+    factors = [float(slowdown.get(i, 1.0)) for i in range(max(slowdown, default=-1) + 1)]
+
+    def per_worker_dataset_fn(dataset, worker_index):
+        import tensorflow as tf
+
+        index = tf.cast(worker_index, tf.int64)
+        factor = tf.constant(1.0, tf.float64)
+        if factors:
+            known = tf.less(index, len(factors))
+            picked = tf.gather(tf.constant(factors, tf.float64), tf.minimum(index, len(factors) - 1))
+            factor = tf.where(known, picked, factor)
+        micros = tf.cast(tf.round(step_ms * 1000.0 * factor), tf.int64)
+        return dataset.apply(sleep_transformation(micros))
+
+    return per_worker_dataset_fn
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 import types
 
 import keras
@@ -70,6 +71,16 @@ def local_mode():
 def remote_value_ready(rv):
     """Whether a `RemoteValue` has its result (or error), without blocking."""
     return rv._status is not remote_value.RemoteValueStatus.NOT_READY
+
+
+def wait_briefly(rv, timeout=0.001):
+    """Waits until `rv` is ready or `timeout` seconds pass (polling for any of
+    several: TF has no wait-for-any on `RemoteValue`s)."""
+    event = getattr(rv, "_status_available_event", None)
+    if event is not None:
+        event.wait(timeout)
+    else:
+        time.sleep(timeout)
 
 
 _BASE_METHODS = ("assign", "assign_add", "assign_sub", "_backend_update_step", "_apply_weight_decay")

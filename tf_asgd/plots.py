@@ -70,8 +70,8 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
     """Saves a grid of line or bar panels as a PNG.
 
     Each panel is a dict: `title`, `xlabel`, `ylabel`, `series` (a list of
-    `(label, x, y)`), optional `kind` (`"line"` or `"bar"`), `logx`, `logy`,
-    `ylim`.
+    `(label, x, y)`), optional `kind` (`"line"`, `"bar"` or `"scatter"`),
+    `logx`, `logy`, `ylim`, `hline` (`(y, label)`: a dashed reference line).
     """
     import matplotlib
 
@@ -92,6 +92,8 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
             x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
             if kind == "bar":
                 ax.bar(x + (k - (len(series) - 1) / 2) * width, y, width=width, label=label)
+            elif kind == "scatter":
+                ax.scatter(x, y, label=label, s=10, alpha=0.7)
             else:
                 ax.plot(x, y, label=label, lw=1.2)
         ax.set_title(panel.get("title", ""), fontsize=9)
@@ -103,8 +105,10 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
             ax.set_yscale("log")
         if panel.get("ylim"):
             ax.set_ylim(*panel["ylim"])
+        if panel.get("hline"):
+            ax.axhline(panel["hline"][0], ls="--", color="k", lw=0.8, label=panel["hline"][1])
         ax.grid(alpha=0.3)
-        if series and any(s[0] for s in series):
+        if (series and any(s[0] for s in series)) or panel.get("hline"):
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")

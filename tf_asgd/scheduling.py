@@ -50,6 +50,7 @@ class WindowRecord(typing.NamedTuple):
 
     worker: int  # index of the worker that ran it
     pushed: bool  # False: its update held NaN/Inf and was not pushed
+    staleness: int  # tau of its push (pushes committed since its pull); -1 if not pushed
     loss: float  # mean training loss over the window's steps
     seen_at: float  # time.perf_counter() on the chief when it saw the window done
     finished_at: float  # time.time() on the worker once its push was applied
@@ -71,7 +72,7 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
     measured at push time), computes `scale(tau)` on the PS that holds the
     counter, and adds `scale * update` to each variable on its own PS.
     Pushes with `tau > max_staleness` are counted as dropped (their scale is
-    0). Returns the list of ops; their control dependencies order the push.
+    0). Returns `(ops, tau)`: the ops' control dependencies order the push.
     """
     with tf.control_dependencies(updates):
         tau = counters.take_ticket(pulled_version)
@@ -86,7 +87,7 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
                     piece = tf.cast(scale, piece.dtype) * piece
                 # else: integer state (RNG seeds) advances unscaled
                 ops.append(shard.assign_add(piece, read_value=False))
-    return ops
+    return ops, tau
 
 
 def _read(raw):
@@ -200,32 +201,45 @@ class WindowTrainer:
         return self._logs
 
     def _drain(self, block, keep=0):
-        """Records finished windows in order; with `block`, waits until at
-        most `keep` are unfinished."""
-        while len(self._pending) > keep and (block or keras_hook.remote_value_ready(self._pending[0])):
-            packed = np.asarray(self._pending.pop(0).fetch())
-            worker, pushed, replayed, finished_at = packed[:4]
-            values, at = [], 4
-            for init in self._metric_init:
-                values.append(packed[at:at + init.size].reshape(init.shape).astype(init.dtype))
-                at += init.size
-            total, count = (values[i] for i in self._loss_index)
-            record = WindowRecord(
-                worker=int(worker),
-                pushed=bool(pushed),
-                loss=float(total / count) if count else float("nan"),
-                seen_at=time.perf_counter(),
-                finished_at=float(finished_at),
-                state=tuple(values),
-                pi=packed[at:].reshape(-1, 3) if self.push_rule else None,
-                replayed=bool(replayed),
-            )
-            self.window_log.append(record)
-            self._epoch_windows.append(record)
-            if self._metric_sum is None:
-                self._metric_sum = values
-            else:
-                self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
+        """Records finished windows in the order they finish; with `block`,
+        waits until at most `keep` are unfinished.
+
+        Any finished window frees a slot, not only the oldest: waiting for the
+        oldest would hold every fast worker behind a straggler's window.
+        """
+        while True:
+            ready = [rv for rv in self._pending if keras_hook.remote_value_ready(rv)]
+            for rv in ready:
+                self._pending.remove(rv)
+                self._record(np.asarray(rv.fetch()))
+            if not block or len(self._pending) <= keep:
+                return
+            keras_hook.wait_briefly(self._pending[0])
+
+    def _record(self, packed):
+        worker, pushed, replayed, finished_at, staleness = packed[:5]
+        values, at = [], 5
+        for init in self._metric_init:
+            values.append(packed[at:at + init.size].reshape(init.shape).astype(init.dtype))
+            at += init.size
+        total, count = (values[i] for i in self._loss_index)
+        record = WindowRecord(
+            worker=int(worker),
+            pushed=bool(pushed),
+            staleness=int(staleness),
+            loss=float(total / count) if count else float("nan"),
+            seen_at=time.perf_counter(),
+            finished_at=float(finished_at),
+            state=tuple(values),
+            pi=packed[at:].reshape(-1, 3) if self.push_rule else None,
+            replayed=bool(replayed),
+        )
+        self.window_log.append(record)
+        self._epoch_windows.append(record)
+        if self._metric_sum is None:
+            self._metric_sum = values
+        else:
+            self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
 
     def _metric_results(self, state):
         """The model's metric results for metric-variable values `state`."""
@@ -361,7 +375,7 @@ class WindowTrainer:
         )
 
         def push():
-            ops = push_update(
+            ops, tau = push_update(
                 self.variables, update, pulled_version, counters,
                 self.strategy.staleness, self.strategy.max_staleness,
             )
@@ -375,17 +389,19 @@ class WindowTrainer:
                     updates=tf.reshape(window_id + 1, [1]),
                 ))
             with tf.control_dependencies(ops):
-                return tf.constant(True)
+                return tf.constant(True), tf.identity(tau)
+
+        not_pushed = tf.constant(-1, tf.int64)
 
         def skip():
             op = counters.dropped_nonfinite.assign_add(1, read_value=False)
             with tf.control_dependencies([op]):
-                return tf.constant(False)
+                return tf.constant(False), tf.identity(not_pushed)
 
         def replay():
-            return tf.constant(False)
+            return tf.constant(False), tf.identity(not_pushed)
 
-        pushed = tf.cond(replayed, replay, lambda: tf.cond(finite, push, skip))
+        pushed, tau = tf.cond(replayed, replay, lambda: tf.cond(finite, push, skip))
         # Per-worker variables are captured at call time, which does not reach
         # into cond branches: write the worker's state here, keeping the old
         # state when the window was not pushed.
@@ -404,6 +420,7 @@ class WindowTrainer:
                 tf.logical_or(pushed, replayed),  # the update is in the central variables, once
                 replayed,
                 tf.timestamp(),  # under the control dependency: after the push
+                tau,
             ]
             parts = [tf.reshape(tf.cast(h, tf.float64), [1]) for h in header]
             parts += [tf.reshape(tf.cast(m - i, tf.float64), [-1])

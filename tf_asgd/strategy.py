@@ -17,6 +17,7 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 """
 
 import tensorflow as tf
+from tensorflow.python.distribute.coordinator import values as coordinator_values
 
 from tf_asgd import cluster as cluster_lib
 from tf_asgd import keras_hook, update_rules
@@ -49,11 +50,39 @@ class _WindowDataset:
         if keras_hook.in_local_mode():
             return iter(self._dataset)
         if self._iterator is None:
-            per_worker = self._strategy.coordinator.create_per_worker_dataset(
-                self._dataset.repeat()
-            )
+            transform = self._strategy.per_worker_dataset_fn
+            if transform is None:
+                source = self._dataset.repeat()
+            else:
+                source = self._per_worker_fn(transform)
+            per_worker = self._strategy.coordinator.create_per_worker_dataset(source)
             self._iterator = iter(per_worker)
         return self._iterator
+
+    def _per_worker_fn(self, transform):
+        """A dataset function that applies `transform(dataset, worker_index)`
+        on each worker. The chief's dataset travels as its serialized graph,
+        as TF's coordinator sends a dataset object; a function that captured
+        the dataset itself would fail on the worker."""
+        graph = coordinator_values.serialize_dataset_to_graph(self._dataset)
+        spec = self._dataset.element_spec
+
+        def dataset_fn():
+            dataset = coordinator_values.deserialize_dataset_from_graph(graph, spec)
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            out = transform(dataset, index)
+            if not isinstance(out, tf.data.Dataset):
+                raise TypeError(
+                    f"per_worker_dataset_fn must return a tf.data.Dataset, got {type(out).__name__}."
+                )
+            if out.element_spec != spec:
+                raise ValueError(
+                    "per_worker_dataset_fn must keep the dataset's element_spec "
+                    f"(the model was built for it): got {out.element_spec}, expected {spec}."
+                )
+            return out.repeat()
+
+        return dataset_fn
 
     @property
     def element_spec(self):
@@ -81,6 +110,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         max_staleness: pushes with `tau > max_staleness` are dropped and
             counted; `None` keeps every push.
         variable_partitioner: passed to `ParameterServerStrategy`.
+        per_worker_dataset_fn: optional `fn(dataset, worker_index) -> dataset`,
+            run on each worker (inside a `tf.function`; `worker_index` is a
+            scalar tensor) on the batched dataset that `fit` was given, before
+            it is repeated. Shard the data per worker
+            (`lambda ds, i: ds.shard(num_workers, i)`) or emulate workers of
+            different speeds (`tf_asgd.data.emulated_device_time`). It must keep
+            the dataset's `element_spec`.
     """
 
     def __init__(
@@ -90,10 +126,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         staleness="dynsgd",
         max_staleness=None,
         variable_partitioner=None,
+        per_worker_dataset_fn=None,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
             raise ValueError(f"n_sync must be a positive integer, got {n_sync!r}.")
+        if per_worker_dataset_fn is not None and not callable(per_worker_dataset_fn):
+            raise TypeError(
+                "per_worker_dataset_fn must be a function (dataset, worker_index) -> "
+                f"dataset or None, got {per_worker_dataset_fn!r}."
+            )
         update_rules.validate_staleness(staleness, max_staleness)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         keras_hook.install()
@@ -101,6 +143,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.n_sync = n_sync
         self.staleness = staleness
         self.max_staleness = max_staleness
+        self.per_worker_dataset_fn = per_worker_dataset_fn
         # evaluate/predict run on the chief against the central variables.
         self.extended._allow_run_without_coordinator = True
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)

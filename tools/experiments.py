@@ -71,7 +71,7 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
     import tensorflow as tf
 
     import tf_asgd
-    from scaleout import sleep_transformation
+    from tf_asgd.data import sleep_transformation
 
     (x, y), (xt, yt) = data
     # No shuffle seed: each worker draws its own order.

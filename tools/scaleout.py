@@ -2,9 +2,9 @@
 
 A 2-core machine cannot run 8 or 32 GPUs, so each worker's step is made to
 cost a fixed *device time* that uses no CPU: tf.data's internal `sleep`
-transformation (`tensorflow.python.data.experimental.ops.testing.sleep`)
-delays each element (one minibatch) of the per-worker dataset by `--step-ms`,
-as a GPU kernel would keep a step busy. The rest is real: Keras 3
+transformation (`tensorflow.python.data.experimental.ops.testing.sleep`, via
+`tf_asgd.data.sleep_transformation`) delays each element (one minibatch) of
+the per-worker dataset by `--step-ms`, as a GPU kernel would keep a step busy. The rest is real: Keras 3
 `model.fit` under `tf_asgd.AsyncParameterServerStrategy`, every window
 pulls all variables from the PS and pushes its update, the PS applies it.
 All tasks share one child process (`LocalCluster(shared_process=True)`), so
@@ -33,24 +33,12 @@ import sys
 import time
 
 
-def sleep_transformation(micros):
-    """tf.data's per-element sleep (no CPU used), or a clear error if TF lacks it."""
-    try:
-        from tensorflow.python.data.experimental.ops import testing
-    except ImportError as e:  # internal API: guard it
-        raise RuntimeError(
-            "This TensorFlow has no tensorflow.python.data.experimental.ops.testing; "
-            "emulated device time is unavailable."
-        ) from e
-    if not hasattr(testing, "sleep"):
-        raise RuntimeError("tensorflow.python.data.experimental.ops.testing.sleep is missing.")
-    return testing.sleep(int(micros))
-
-
 def emulated_dataset(input_shape, batch_size, step_ms, num_classes=10, seed=0):
     """A dataset of synthetic minibatches, each delayed by `step_ms` of device time."""
     import numpy as np
     import tensorflow as tf
+
+    from tf_asgd.data import sleep_transformation
 
     rng = np.random.default_rng(seed)
     x = rng.random((4 * batch_size,) + tuple(input_shape), dtype=np.float32)
