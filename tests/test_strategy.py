@@ -127,6 +127,66 @@ def test_bad_strategy_arguments(cluster, kwargs, match):
         _strategy(cluster, **kwargs)
 
 
+def test_per_worker_dataset_fn_shards_the_data_per_worker(cluster, digits):
+    """`per_worker_dataset_fn` runs on each worker with that worker's index:
+    with `shard(2, i)`, worker i trains only on batches whose label is i. A
+    metric that averages the label shows it, window by window."""
+    (x, _), _ = digits
+    n = len(x) // 64 * 64
+    y = np.repeat(np.tile([0, 1], n // 64), 32)  # batch b holds label b % 2
+    ds = tf.data.Dataset.from_tensor_slices((x[:n], y)).batch(32)
+    strategy = _strategy(cluster, n_sync=4, per_worker_dataset_fn=lambda d, i: d.shard(2, i))
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile(keras.optimizers.SGD(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.MeanMetricWrapper(
+                          lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
+    model.fit(ds, epochs=2, steps_per_epoch=40, verbose=0)
+    log = strategy.window_log(model)
+    means = {w: {strategy.window_results(model, r)["label_mean"] for r in log if r.worker == w}
+             for w in (0, 1)}
+    assert means == {0: {0.0}, 1: {1.0}}
+
+
+@pytest.mark.parametrize(
+    "fn,error,match",
+    [(lambda d, i: d.unbatch(), ValueError, "per_worker_dataset_fn must keep the dataset's element_spec"),
+     (lambda d, i: 3, TypeError, "per_worker_dataset_fn must return a tf.data.Dataset, got int")],
+)
+def test_bad_per_worker_dataset_fn(cluster, digits, fn, error, match):
+    (x, y), _ = digits
+    with pytest.raises(TypeError, match="per_worker_dataset_fn must be a function"):
+        _strategy(cluster, per_worker_dataset_fn="shard")
+    strategy = _strategy(cluster, n_sync=4, per_worker_dataset_fn=fn)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    with pytest.raises(error, match=match):
+        model.fit(x, y, epochs=1, steps_per_epoch=8, verbose=0)
+    assert strategy.stats().windows == 0
+
+
+def test_emulated_device_time_per_worker():
+    """Each batch sleeps step_ms times the worker's factor; bad input is named."""
+    import time
+
+    fn = tf_asgd.data.emulated_device_time(30, {1: 3.0})
+    ds = tf.data.Dataset.range(3)
+    elapsed = {}
+    for index in (0, 1, 5):
+        t = time.perf_counter()
+        assert list(fn(ds, tf.constant(index)).as_numpy_iterator()) == [0, 1, 2]
+        elapsed[index] = time.perf_counter() - t
+    assert elapsed[0] >= 3 * 0.030 and elapsed[5] >= 3 * 0.030
+    assert elapsed[1] >= 3 * 0.090  # the device time is really spent
+    with pytest.raises(ValueError, match="step_ms must be a number >= 0"):
+        tf_asgd.data.emulated_device_time(-1)
+    with pytest.raises(ValueError, match=r"slowdown\[1\] must be a number > 0"):
+        tf_asgd.data.emulated_device_time(10, {1: 0})
+    with pytest.raises(ValueError, match="slowdown keys must be worker indices"):
+        tf_asgd.data.emulated_device_time(10, {"w1": 2.0})
+
+
 @pytest.mark.parametrize("missing", ["ps", "worker"])
 def test_cluster_without_ps_or_worker(cluster, missing):
     spec = {k: v for k, v in cluster.cluster_spec.items() if k != missing}

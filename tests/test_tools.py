@@ -116,3 +116,17 @@ def test_experiments_tool(tmp_path):
     assert len(summary) == 4
     for name in ("nsync_curves.png", "nsync_staleness.png", "start_curves.png"):
         _png(tmp_path / name)
+
+
+def test_straggler_tool(tmp_path):
+    _run("straggler.py", "--out", str(tmp_path), "--workers", "3", "--step-ms", "2",
+         "--steps", "60", "--rounds", "1")
+    rows = _csv(tmp_path / "straggler.csv", ["config", "seconds", "samples_per_s",
+                                             "fast_windows_per_worker_s", "slow_windows",
+                                             "dropped_stale", "test_accuracy"])
+    assert [r["config"] for r in rows] == ["uniform", "straggler", "straggler_drop"]
+    _positive(rows, "fast_windows_per_worker_s")
+    assert sum(int(r["slow_windows"]) for r in rows) >= 1
+    md = (tmp_path / "straggler.md").read_text()
+    assert "windows/s per fast worker" in md and "ideal" in md
+    _png(tmp_path / "straggler.png")

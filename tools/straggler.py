@@ -1,0 +1,187 @@
+"""A straggler, side by side: does one slow worker hold back the others?
+
+One `LocalCluster` of `--workers` workers (all tasks in one process), each
+minibatch costing `--step-ms` of emulated device time (tf.data sleep, no CPU:
+`tf_asgd.data.emulated_device_time`), the digits convnet on the real digits
+data. In alternating rounds, each configuration with its own strategy and a
+freshly seeded model:
+
+- `uniform`: every worker at `--step-ms`;
+- `straggler`: the last worker `--slow` times slower, staleness `dynsgd`
+  (its stale pushes scaled by 1/(tau+1));
+- `straggler_drop`: the same with `--max-staleness` (its stale pushes
+  dropped).
+
+For each it reports the median over rounds of: wall seconds of `fit`, of
+which the time to the first push (`fit` builds the per-worker datasets; each
+configuration's first `fit`, which traces, is not timed) and the time after
+the fast workers' last push (`fit` waits for the straggler's window in
+flight), samples/s, windows/s per fast worker (between their first and last
+push), the straggler's windows and mean staleness, pushes dropped as stale,
+and held-out accuracy. The ratios are
+measured side by side in one run: a fast worker's window rate with the
+straggler over its rate without (1.0: not held back), and samples/s with the
+straggler over without, next to the ideal `(W - 1 + 1/slow) / W` (every
+worker at its own speed, no waiting).
+
+Writes `straggler.csv`, `straggler.md` and `straggler.png` (staleness of
+each push over time, by worker) to `--out`.
+
+    python tools/straggler.py                          # the default run
+    python tools/straggler.py --workers 3 --steps 100 --epochs 1 --rounds 1
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+CONFIGS = ("uniform", "straggler", "straggler_drop")
+
+
+def run_config(cluster, name, data, args):
+    """One `fit` of a fresh model under configuration `name`; returns
+    (summary row, window log)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_asgd
+
+    slowest = args.workers - 1
+    slowdown = {} if name == "uniform" else {slowest: args.slow}
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=args.n_sync, staleness="dynsgd",
+        max_staleness=args.max_staleness if name == "straggler_drop" else None,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.step_ms, slowdown),
+    )
+    (x, y), (x_test, y_test) = data
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(
+        args.batch_size, drop_remainder=True)
+    keras.utils.set_random_seed(args.seed)
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile(keras.optimizers.SGD(args.eta, momentum=args.momentum),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    model.fit(ds, steps_per_epoch=args.n_sync * args.workers, epochs=1, verbose=0)  # trace
+    warm = len(strategy.window_log(model))
+    t0, wall0 = time.perf_counter(), time.time()
+    model.fit(ds, steps_per_epoch=args.steps, epochs=args.epochs, verbose=0)
+    seconds = time.perf_counter() - t0
+    log = strategy.window_log(model)[warm:]
+    _, acc = model.evaluate(x_test, y_test, verbose=0, batch_size=256)
+    fast = [r for r in log if r.worker != slowest]
+    slow = [r for r in log if r.worker == slowest]
+    # The fast workers' steady state: from their first push to their last.
+    # Before it, fit starts (per-worker datasets are built; the first windows
+    # run); after it, fit only waits for the straggler's last window.
+    first, last = min(r.finished_at for r in fast), max(r.finished_at for r in fast)
+    row = dict(
+        config=name, workers=args.workers, slow=args.slow if slowdown else 1.0,
+        seconds=seconds, samples_per_s=len(log) * args.n_sync * args.batch_size / seconds,
+        fast_windows_per_worker_s=(len(fast) - 1) / slowest / (last - first),
+        start_s=first - wall0,
+        end_wait_s=wall0 + seconds - last,
+        slow_windows=len(slow),
+        slow_mean_staleness=statistics.fmean(r.staleness for r in slow) if slow else float("nan"),
+        fast_mean_staleness=statistics.fmean(r.staleness for r in fast) if fast else float("nan"),
+        dropped_stale=strategy.stats().dropped_stale,
+        test_accuracy=acc,
+    )
+    return row, log
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/straggler")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--slow", type=float, default=10.0, help="the straggler's slowdown factor")
+    p.add_argument("--step-ms", type=float, default=20.0, help="emulated device time per minibatch")
+    p.add_argument("--n-sync", type=int, default=5)
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--steps", type=int, default=600, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--eta", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.0,
+                   help="the workers' SGD momentum (0.9 made 4 async workers diverge in some runs)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.workers < 2:
+        p.error("--workers must be at least 2 (one straggler and one fast worker)")
+    import tf_asgd
+    from tf_asgd import plots
+
+    data = tf_asgd.data.load_digits()
+    rows, logs = [], {}
+    t0 = time.time()
+    with tf_asgd.LocalCluster(args.workers, 1, shared_process=True) as cluster:
+        for k in range(args.rounds):
+            order = CONFIGS if k % 2 == 0 else CONFIGS[::-1]  # drift hits all alike
+            for name in order:
+                row, log = run_config(cluster, name, data, args)
+                row["round"] = k
+                print(row, flush=True)
+                rows.append(row)
+                logs.setdefault(name, log)
+
+    def median(name, key):
+        return statistics.median(r[key] for r in rows if r["config"] == name)
+
+    os.makedirs(args.out, exist_ok=True)
+    plots.write_csv(os.path.join(args.out, "straggler.csv"), rows)
+    w = args.workers
+    ideal = (w - 1 + 1 / args.slow) / w
+    lines = [
+        f"{w} workers (worker {w - 1} {args.slow:g}x slower), 1 PS, all tasks in one process; "
+        f"digits convnet, SGD eta {args.eta:g} momentum {args.momentum:g}, batch {args.batch_size}, emulated device time {args.step_ms:g} ms per "
+        f"minibatch, n_sync {args.n_sync}, {args.epochs} epochs of {args.steps} steps; "
+        f"median of {args.rounds} rounds; {os.cpu_count()} CPU cores.",
+        "",
+        "| config | fit seconds | to first push | after last fast push | samples/s | "
+        "windows/s per fast worker | straggler windows | straggler mean staleness | "
+        "fast mean staleness | dropped stale | test accuracy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    keys = ("seconds", "start_s", "end_wait_s", "samples_per_s", "fast_windows_per_worker_s", "slow_windows",
+            "slow_mean_staleness", "fast_mean_staleness", "dropped_stale", "test_accuracy")
+    for name in CONFIGS:
+        vals = [median(name, key) for key in keys]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.3g}" for v in vals) + " |")
+    lines += [
+        "",
+        "Ratios, with the straggler over uniform:",
+        "",
+        f"- windows/s per fast worker: {median('straggler', 'fast_windows_per_worker_s') / median('uniform', 'fast_windows_per_worker_s'):.2f} "
+        f"(dropping: {median('straggler_drop', 'fast_windows_per_worker_s') / median('uniform', 'fast_windows_per_worker_s'):.2f}); "
+        "1.00 = not held back",
+        f"- samples/s: {median('straggler', 'samples_per_s') / median('uniform', 'samples_per_s'):.2f} "
+        f"(dropping: {median('straggler_drop', 'samples_per_s') / median('uniform', 'samples_per_s'):.2f}); "
+        f"ideal {ideal:.2f}",
+    ]
+    with open(os.path.join(args.out, "straggler.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+    panels = []
+    for name in CONFIGS[1:]:
+        log = logs[name]
+        start = min(r.finished_at for r in log)
+        series = [(f"worker {k}" + (" (straggler)" if k == w - 1 else ""),
+                   [r.finished_at - start for r in log if r.worker == k and r.pushed],
+                   [r.staleness for r in log if r.worker == k and r.pushed])
+                  for k in range(w)]
+        panel = dict(title=f"{name}: staleness of each push", xlabel="seconds",
+                     ylabel="staleness (pushes since its pull)", series=series, kind="scatter")
+        if name == "straggler_drop":
+            panel["hline"] = (args.max_staleness, f"max_staleness {args.max_staleness}")
+        panels.append(panel)
+    plots.plot_panels(os.path.join(args.out, "straggler.png"), panels)
+    print("\n".join(lines))
+    print(f"straggler took {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
