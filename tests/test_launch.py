@@ -133,8 +133,31 @@ def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path
     assert os.path.exists(os.path.join(workdir, "eval_metrics.csv"))
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
-    cmd, env = launcher([*SHORT, "--config.epochs=1000", f"--workdir={tmp_path}"])
+def _userns_available():
+    from tf_asgd import network
+
+    try:
+        network.check_available()
+        return True
+    except OSError:
+        return False
+
+
+def _reachable(port):
+    """Whether a TCP connection to 127.0.0.1:port from this process succeeds."""
+    with socket.socket() as s:
+        s.settimeout(5)
+        return s.connect_ex(("127.0.0.1", int(port))) == 0
+
+
+@pytest.mark.parametrize("isolate", ["auto", "no"])
+def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate):
+    """By default a local run lives in a loopback-only network namespace: its
+    tasks' ports cannot be reached from outside the job, not even from this
+    machine's own loopback. With --isolate_network=no they can (TF listens
+    on 0.0.0.0). Either way Ctrl-C stops every process."""
+    cmd, env = launcher([*SHORT, "--config.epochs=1000", f"--workdir={tmp_path}",
+                         f"--isolate_network={isolate}"])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         log = []
@@ -144,6 +167,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
                 break
         ports = local_cluster_ports("".join(log))
         assert task_server_processes(ports)
+        isolated = "Isolated: this run has its own network namespace" in "".join(log)
+        assert isolated == (isolate == "auto" and _userns_available()), "".join(log)[-3000:]
+        assert [_reachable(p) for p in ports] == [not isolated] * len(ports)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
     finally:
@@ -152,6 +178,17 @@ def test_ctrl_c_stops_every_process(tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert_all_stopped(ports)
+
+
+def test_isolate_network_yes_without_unshare_stops_with_a_clear_error(tmp_path):
+    path = os.path.join(str(tmp_path), "bin")  # a PATH with python but no `unshare`
+    os.makedirs(path)
+    os.symlink(sys.executable, os.path.join(path, "python"))
+    proc = run_launcher([*SHORT, "--config.epochs=1", f"--workdir={tmp_path}/run",
+                         "--isolate_network=yes"], extra_env={"PATH": path})
+    assert proc.returncode != 0
+    assert "--isolate_network=yes, but the `unshare` command (util-linux) is not installed" in proc.stderr
+    assert "local cluster" not in proc.stderr  # nothing was started
 
 
 def _free_ports(n):

@@ -19,7 +19,7 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 ```
 """
 
-from tf_asgd import data, gem, models, optimizers, update_rules
+from tf_asgd import data, gem, models, network, optimizers, update_rules
 from tf_asgd.cluster import LocalCluster, parse_tf_config
 from tf_asgd.counters import AsyncStats
 from tf_asgd.strategy import AsyncParameterServerStrategy
@@ -33,6 +33,7 @@ __all__ = [
     "data",
     "gem",
     "models",
+    "network",
     "optimizers",
     "parse_tf_config",
     "update_rules",

@@ -114,6 +114,23 @@ def _keras_cache(name):
     )
 
 
+def _mnist_file(path):
+    return path or _keras_cache("mnist.npz")
+
+
+def _cifar10_dir(data_dir):
+    return data_dir or _keras_cache(os.path.join("cifar-10-batches-py-target", "cifar-10-batches-py"))
+
+
+def needs_download(dataset, data_dir=""):
+    """Whether loading `dataset` would download it (it is not on this machine)."""
+    if dataset == "mnist":
+        return not os.path.isfile(_mnist_file(data_dir))
+    if dataset == "cifar10":
+        return not os.path.isfile(os.path.join(_cifar10_dir(data_dir), "data_batch_1"))
+    return False  # digits ship with scikit-learn; imagenet is never downloaded
+
+
 def load_mnist(path="", download=True):
     """MNIST as `((x_train, y_train), (x_test, y_test))`, images 28x28x1 uint8.
 
@@ -121,7 +138,7 @@ def load_mnist(path="", download=True):
     `x_test`, `y_test`); "" means `~/.keras/datasets/mnist.npz`, which
     `keras.datasets.mnist.load_data()` downloads when `download` is true.
     """
-    tried = path or _keras_cache("mnist.npz")
+    tried = _mnist_file(path)
     if os.path.isfile(tried):
         with np.load(tried, allow_pickle=False) as f:
             xy = (f["x_train"], f["y_train"]), (f["x_test"], f["y_test"])
@@ -154,8 +171,7 @@ def load_cifar10(data_dir="", download=True):
     (`data_batch_1..5`, `test_batch`); "" means Keras's cache, which
     `keras.datasets.cifar10.load_data()` fills when `download` is true.
     """
-    default = _keras_cache(os.path.join("cifar-10-batches-py-target", "cifar-10-batches-py"))
-    tried = data_dir or default
+    tried = _cifar10_dir(data_dir)
     if os.path.isfile(os.path.join(tried, "data_batch_1")):
         from keras.src.datasets.cifar import load_batch  # Keras's own batch reader
 

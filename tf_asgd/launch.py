@@ -64,7 +64,45 @@ flags.DEFINE_integer(
     "GPUs per local worker process, each worker seeing its own through CUDA_VISIBLE_DEVICES; "
     "overrides config.gpus_per_worker. PS tasks and the chief never use a GPU.",
 )
+flags.DEFINE_enum(
+    "isolate_network", "auto", ["auto", "yes", "no"],
+    "Local runs: run the chief and its tasks in a network namespace whose only interface is "
+    "loopback, so that no one outside can reach their ports (TF 2.21 listens on 0.0.0.0 and "
+    "has no authentication). auto: when the kernel allows it and no data must be "
+    "downloaded, else a warning; yes: or stop; no: listen on every interface. Ignored "
+    "under TF_CONFIG.",
+)
 FLAGS = flags.FLAGS
+
+
+def isolate_local_run(mode, config):
+    """Moves a local run into a loopback-only network namespace (see
+    `tf_asgd.network`), or says why not. Returns only inside the namespace,
+    or when the run stays outside it."""
+    from tf_asgd import data, network
+
+    if mode == "no":
+        return
+    if not network.in_loopback_namespace():
+        if mode == "auto" and config.download and data.needs_download(config.dataset, config.data_dir):
+            logging.warning(
+                "Not isolating the local cluster to loopback: %s must be downloaded first "
+                "(a loopback-only namespace has no network). Its ports listen on every "
+                "interface; once the data is here, runs are isolated.", config.dataset)
+            return
+        try:
+            network.check_available()
+        except OSError as e:
+            if mode == "yes":
+                sys.exit(f"tf_asgd.launch: --isolate_network=yes, but {e}.")
+            logging.warning(
+                "The local cluster's ports listen on every interface (TF 2.21 binds 0.0.0.0; "
+                "its gRPC has no authentication) because %s. Firewall this machine, or "
+                "pass --isolate_network=no to accept this.", e)
+            return
+    network.reexec_in_loopback_namespace()  # outside: does not return
+    logging.info("Isolated: this run has its own network namespace with only loopback; "
+                 "no one outside can reach the cluster's ports.")
 
 
 def main(argv):
@@ -83,6 +121,8 @@ def main(argv):
         sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
+    if role is None:
+        isolate_local_run(FLAGS.isolate_network, config)
     logging.info("config:\n%s", config)
     try:
         training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume)
