@@ -177,6 +177,47 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     assert strategy.stats().windows == version + 1
 
 
+def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched():
+    """A push writes nothing until every piece of the update is on the PS.
+    Here variable `a`'s update is ready at once and `b`'s only after the
+    worker waits 8 s for its data; the worker is killed during that wait.
+    Neither variable, nor the version counter, has changed; once the worker is
+    back, TF's coordinator runs the closure again and the whole update lands
+    exactly once."""
+    from tf_asgd import scheduling
+
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1, staleness="none")
+        with strategy.scope():
+            a, b = tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([3]))
+        slow = tf.data.Dataset.from_tensors(tf.ones([3])).repeat().apply(
+            tf_asgd.data.sleep_transformation(8_000_000))
+        iterator = iter(strategy.coordinator.create_per_worker_dataset(slow))
+
+        @tf.function
+        def push(iterator):
+            ops, tau = scheduling.push_update(
+                [a, b], [tf.ones([3]), next(iterator)], tf.constant(0, tf.int64),
+                strategy.counters, "none", None)
+            with tf.control_dependencies(ops):
+                return tf.identity(tau)
+
+        result = strategy.coordinator.schedule(push, args=(iterator,))
+        time.sleep(2.0)  # a's piece could have been written by now; b's is not there yet
+        np.testing.assert_array_equal(b.numpy(), np.zeros(3))
+        np.testing.assert_array_equal(a.numpy(), np.zeros(3))
+        cluster.kill_task("worker:0", signal.SIGKILL)
+        np.testing.assert_array_equal(a.numpy(), np.zeros(3))
+        np.testing.assert_array_equal(b.numpy(), np.zeros(3))
+        assert strategy.stats().windows == 0
+        cluster.restart_task("worker:0")
+        strategy.coordinator.join()
+        assert int(result.fetch()) == 0
+        np.testing.assert_array_equal(a.numpy(), np.ones(3))
+        np.testing.assert_array_equal(b.numpy(), np.ones(3))
+        assert strategy.stats().windows == 1
+
+
 # ---------------------------------------------------------------------------
 # A straggler
 

@@ -122,11 +122,12 @@ def test_gem_trains_digits_and_reports_pi(cluster, digits, tmp_path):
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-    history = model.fit(x, y, batch_size=32, epochs=8, verbose=0,
+    epochs = 10  # 8 gave 0.969 to 0.983 in 5 runs, once 0.928 in a full-suite run
+    history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0,
                         callbacks=[tf_asgd.gem.PiMonitor(str(tmp_path / "pi"))])
     assert model.evaluate(xt, yt, verbose=0)[1] >= 0.95
     for key in ("gem_pi_mean", "gem_pi_zero", "gem_pi_max"):
-        assert len(history.history[key]) == 8
+        assert len(history.history[key]) == epochs
     assert all(0.0 <= p <= 5.0 for p in history.history["gem_pi_mean"])
     names, pis = tf_asgd.gem.pi_history(model)
     assert pis.shape == (strategy.model_stats(model).applied, len(model.trainable_variables), 3)

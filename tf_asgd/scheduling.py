@@ -68,25 +68,33 @@ APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 def push_update(variables, updates, pulled_version, counters, rule, max_staleness):
     """The PS side of a push; call inside a closure running on a worker.
 
-    Takes a version ticket once every update tensor exists (so staleness is
-    measured at push time), computes `scale(tau)` on the PS that holds the
-    counter, and adds `scale * update` to each variable on its own PS.
+    First every piece of the update is copied to the PS that holds its
+    variable (or shard); only once all have arrived is the version ticket
+    taken (so staleness is measured at push time) and anything written. A
+    worker that dies while its update is in transit therefore leaves the PS
+    untouched, not half-updated. Then `scale(tau)` is computed on the PS that
+    holds the counter and each PS adds `scale * update` to its variables.
     Pushes with `tau > max_staleness` are counted as dropped (their scale is
     0). Returns `(ops, tau)`: the ops' control dependencies order the push.
     """
-    with tf.control_dependencies(updates):
+    arrived = []  # (PS variable, its piece of the update, now on that PS)
+    for v, u in zip(variables, updates):
+        for shard, piece in _shards(_raw(v), u):
+            with tf.device(shard.device):
+                arrived.append((shard, tf.identity(piece)))
+    with tf.control_dependencies([piece for _, piece in arrived]):
         tau = counters.take_ticket(pulled_version)
     with tf.device(_raw(counters.version).device):
         scale = update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp)
         dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
     ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
-    for v, u in zip(variables, updates):
-        for shard, piece in _shards(_raw(v), u):
-            with tf.device(shard.device):
-                if piece.dtype.is_floating:
-                    piece = tf.cast(scale, piece.dtype) * piece
-                # else: integer state (RNG seeds) advances unscaled
-                ops.append(shard.assign_add(piece, read_value=False))
+    for shard, piece in arrived:
+        # Under the ticket even where the scale is a constant ("none").
+        with tf.device(shard.device), tf.control_dependencies([tau]):
+            if piece.dtype.is_floating:
+                piece = tf.cast(scale, piece.dtype) * piece
+            # else: integer state (RNG seeds) advances unscaled
+            ops.append(shard.assign_add(piece, read_value=False))
     return ops, tau
 
 
@@ -156,6 +164,7 @@ class WindowTrainer:
                 self.push_rule.create_worker_state(model.trainable_variables)
             self.data_shifted = tf.Variable(False, per_worker_variable=True, trainable=False)
         self.window_log = []  # a WindowRecord per finished window, in order seen
+        self._ticketed = 0  # windows of window_log that took a version ticket
         self._metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
         self._metric_sum = None
         self._epoch_windows = []
@@ -235,6 +244,7 @@ class WindowTrainer:
             replayed=bool(replayed),
         )
         self.window_log.append(record)
+        self._ticketed += record.staleness >= 0
         self._epoch_windows.append(record)
         if self._metric_sum is None:
             self._metric_sum = values
@@ -272,7 +282,9 @@ class WindowTrainer:
         if counters:
             logs.update(self.strategy.stats(self).as_logs())
         else:
-            logs["windows"] = len(self.window_log)
+            # As the epoch-end logs count them (the PS version): pushes made,
+            # not windows that were skipped (NaN/Inf) or re-runs.
+            logs["windows"] = self._ticketed
         pis = [r.pi for r in self._epoch_windows if r.pi is not None and r.pushed]
         if pis:
             mean = np.mean(pis, axis=(0, 1))
@@ -379,11 +391,14 @@ class WindowTrainer:
                 self.variables, update, pulled_version, counters,
                 self.strategy.staleness, self.strategy.max_staleness,
             )
+            # Like the variables, the step count and the window's id are
+            # written only once the whole update has reached the PS.
             iterations = _raw(self.model.optimizer.iterations)
-            ops.append(
-                iterations.assign_add(tf.cast(num_steps, iterations.dtype), read_value=False)
-            )
-            with tf.device(self.applied_windows.device), tf.control_dependencies(update):
+            with tf.control_dependencies([tau]):
+                ops.append(
+                    iterations.assign_add(tf.cast(num_steps, iterations.dtype), read_value=False)
+                )
+            with tf.device(self.applied_windows.device), tf.control_dependencies([tau]):
                 ops.append(tf.raw_ops.ResourceScatterUpdate(
                     resource=self.applied_windows.handle, indices=slot,
                     updates=tf.reshape(window_id + 1, [1]),
