@@ -24,10 +24,12 @@ def test_digits_convnet_fit_evaluate_predict_save(cluster, digits, tmp_path):
     strategy = _strategy(cluster, n_sync=10, staleness="dynsgd")
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
-    history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(xt, yt), verbose=0)
+    # 10 epochs gave 0.939 to 0.994 (11 runs; one CI run 0.942); 15 gave 0.986 to 0.994 (8 runs).
+    epochs = 15
+    history = model.fit(x, y, batch_size=32, epochs=epochs, validation_data=(xt, yt), verbose=0)
 
     assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy", "staleness", "windows"}
-    assert all(len(v) == 10 for v in history.history.values())
+    assert all(len(v) == epochs for v in history.history.values())
     assert history.history["loss"][-1] < history.history["loss"][0]
     loss, acc = model.evaluate(xt, yt, verbose=0)
     assert acc >= 0.95
@@ -37,7 +39,7 @@ def test_digits_convnet_fit_evaluate_predict_save(cluster, digits, tmp_path):
     stats = strategy.model_stats(model)
     steps = int(np.ceil(len(x) / 32))
     windows_per_epoch = int(np.ceil(steps / 10))
-    assert stats.windows == 10 * windows_per_epoch == history.history["windows"][-1]
+    assert stats.windows == epochs * windows_per_epoch == history.history["windows"][-1]
     assert int(model.optimizer.iterations.numpy()) == stats.applied * 10
     assert stats.bytes_pulled == stats.windows * sum(
         int(np.prod(v.shape)) * 4 for v in model.variables
