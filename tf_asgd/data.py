@@ -78,17 +78,15 @@ def emulated_device_time(step_ms, slowdown=None):
             raise ValueError(f"slowdown keys must be worker indices >= 0, got {index!r}.")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"slowdown[{index}] must be a number > 0, got {factor!r}.")
-    factors = [float(slowdown.get(i, 1.0)) for i in range(max(slowdown, default=-1) + 1)]
+    # Worker i's factor is factors[min(i, last)]; the last entry (1.0) covers
+    # every worker not named.
+    factors = [float(slowdown.get(i, 1.0)) for i in range(max(slowdown, default=-1) + 1)] + [1.0]
 
     def per_worker_dataset_fn(dataset, worker_index):
         import tensorflow as tf
 
-        index = tf.cast(worker_index, tf.int64)
-        factor = tf.constant(1.0, tf.float64)
-        if factors:
-            known = tf.less(index, len(factors))
-            picked = tf.gather(tf.constant(factors, tf.float64), tf.minimum(index, len(factors) - 1))
-            factor = tf.where(known, picked, factor)
+        index = tf.minimum(tf.cast(worker_index, tf.int64), len(factors) - 1)
+        factor = tf.gather(tf.constant(factors, tf.float64), index)
         micros = tf.cast(tf.round(step_ms * 1000.0 * factor), tf.int64)
         return dataset.apply(sleep_transformation(micros))
 

@@ -83,24 +83,23 @@ def isolate_local_run(mode, config):
 
     if mode == "no":
         return
-    if not network.in_loopback_namespace():
-        if mode == "auto" and config.download and data.needs_download(config.dataset, config.data_dir):
-            logging.warning(
-                "Not isolating the local cluster to loopback: %s must be downloaded first "
-                "(a loopback-only namespace has no network). Its ports listen on every "
-                "interface; once the data is here, runs are isolated.", config.dataset)
-            return
-        try:
-            network.check_available()
-        except OSError as e:
-            if mode == "yes":
-                sys.exit(f"tf_asgd.launch: --isolate_network=yes, but {e}.")
-            logging.warning(
-                "The local cluster's ports listen on every interface (TF 2.21 binds 0.0.0.0; "
-                "its gRPC has no authentication) because %s. Firewall this machine, or "
-                "pass --isolate_network=no to accept this.", e)
-            return
-    network.reexec_in_loopback_namespace()  # outside: does not return
+    if (mode == "auto" and not network.in_loopback_namespace() and config.download
+            and data.needs_download(config.dataset, config.data_dir)):
+        logging.warning(
+            "Not isolating the local cluster to loopback: %s must be downloaded first "
+            "(a loopback-only namespace has no network). Its ports listen on every "
+            "interface; once the data is here, runs are isolated.", config.dataset)
+        return
+    try:
+        network.reexec_in_loopback_namespace()  # outside: does not return
+    except OSError as e:
+        if mode == "yes":
+            sys.exit(f"tf_asgd.launch: --isolate_network=yes, but {e}.")
+        logging.warning(
+            "The local cluster's ports listen on every interface (TF 2.21 binds 0.0.0.0; "
+            "its gRPC has no authentication) because %s. Firewall this machine, or "
+            "pass --isolate_network=no to accept this.", e)
+        return
     logging.info("Isolated: this run has its own network namespace with only loopback; "
                  "no one outside can reach the cluster's ports.")
 
