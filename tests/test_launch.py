@@ -146,16 +146,17 @@ def _userns_available():
         return False
 
 
-def _listening_ports():
-    """TCP ports listening in this process's network namespace (Linux /proc)."""
-    found = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _listening_sockets(pid="self"):
+    """`{socket inode: port}` of the TCP sockets listening in the network
+    namespace of process `pid` (Linux /proc)."""
+    found = {}
+    for name in ("tcp", "tcp6"):
         try:
-            with open(name) as f:
-                rows = f.read().splitlines()[1:]
+            with open(f"/proc/{pid}/net/{name}") as f:
+                rows = [r.split() for r in f.read().splitlines()[1:]]
         except OSError:
             continue
-        found |= {int(r.split()[1].rsplit(":", 1)[1], 16) for r in rows if r.split()[3] == "0A"}
+        found.update({r[9]: int(r[1].rsplit(":", 1)[1], 16) for r in rows if r[3] == "0A"})
     return found
 
 
@@ -189,11 +190,14 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
         pids = [proc.pid] + [int(pid) for pid, _ in task_server_processes(ports)]
         assert [os.readlink(f"/proc/{pid}/ns/net") != ours for pid in pids] == [isolated] * len(pids)
         if isolated:
-            # A port number the job picked inside its namespace may be in use
-            # out here by another cluster (this session's fixtures): skip those.
-            outside = _listening_ports()
-            assert not any(_reachable(p) for p in ports if int(p) not in outside)
-        else:
+            # The job's listening sockets exist in its namespace and not in
+            # ours (compared by socket inode: a port *number* the job picked
+            # may be in use out here by another cluster, e.g. a fixture).
+            job = _listening_sockets(pids[-1])
+            assert {int(p) for p in ports} <= set(job.values())
+            assert not set(job) & set(_listening_sockets())
+        else:  # the same comparison sees a shared namespace
+            assert set(_listening_sockets(pids[-1])) & set(_listening_sockets())
             assert all(_reachable(p) for p in ports)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
