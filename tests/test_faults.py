@@ -378,9 +378,12 @@ def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
         log = launch.finish(timeout=90)
     print(f"SIGTERM: launcher exited {launch.proc.returncode} after {time.time() - t0:.1f} s")
     assert launch.proc.returncode != 0
-    m = re.search(r"saved checkpoint (\S+) \(interrupted\)", log)
+    # A new checkpoint, or (when no window was pushed since the epoch's
+    # checkpoint, as on a slow machine) the word that the newest holds them all.
+    m = re.search(r"saved checkpoint (\S+) \(interrupted\)|"
+                  r"interrupted: the newest checkpoint (\S+) already holds every pushed window", log)
     assert m, log[-3000:]
-    interrupted = m.group(1)
+    interrupted = m.group(1) or m.group(2)
     assert_all_stopped(ports)
 
     # The chief (the launcher) killed with SIGKILL after its first epoch: its

@@ -264,3 +264,21 @@ def test_tf_config_roles_on_loopback(tmp_path):
             if s.poll() is None:
                 s.kill()
                 s.wait()
+
+
+def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog):
+    """A Ctrl-C/SIGTERM right after an epoch's checkpoint (no window pushed
+    since) writes no second copy, and says which checkpoint holds the run."""
+    import logging as py_logging
+
+    import tensorflow as tf
+
+    step = tf.Variable(5, dtype=tf.int64)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(step=step), str(tmp_path), max_to_keep=3)
+    first = training.save_checkpoint(manager, 5, "epoch 1")
+    with caplog.at_level(py_logging.INFO):
+        training._checkpoint_on_interrupt(manager, lambda: 5)
+    assert manager.checkpoints == [first]
+    assert f"interrupted: the newest checkpoint {first} already holds every pushed window" in caplog.text
+    training._checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
+    assert manager.latest_checkpoint.endswith("-7")

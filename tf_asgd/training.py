@@ -537,7 +537,9 @@ def _checkpoint_on_interrupt(manager, step_fn):
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, signal.SIG_IGN)
     try:
-        save_checkpoint(manager, step_fn(), "interrupted")
+        if save_checkpoint(manager, step_fn(), "interrupted") is None:
+            logging.info("interrupted: the newest checkpoint %s already holds every pushed window",
+                         manager.latest_checkpoint)
     except Exception as e:  # a dead PS: nothing to save; report and go on stopping
         logging.error("could not save a checkpoint on interrupt: %s", str(e).splitlines()[0])
     finally:
