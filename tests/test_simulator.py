@@ -56,7 +56,7 @@ def test_explicit_delay_distributions(digits, delay, check):
 
 def test_uses_the_cluster_update_rules(digits, monkeypatch):
     (x, y), _ = digits
-    calls = {"gem_step": 0, "apply_push": 0}
+    calls = {"gem_step": 0, "ps_push": 0}
 
     def spy(name):
         real = getattr(update_rules, name)
@@ -69,7 +69,7 @@ def test_uses_the_cluster_update_rules(digits, monkeypatch):
     for name in calls:
         monkeypatch.setattr(update_rules, name, spy(name))
     run = simulator.simulate(x, y, method="gem", workers=4, pushes=10, hidden=0, eval_every=5)
-    assert calls == {"gem_step": 20, "apply_push": 20}  # 10 pushes x 2 tensors
+    assert calls == {"gem_step": 20, "ps_push": 20}  # 10 pushes x 2 tensors
     assert [sorted(k for k in r if k != "push") for r in run.pi][0] == sorted(
         f"{n}:{s}" for n in ("dense/kernel", "dense/bias") for s in ("mean", "median"))
 

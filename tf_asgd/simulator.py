@@ -2,7 +2,7 @@
 
 It runs 1 to hundreds of simulated workers against one central parameter
 vector, with the *same* update rules as the cluster: the PS applies
-`update_rules.apply_push` (Downpour: `rule="none"`, DynSGD: `rule="dynsgd"`)
+`update_rules.ps_push` (Downpour: `rule="none"`, DynSGD: `rule="dynsgd"`)
 and GEM workers call `update_rules.gem_step`, all with `xp=numpy`. Nothing
 here re-implements those formulas; a change to `update_rules` changes the
 simulator too.
@@ -46,6 +46,8 @@ METHODS = {
     "dynsgd": ("dynsgd", False),
     "gem": ("none", True),
 }
+INNERS = ("sgd", "adam")
+ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-7  # Keras's Adam defaults
 TIMINGS = ("constant", "uniform", "exponential", "lognormal")
 DELAYS = ("fixed", "uniform", "geometric")
 
@@ -191,6 +193,10 @@ def simulate(
     eval_every=50,
     eval_data=None,
     seed=0,
+    inner="sgd",
+    inner_momentum=0.0,
+    outer=None,
+    worker_state="keep",
 ):
     """Simulates asynchronous training; returns a `SimulationResult`.
 
@@ -210,6 +216,14 @@ def simulate(
         eval_every: pushes between evaluations of the central parameters.
         eval_data: `(x, y)` to evaluate on; the training set by default.
         seed: seeds data order, initialisation and timing.
+        inner: the workers' own optimizer for the local steps: `"sgd"`
+            (Keras's SGD, momentum `inner_momentum`) or `"adam"` (Keras's
+            Adam defaults, learning rate `eta`; its step count is global, read
+            at each pull as on the cluster). GEM needs plain `"sgd"`.
+        outer: the PS's outer optimizer (`update_rules.OuterSGD` or
+            `DelayedNesterov`); default `OuterSGD()`, adding each push as is.
+        worker_state: `"keep"` the inner optimizer's state across windows,
+            or `"reset"` it at every pull.
     """
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; expected one of {tuple(METHODS)}.")
@@ -219,7 +233,14 @@ def simulate(
         raise ValueError(f"Unknown delay {delay!r}; expected one of {DELAYS}.")
     if delay is None and timing not in TIMINGS:
         raise ValueError(f"Unknown timing {timing!r}; expected one of {TIMINGS}.")
+    if inner not in INNERS:
+        raise ValueError(f"Unknown inner optimizer {inner!r}; expected one of {INNERS}.")
+    if method == "gem" and (inner != "sgd" or inner_momentum):
+        raise ValueError("GEM's workers run plain SGD: inner='sgd', inner_momentum=0.")
+    outer = update_rules.validate_outer_optimizer(outer or update_rules.OuterSGD())
+    update_rules.validate_worker_state(worker_state)
     config = dict(
+        inner=inner, inner_momentum=inner_momentum, outer=repr(outer), worker_state=worker_state,
         method=method, workers=workers, pushes=pushes, n_sync=n_sync,
         batch_size=batch_size, eta=eta, mu=mu, kappa=kappa, hidden=hidden,
         timing=timing if delay is None else None, spread=spread, delay=delay, seed=seed,
@@ -236,22 +257,48 @@ def simulate(
         idx = rng.integers(0, len(x), batch_size)
         return x[idx], y[idx]
 
-    def window(params):
-        """n_sync local SGD steps from `params`; returns (update, mean loss)."""
+    def window(params, opt_state, step):
+        """n_sync local steps of the inner optimizer from `params`;
+        returns (update, mean loss, new optimizer state)."""
         local = [p.copy() for p in params]
+        state = [[s.copy() for s in slots] for slots in opt_state]
         losses = []
-        for _ in range(n_sync):
+        for k in range(n_sync):
             bx, by = minibatch()
             losses.append(model.loss_and_accuracy(local, bx, by)[0])
-            for p, g in zip(local, model.gradients(local, bx, by)):
-                p -= eta * g
-        return [l - p for l, p in zip(local, params)], float(np.mean(losses))
+            for p, g, slots in zip(local, model.gradients(local, bx, by), state):
+                p += inner_step(g, slots, step + k)
+        return [l - p for l, p in zip(local, params)], float(np.mean(losses)), state
+
+    def inner_step(g, slots, step):
+        """The displacement of one Keras SGD / Adam step; updates `slots`."""
+        if inner == "adam":
+            m, v = slots
+            m += (1 - ADAM_B1) * (g - m)
+            v += (1 - ADAM_B2) * (g * g - v)
+            t = step + 1
+            lr = eta * np.sqrt(1 - ADAM_B2**t) / (1 - ADAM_B1**t)
+            return -lr * m / (np.sqrt(v) + ADAM_EPS)
+        if inner_momentum:
+            (v,) = slots
+            v *= inner_momentum
+            v -= eta * g
+            return v.copy()
+        return -eta * g
+
+    def fresh_state():
+        n = {"adam": 2, "sgd": 1 if inner_momentum else 0}[inner]
+        return [[np.zeros_like(p) for _ in range(n)] for p in central]
 
     # Worker state: what it pulled (params and the version), GEM's momentum.
     version = 0
     pulled = [[p.copy() for p in central] for _ in range(workers)]
     pulled_version = [0] * workers
     momentum = [[np.zeros_like(p) for p in central] for _ in range(workers)]
+    opt_states = [fresh_state() for _ in range(workers)]
+    outer_state = [{} for _ in central]
+    steps_applied = 0  # the global step count (the optimizer's iterations on the PS)
+    pulled_steps = [0] * workers
     history = [[p.copy() for p in central]]  # delay mode: central by version
     events = []
     if delay is None:
@@ -295,7 +342,11 @@ def simulate(
             start_version = version - tau
             start = history[-1 - tau]
             now = float(version)
-        update, wloss = window(start)
+        if worker_state == "reset":
+            opt_states[w] = fresh_state()
+        step = pulled_steps[w] if delay is None else max(0, steps_applied - tau * n_sync)
+        update, wloss, new_state = window(start, opt_states[w], step)
+        opt_states[w] = new_state
         window_losses.append(wloss)
         tau = version - start_version
         hist[min(tau, len(hist) - 1)] += 1
@@ -310,14 +361,16 @@ def simulate(
                 pushed.append(out)
                 pi_acc[model.names[i]].append(np.asarray(pi, np.float32).ravel()[:4096])
             update = pushed
-        central = [
-            update_rules.apply_push(c, u.astype(c.dtype), tau, rule, xp=np)
-            for c, u in zip(central, update)
-        ]
+        for i, (c, u) in enumerate(zip(central, update)):
+            central[i], outer_state[i] = update_rules.ps_push(
+                c, u.astype(c.dtype), tau, version, outer_state[i], rule,
+                outer=outer, num_workers=workers, xp=np)
         version += 1
+        steps_applied += n_sync
         if delay is None:
             pulled[w] = [p.copy() for p in central]
             pulled_version[w] = version
+            pulled_steps[w] = steps_applied
             heapq.heappush(events, (now + float(_durations(rng, timing, 1, spread)[0]), w))
         else:
             history.append([p.copy() for p in central])

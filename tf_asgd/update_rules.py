@@ -15,6 +15,9 @@ Example:
 array([0.5, 0.5])
 """
 
+import dataclasses
+import typing
+
 import numpy as np
 
 STALENESS_RULES = ("none", "dynsgd")
@@ -70,9 +73,31 @@ def is_dropped(tau, max_staleness=None):
 
 
 def apply_push(central, update, tau, rule="dynsgd", max_staleness=None, xp=np):
-    """The PS rule: `central + scale(tau) * update`."""
-    scale = staleness_scale(tau, rule, max_staleness, xp=xp)
-    return central + xp.asarray(scale, dtype=update.dtype) * update
+    """The classic PS rule: `central + scale(tau) * update` (`ps_push` with
+    the default `OuterSGD()`)."""
+    return ps_push(central, update, tau, 0, {}, rule, max_staleness, xp=xp)[0]
+
+
+def ps_push(central, update, tau, ticket, state, rule="dynsgd", max_staleness=None,
+            outer=None, num_workers=1, xp=np):
+    """The PS rule: the outer optimizer on pseudo-gradient `-scale(tau) * update`.
+
+    Args:
+        central: the central variable.
+        update: the worker's accumulated update (`local_end - local_start`).
+        tau: the push's staleness.
+        ticket: the push's 0-based version ticket.
+        state: the outer optimizer's state for this variable (a dict).
+        rule, max_staleness: the staleness rule (`staleness_scale`).
+        outer: `OuterSGD` or `DelayedNesterov`; default `OuterSGD()`.
+        num_workers: the number of workers (`DelayedNesterov`'s default delay).
+
+    Returns:
+        `(new_central, new_state)`.
+    """
+    scale = xp.asarray(staleness_scale(tau, rule, max_staleness, xp=xp), dtype=update.dtype)
+    return outer_step(outer or OuterSGD(), central, -scale * update, state, ticket,
+                      num_workers, xp=xp)
 
 
 def gem_pi(g, m, dc, kappa, pi_max=GEM_PI_MAX, eps=GEM_EPSILON, xp=np):
@@ -104,3 +129,149 @@ def gem_step(g, m, dc, mu, kappa, pi_max=GEM_PI_MAX, eps=GEM_EPSILON, xp=np):
     new_m = mu * m + g
     pi = gem_pi(g, new_m, dc, kappa, pi_max, eps, xp=xp)
     return pi * g, new_m, pi
+
+
+# ---- outer optimizers: what the PS does with a push -------------------------
+#
+# A push's pseudo-gradient is `g = -scale(tau) * update` (the worker's
+# displacement, reversed, after staleness scaling). The PS applies an outer
+# optimizer to it (DiLoCo, Douillard et al. 2023). State is kept in Keras's
+# velocity form (`v = -lr * m`), so that TF's `ResourceApplyKerasMomentum`
+# computes the same numbers on the PS.
+
+WORKER_STATE_POLICIES = ("keep", "reset")
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSGD:
+    """Outer SGD on the PS, optionally with (Nesterov) momentum.
+
+    `OuterSGD()` (learning rate 1, no momentum) adds each push as it is: the
+    classic parameter server. DiLoCo's outer optimizer is
+    `OuterSGD(0.7, momentum=0.9, nesterov=True)`.
+
+    Args:
+        learning_rate: outer learning rate, > 0.
+        momentum: outer momentum in [0, 1).
+        nesterov: Nesterov momentum (needs `momentum > 0`).
+    """
+
+    learning_rate: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        _check_lr_momentum(self.learning_rate, self.momentum)
+        if self.nesterov and not self.momentum:
+            raise ValueError("OuterSGD(nesterov=True) needs momentum > 0.")
+
+    @property
+    def slots(self):
+        """Names of the per-variable state kept on the PS."""
+        return ("velocity",) if self.momentum else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedNesterov:
+    """Delayed Nesterov (Liu et al. 2024, arXiv:2401.09135), asynchronous DiLoCo.
+
+    Pushes are buffered; every `delay` pushes (by version ticket) the
+    momentum takes one step on their mean and is applied, Nesterov style.
+    Between momentum steps each push is applied alone, scaled by
+    `learning_rate / delay`. Over `delay` pushes this is one synchronous
+    DiLoCo step on their mean.
+
+    Args:
+        learning_rate: outer learning rate, > 0.
+        momentum: outer momentum in [0, 1).
+        delay: pushes between momentum steps; `None` = the number of workers.
+    """
+
+    learning_rate: float = 0.7
+    momentum: float = 0.9
+    delay: typing.Optional[int] = None
+
+    def __post_init__(self):
+        _check_lr_momentum(self.learning_rate, self.momentum)
+        if self.delay is not None and (
+            isinstance(self.delay, bool) or not isinstance(self.delay, (int, np.integer))
+            or self.delay < 1
+        ):
+            raise ValueError(f"DelayedNesterov delay must be a positive integer or None, got {self.delay!r}.")
+
+    slots = ("velocity", "buffer")
+
+
+def _check_lr_momentum(learning_rate, momentum):
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"Outer learning_rate must be a number > 0, got {learning_rate!r}.")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"Outer momentum must be in [0, 1), got {momentum!r}.")
+
+
+def validate_outer_optimizer(opt):
+    """Returns `opt` if it is an outer optimizer; raises `TypeError` naming it otherwise."""
+    if not isinstance(opt, (OuterSGD, DelayedNesterov)):
+        raise TypeError(
+            "outer_optimizer must be tf_asgd.OuterSGD(...) or tf_asgd.DelayedNesterov(...), "
+            f"got {opt!r}."
+        )
+    return opt
+
+
+def validate_worker_state(policy):
+    """Checks a worker-state policy; raises `ValueError` naming the problem."""
+    if policy not in WORKER_STATE_POLICIES:
+        raise ValueError(
+            f"Unknown worker_state {policy!r}; expected one of "
+            f"{', '.join(repr(p) for p in WORKER_STATE_POLICIES)}."
+        )
+
+
+def outer_sgd(theta, g, velocity, learning_rate, momentum, nesterov, xp=np):
+    """One outer SGD step on pseudo-gradient `g`: returns `(theta, velocity)`.
+
+    `velocity` is ignored (and returned as is) without momentum.
+    """
+    if not momentum:
+        return theta - learning_rate * g, velocity
+    velocity = momentum * velocity - learning_rate * g
+    if nesterov:
+        return theta + momentum * velocity - learning_rate * g, velocity
+    return theta + velocity, velocity
+
+
+def delayed_nesterov(theta, g, velocity, buffer, ticket, learning_rate, momentum, delay, xp=np):
+    """One push under delayed Nesterov: returns `(theta, velocity, buffer)`.
+
+    `ticket` is the push's 0-based version ticket; the pushes whose ticket is
+    `delay - 1 (mod delay)` take the momentum step on the buffer's mean.
+    """
+    buffer = buffer + g
+    if (ticket + 1) % delay:
+        return theta - (learning_rate / delay) * g, velocity, buffer
+    velocity = momentum * velocity - (learning_rate / delay) * buffer
+    theta = theta + momentum * velocity - (learning_rate / delay) * g
+    return theta, velocity, xp.zeros_like(buffer)
+
+
+def outer_step(opt, theta, g, state, ticket, num_workers, xp=np):
+    """`opt` applied to one push's pseudo-gradient `g`; returns `(theta, state)`.
+
+    `state` is a dict of `opt.slots` arrays (missing ones start at zero).
+    """
+    state = {name: state.get(name, xp.zeros_like(theta)) for name in opt.slots}
+    if isinstance(opt, OuterSGD):
+        theta, v = outer_sgd(theta, g, state.get("velocity"), opt.learning_rate,
+                             opt.momentum, opt.nesterov, xp=xp)
+        if opt.momentum:
+            state["velocity"] = v
+        return theta, state
+    if not isinstance(opt, DelayedNesterov):
+        validate_outer_optimizer(opt)
+    delay = opt.delay or num_workers
+    theta, state["velocity"], state["buffer"] = delayed_nesterov(
+        theta, g, state["velocity"], state["buffer"], ticket,
+        opt.learning_rate, opt.momentum, delay, xp=xp,
+    )
+    return theta, state

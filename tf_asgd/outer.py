@@ -1,0 +1,83 @@
+"""The outer optimizer on the PS: TF ops that compute `update_rules.ps_push`.
+
+A push's pseudo-gradient is `g = -scale(tau) * update`. Each piece of it is
+applied on the PS that holds its variable (or shard), next to the outer
+optimizer's state for that shard, under the push's version ticket.
+
+Pushes from several workers reach a PS concurrently, so every write here is
+either an add (adds commute) or TF's locked `ResourceApplyKerasMomentum`
+(a read-modify-write of the velocity under the variable's lock).
+"""
+
+import tensorflow as tf
+
+from tf_asgd import update_rules
+
+
+def create_slots(opt, shard):
+    """The outer state of one PS variable (or shard): `{slot name: tf.Variable}`.
+
+    Call under the strategy's scope; the slots are colocated with `shard`.
+    """
+    strategy = tf.distribute.get_strategy()
+    slots = {}
+    with strategy.extended.colocate_vars_with(shard):
+        for name in opt.slots:
+            slots[name] = tf.Variable(
+                tf.zeros(shard.shape, shard.dtype), trainable=False,
+                name=f"{shard.name.split(':')[0]}/outer_{name}",
+            )
+    return slots
+
+
+def effective_learning_rate(opt, num_workers):
+    """The factor a push is applied with, momentum aside."""
+    if isinstance(opt, update_rules.DelayedNesterov):
+        return opt.learning_rate / (opt.delay or num_workers)
+    return opt.learning_rate
+
+
+def apply(opt, shard, piece, slots, scale, ticket, num_workers):
+    """Ops that apply `opt` to pseudo-gradient `-scale * piece` on `shard`.
+
+    Args:
+        opt: `update_rules.OuterSGD` or `update_rules.DelayedNesterov`.
+        shard: the PS variable (or shard of one).
+        piece: this shard's part of the worker's update, already on the PS.
+        slots: `create_slots(opt, shard)`, or `{}` for variables that get no
+            outer state (non-trainable ones: plain add at the outer rate).
+        scale: the push's staleness scale (a scalar tensor).
+        ticket: the push's 0-based version ticket (int64 scalar tensor).
+        num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
+
+    Returns:
+        A list of ops.
+    """
+    dtype = piece.dtype
+    g = -tf.cast(scale, dtype) * piece
+    lr = effective_learning_rate(opt, num_workers)
+    if not slots:
+        return [shard.assign_add(-lr * g, read_value=False)]
+    mu = tf.constant(opt.momentum, dtype)
+    velocity = slots["velocity"]
+    if isinstance(opt, update_rules.OuterSGD):
+        # velocity = mu * velocity - lr * g; shard += velocity
+        # (Nesterov: shard += mu * velocity - lr * g), atomically.
+        return [tf.raw_ops.ResourceApplyKerasMomentum(
+            var=shard.handle, accum=velocity.handle, lr=tf.constant(lr, dtype), grad=g,
+            momentum=mu, use_locking=True, use_nesterov=opt.nesterov,
+        )]
+    # Delayed Nesterov, written without branches: `due` is 1 for the pushes
+    # whose ticket closes a group of `delay`, else 0.
+    delay = opt.delay or num_workers
+    due = tf.cast(tf.equal((ticket + 1) % delay, 0), dtype)
+    buffer = slots["buffer"]
+    total = buffer.assign_add(g, read_value=True)
+    taken = due * total
+    # Subtracting what was read keeps any concurrent push's add for the next group.
+    take = buffer.assign_sub(taken, read_value=False)
+    old = velocity.read_value()
+    new = old + due * ((mu - 1.0) * old - lr * taken)
+    with tf.control_dependencies([take]):
+        set_velocity = velocity.assign_add(new - old, read_value=False)
+    return [take, set_velocity, shard.assign_add(-lr * g + due * mu * new, read_value=False)]
