@@ -11,7 +11,7 @@ import tensorflow as tf
 from absl import flags
 from ml_collections import config_flags
 
-from tf_asgd import data, models, training
+from tf_asgd import data, input_pipeline, models, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -37,8 +37,18 @@ def test_config_has_every_field_of_default(name):
     assert set(config.keys()) == set(default.keys())
     for sub in ("optimizer", "gem"):
         assert set(config[sub].keys()) == set(default[sub].keys())
-    assert config.model in training.MODELS
-    assert config.dataset in training.DATASETS
+    assert config.model in train_lib.MODELS
+    assert config.dataset in input_pipeline.DATASETS
+
+
+def test_every_field_is_documented_once():
+    """`train_lib.CONFIG_FIELDS` (what --help prints) names exactly the fields of the default config."""
+    default = load("default")
+    fields = set()
+    for key, value in default.to_dict().items():
+        fields |= {f"{key}.{sub}" for sub in value} if isinstance(value, dict) else {key}
+    assert fields == set(train_lib.CONFIG_FIELDS)
+    assert all(train_lib.CONFIG_FIELDS.values())
 
 
 def test_papers_settings():
@@ -75,10 +85,10 @@ def test_make_optimizer_wraps_gem_when_enabled():
     from tf_asgd import optimizers
 
     c = load("default", "--config.gem.kappa=2.0")
-    opt = training.make_optimizer(c)
+    opt = train_lib.make_optimizer(c)
     assert isinstance(opt, optimizers.GEM)
     c = load("default", "--config.gem.enabled=False", "--config.optimizer.learning_rate=0.2")
-    opt = training.make_optimizer(c)
+    opt = train_lib.make_optimizer(c)
     assert isinstance(opt, keras.optimizers.SGD)
     assert float(opt.learning_rate) == pytest.approx(0.2) and opt.momentum == 0.9
 
@@ -86,7 +96,7 @@ def test_make_optimizer_wraps_gem_when_enabled():
 @pytest.mark.parametrize("name", NAMES)
 def test_model_matches_its_data(name):
     c = load(name)
-    model = training.make_model(c)
+    model = train_lib.make_model(c)
     shape = {
         "digits": (8, 8, 1), "mnist": (28, 28, 1),
         "cifar10": (c.crop_size or 32,) * 2 + (3,), "imagenet": (c.crop_size,) * 2 + (3,),
@@ -100,7 +110,7 @@ def test_missing_data_names_the_path_and_the_remedy(name, tmp_path):
     missing = str(tmp_path / "nothing-here")
     c = load(name, f"--config.data_dir={missing}", "--config.download=False")
     with pytest.raises(data.MissingDataError) as err:
-        training.load_data_arrays(c)
+        input_pipeline.load_data_arrays(c)
     assert missing in str(err.value)
     assert "--config.data_dir" in str(err.value)
 
@@ -118,7 +128,7 @@ def test_mnist_from_a_local_keras_npz(tmp_path):
              y_train=rng.integers(0, 10, 70), x_test=rng.integers(0, 255, (30, 28, 28), dtype=np.uint8),
              y_test=rng.integers(0, 10, 30))
     c = load("mnist_gem", f"--config.data_dir={path}", "--config.batch_size=16")
-    d = training.make_data(c)
+    d = input_pipeline.make_data(c)
     x, y = next(iter(d.train))
     assert x.shape == (16, 28, 28, 1) and x.dtype == tf.float32
     assert 0.0 <= float(tf.reduce_min(x)) and float(tf.reduce_max(x)) <= 1.0
@@ -135,11 +145,11 @@ def test_cifar10_from_local_python_batches_with_augmentation(tmp_path):
     c = load("cifar10_asgd", f"--config.data_dir={tmp_path}", "--config.batch_size=4")
     (x, y), (xt, yt) = data.load_cifar10(str(tmp_path), download=False)
     assert x.shape == (40, 32, 32, 3) and xt.shape == (8, 32, 32, 3) and y.shape == (40,)
-    d = training.make_data(c)
+    d = input_pipeline.make_data(c)
     xb, _ = next(iter(d.train))
     xt_b, _ = next(iter(d.test))
     assert xb.shape == (4, 24, 24, 3) and xt_b.shape == (4, 24, 24, 3)
-    model = training.make_model(c)
+    model = train_lib.make_model(c)
     assert model(xb).shape == (4, 10)
 
 
@@ -155,7 +165,7 @@ def test_imagenet_from_a_class_directory(tmp_path):
         "imagenet_paine2013", f"--config.data_dir={tmp_path}", "--config.image_size=36",
         "--config.crop_size=32", "--config.batch_size=2",
     )
-    d = training.make_data(c)
+    d = input_pipeline.make_data(c)
     x, y = next(iter(d.train))
     assert x.shape == (2, 32, 32, 3) and set(np.asarray(y)) <= {0, 1}
     xi, _ = next(iter(d.test_images))
@@ -182,7 +192,7 @@ def test_ten_crop_evaluate_averages_softmax_over_views():
     y = probs.argmax(-1)
     y[:2] = (y[:2] + 1) % 4  # two wrong at top-1
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-    got = training.ten_crop_evaluate(model, ds, 3)
+    got = input_pipeline.ten_crop_evaluate(model, ds, 3)
     assert got["ten_crop_accuracy"] == pytest.approx(4 / 6)
     top4 = np.argsort(-probs, -1)[:, :4]
     assert got["ten_crop_top5_accuracy"] == pytest.approx(np.mean([y[i] in top4[i] for i in range(6)]))

@@ -79,7 +79,7 @@ def test_gem_matches_numpy_reference(request, cluster_name):
     epochs = 12
     model.fit(x, t, batch_size=8, epochs=epochs, steps_per_epoch=N_SYNC, shuffle=False,
               verbose=0, callbacks=[recorder])
-    log = model._asgd_trainer.window_log
+    log = strategy.window_log(model)
     assert len(log) == epochs and all(r.pushed for r in log)
     for record, weights in zip(log, recorder.weights):
         ref.window(record.worker, x, t)

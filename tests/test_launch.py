@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tf_asgd import training
+from tf_asgd import train_lib, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = [
@@ -275,10 +275,10 @@ def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog)
 
     step = tf.Variable(5, dtype=tf.int64)
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(step=step), str(tmp_path), max_to_keep=3)
-    first = training.save_checkpoint(manager, 5, "epoch 1")
+    first = train_lib.save_checkpoint(manager, 5, "epoch 1")
     with caplog.at_level(py_logging.INFO):
-        training._checkpoint_on_interrupt(manager, lambda: 5)
+        train_lib.checkpoint_on_interrupt(manager, lambda: 5)
     assert manager.checkpoints == [first]
     assert f"interrupted: the newest checkpoint {first} already holds every pushed window" in caplog.text
-    training._checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
+    train_lib.checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
     assert manager.latest_checkpoint.endswith("-7")

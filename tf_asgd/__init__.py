@@ -22,6 +22,7 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 from tf_asgd import data, gem, models, network, optimizers, update_rules
 from tf_asgd.cluster import LocalCluster, parse_tf_config
 from tf_asgd.counters import AsyncStats
+from tf_asgd.records import WindowRecord
 from tf_asgd.strategy import AsyncParameterServerStrategy
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "AsyncParameterServerStrategy",
     "AsyncStats",
     "LocalCluster",
+    "WindowRecord",
     "data",
     "gem",
     "models",

@@ -94,6 +94,15 @@ class PushCounters(tf.Module):
             return tf.concat([scalars, self.histogram.read_value()], axis=0)
 
     def stats(self, bytes_per_pull, bytes_per_push):
+        """Reads every counter from the PS in one round trip.
+
+        Args:
+            bytes_per_pull: bytes one window's pull reads (0 if unknown).
+            bytes_per_push: bytes one window's push sends (0 if unknown).
+
+        Returns:
+            An `AsyncStats`.
+        """
         values = self._read_all().numpy()
         version, staleness_sum, dropped, nonfinite = (int(v) for v in values[:4])
         hist = values[4:]

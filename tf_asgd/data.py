@@ -37,22 +37,32 @@ def load_digits(test_fraction=0.2, seed=0):
 def sleep_transformation(micros):
     """tf.data's per-element sleep (no CPU used), for `Dataset.apply`.
 
-    `micros` may be a Python number or an int64 scalar tensor. The op is an
-    internal TF API (`tensorflow.python.data.experimental.ops.testing.sleep`):
-    a TF without it gets a clear error, not a silent no-op.
+    `micros` may be a Python number or an int64 scalar tensor. The op is TF's
+    `SleepDataset` (`tf.raw_ops.SleepDataset`; the Python wrapper around it
+    is internal): a TF without it gets a clear error, not a silent no-op.
     """
-    try:
-        from tensorflow.python.data.experimental.ops import testing
-    except ImportError as e:
-        raise RuntimeError(
-            "This TensorFlow has no tensorflow.python.data.experimental.ops.testing; "
-            "emulated device time is unavailable."
-        ) from e
-    if not hasattr(testing, "sleep"):
-        raise RuntimeError("tensorflow.python.data.experimental.ops.testing.sleep is missing.")
+    import tensorflow as tf
+
+    from tf_asgd import internals
+
+    if not hasattr(tf.raw_ops, "SleepDataset"):
+        raise RuntimeError("This TensorFlow has no tf.raw_ops.SleepDataset; "
+                           "emulated device time is unavailable.")
     if isinstance(micros, (int, float)):
         micros = int(micros)
-    return testing.sleep(micros)
+
+    def apply(dataset):
+        spec = dataset.element_spec
+        flat = internals.flat_tensor_specs(spec)
+        variant = tf.raw_ops.SleepDataset(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            sleep_microseconds=tf.cast(micros, tf.int64),
+            output_types=[s.dtype for s in flat],
+            output_shapes=[s.shape for s in flat],
+        )
+        return tf.data.experimental.from_variant(variant, spec)
+
+    return apply
 
 
 def emulated_device_time(step_ms, slowdown=None):
@@ -94,7 +104,7 @@ def emulated_device_time(step_ms, slowdown=None):
 
 
 # ---------------------------------------------------------------------------
-# Larger data sets for the launcher's configs (tf_asgd.training). Loaded with
+# Larger data sets for the launcher's configs (tf_asgd.input_pipeline). Loaded with
 # the ecosystem's readers (keras.datasets, keras.utils.image_dataset_from_directory,
 # tf.data TFRecords); a missing data set raises `MissingDataError` naming the
 # path tried and how to get the data.
@@ -171,7 +181,7 @@ def load_cifar10(data_dir="", download=True):
     """
     tried = _cifar10_dir(data_dir)
     if os.path.isfile(os.path.join(tried, "data_batch_1")):
-        from keras.src.datasets.cifar import load_batch  # Keras's own batch reader
+        from tf_asgd.internals import load_cifar_batch as load_batch
 
         xs, ys = zip(*(load_batch(os.path.join(tried, f"data_batch_{i}")) for i in range(1, 6)))
         x, y = np.concatenate(xs), np.concatenate(ys)

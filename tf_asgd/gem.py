@@ -42,7 +42,7 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 from keras import ops
 
-from tf_asgd import update_rules
+from tf_asgd import internals, update_rules
 
 
 @keras.saving.register_keras_serializable(package="tf_asgd")
@@ -132,7 +132,7 @@ def _check_positive(name, value, allow_zero=False):
 
 class GEMPushRule:
     """GEM's part of a window (see the module docstring): local plain SGD,
-    then `pi * g` pushed. Used by `scheduling.WindowTrainer`."""
+    then `pi * g` pushed. Used by `window.WindowFunction`."""
 
     def __init__(self, gem):
         self.gem = gem
@@ -150,12 +150,10 @@ class GEMPushRule:
     def create_worker_state(self, trainable_variables):
         """Per-worker `m`, previous pull, and a first-window flag."""
         def per_worker(v, name):
-            return tf.Variable(tf.zeros(v.shape, v.dtype), per_worker_variable=True,
-                               trainable=False, name=name)
+            return internals.per_worker_variable(tf.zeros(v.shape, v.dtype), name=name)
         self.momentums = [per_worker(v, "gem_m") for v in trainable_variables]
         self.previous = [per_worker(v, "gem_prev") for v in trainable_variables]
-        self.started = tf.Variable(False, per_worker_variable=True, trainable=False,
-                                   name="gem_started")
+        self.started = internals.per_worker_variable(False, name="gem_started")
         return self.momentums + self.previous + [self.started]
 
     def transform(self, updates, pulled):
@@ -191,7 +189,10 @@ def pi_history(model):
     `[windows, n_variables, 3]` of pi's mean, fraction clipped at 0 and
     fraction clipped at `pi_max`, in the order the windows finished.
     """
-    trainer = getattr(model, "_asgd_trainer", None)
+    # The strategy keeps the model's trainer; it is recognised by its marker,
+    # as the Keras hook does (no import of the strategy module).
+    strategy = internals.model_strategy(model)
+    trainer = strategy._trainer_of(model) if getattr(strategy, "_is_tf_asgd_strategy", False) else None
     if trainer is None or trainer.push_rule is None:
         raise ValueError(
             f"Model {model.name!r} has not been trained with GEM under an "

@@ -18,40 +18,44 @@ For models of ours:
   the central variables, with datasets handed out as local iterators;
 - `train_on_batch` is refused (windows need an iterator per worker).
 
-Pinned to the Keras versions in `SUPPORTED_KERAS`; `install()` refuses others
-rather than patch code it has not been tested against.
+The hook never imports the strategy: it recognises one by its marker
+attribute `_is_tf_asgd_strategy` (as TF's `ClusterCoordinator` recognises a
+parameter-server strategy by `_is_parameter_server_strategy_v2`) and asks it
+for the model's `WindowTrainer` (`strategy._trainer_for(model)`) and for the
+model's per-fit state. Nothing is stored on the user's model.
 
-The module also holds `stateless_apply`: Keras's TF optimizer refuses
-`stateless_apply` because of `tf.distribute`; inside a window there is no
-distribution to honour, so the backend-neutral implementation is used.
+Pinned to the Keras versions in `internals.SUPPORTED_KERAS`: importing
+`internals` refuses others rather than patch code it has not been tested
+against. Every private Keras API it touches is reached through `internals`.
 """
 
 import contextlib
 import functools
 import inspect
 import threading
-import time
-import types
 
-import keras
 import tensorflow as tf
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters import array_slicing
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.backend.tensorflow.optimizer import TFOptimizer
-from keras.src.optimizers.base_optimizer import BaseOptimizer
-from tensorflow.python.distribute.coordinator import remote_value
 
-SUPPORTED_KERAS = ("3.15",)
+from tf_asgd import internals
+
+SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
 _installed = False
 _thread = threading.local()  # local-mode depth, per thread
 
 
-def _ours(model):
-    from tf_asgd.strategy import AsyncParameterServerStrategy
+def _asgd_strategy(strategy):
+    """`strategy` if it is an `AsyncParameterServerStrategy` (by its marker), else None."""
+    return strategy if getattr(strategy, "_is_tf_asgd_strategy", False) else None
 
-    return isinstance(getattr(model, "_distribute_strategy", None), AsyncParameterServerStrategy)
+
+def _strategy_of(model):
+    """The `AsyncParameterServerStrategy` `model` was created under, or None."""
+    return _asgd_strategy(internals.model_strategy(model))
+
+
+def _ours(model):
+    return _strategy_of(model) is not None
 
 
 def in_local_mode():
@@ -68,60 +72,15 @@ def local_mode():
         _thread.depth -= 1
 
 
-def remote_value_ready(rv):
-    """Whether a `RemoteValue` has its result (or error), without blocking."""
-    return rv._status is not remote_value.RemoteValueStatus.NOT_READY
-
-
-def wait_briefly(rv, timeout=0.001):
-    """Waits until `rv` is ready or `timeout` seconds pass (polling for any of
-    several: TF has no wait-for-any on `RemoteValue`s)."""
-    event = getattr(rv, "_status_available_event", None)
-    if event is not None:
-        event.wait(timeout)
-    else:
-        time.sleep(timeout)
-
-
-_BASE_METHODS = ("assign", "assign_add", "assign_sub", "_backend_update_step", "_apply_weight_decay")
-
-
-def _var_key(self, variable):
-    # Inside a StatelessScope `variable.value` is the mapped tensor; key on
-    # the tf.Variable itself, as the optimizer did when it was built.
-    if isinstance(variable, keras.Variable):
-        variable = variable._value
-    return TFOptimizer._var_key(self, variable)
-
-
-def stateless_apply(optimizer, optimizer_values, grads, trainable_values):
-    """`optimizer.stateless_apply` for Keras's TF optimizers, inside a window."""
-    patched = {name: types.MethodType(getattr(BaseOptimizer, name), optimizer) for name in _BASE_METHODS}
-    patched["_var_key"] = types.MethodType(_var_key, optimizer)
-    optimizer.__dict__.update(patched)
-    try:
-        return BaseOptimizer.stateless_apply(optimizer, optimizer_values, grads, trainable_values)
-    finally:
-        for name in patched:
-            optimizer.__dict__.pop(name, None)
-
-
 def _window_trainer(model):
-    from tf_asgd.scheduling import WindowTrainer
-
-    trainer = getattr(model, "_asgd_trainer", None)
-    if trainer is None or trainer.model is not model or trainer.optimizer is not model.optimizer:
-        trainer = WindowTrainer(model, model._distribute_strategy)
-        model._asgd_trainer = trainer
-    return trainer
+    """The model's `WindowTrainer`, built by its strategy on first use."""
+    return _strategy_of(model)._trainer_for(model)
 
 
 def _check_outside_scope(model):
-    from tf_asgd.strategy import AsyncParameterServerStrategy
-
-    if tf.distribute.has_strategy() and isinstance(
-        tf.distribute.get_strategy(), AsyncParameterServerStrategy
-    ) and not _ours(model):
+    if tf.distribute.has_strategy() and _asgd_strategy(
+        tf.distribute.get_strategy()
+    ) is not None and not _ours(model):
         raise ValueError(
             f"Model {model.name!r} was created outside "
             "`AsyncParameterServerStrategy.scope()`, so its variables are not "
@@ -131,7 +90,7 @@ def _check_outside_scope(model):
 
 
 def _wrap(name, ours_impl):
-    original = getattr(tf_trainer.TensorFlowTrainer, name)
+    original = getattr(internals.TensorFlowTrainer, name)
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
@@ -142,25 +101,26 @@ def _wrap(name, ours_impl):
         return original(self, *args, **kwargs)
 
     wrapper._asgd_original = original
-    setattr(tf_trainer.TensorFlowTrainer, name, wrapper)
+    setattr(internals.TensorFlowTrainer, name, wrapper)
 
 
 def _fit(original, model, *args, **kwargs):
-    if getattr(model, "_asgd_fitting", False):
+    strategy = _strategy_of(model)
+    if strategy._is_fitting(model):
         raise RuntimeError("fit is already running on this model.")
-    model._assert_compile_called("fit")
-    strategy = model._distribute_strategy
+    if not model.compiled:
+        raise ValueError("You must call `compile()` before using the model.")
     if model.steps_per_execution != strategy.n_sync:
         # One Keras "execution" is one window of n_sync steps.
         model.steps_per_execution = strategy.n_sync
     model.train_function = None
     kwargs = _repeat_when_steps_given(original, model, args, kwargs)
-    model._asgd_fitting = True
+    strategy._set_fitting(model, True)
     try:
         return original(model, **kwargs)
     finally:
-        model._asgd_fitting = False
-        trainer = getattr(model, "_asgd_trainer", None)
+        strategy._set_fitting(model, False)
+        trainer = strategy._trainer_of(model)
         if trainer is not None:
             trainer.coordinator.join()  # nothing left running after fit, even on error
 
@@ -180,18 +140,17 @@ def _repeat_when_steps_given(original, model, args, kwargs):
         return kw
     if kw["validation_split"] and kw["validation_data"] is None:
         (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_data"] = (
-            array_slicing.train_validation_split(
-                (kw["x"], kw["y"], kw["sample_weight"]),
-                validation_split=kw["validation_split"],
+            internals.train_validation_split(
+                (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_split"]
             )
         )
         kw["validation_split"] = 0.0
-    adapter = data_adapters.get_data_adapter(
+    dataset = internals.keras_tf_dataset(
         x=kw["x"], y=kw["y"], sample_weight=kw["sample_weight"],
         batch_size=kw["batch_size"], shuffle=kw["shuffle"],
         class_weight=kw["class_weight"],
     )
-    kw.update(x=adapter.get_tf_dataset().repeat(), y=None, sample_weight=None,
+    kw.update(x=dataset.repeat(), y=None, sample_weight=None,
               class_weight=None, batch_size=None)
     return kw
 
@@ -205,15 +164,16 @@ def _make_train_function(original, model, force=False):
 
 
 def _get_metrics_result_or_logs(original, model, logs):
-    if getattr(model, "_asgd_fitting", False) and not in_local_mode():
+    if _strategy_of(model)._is_fitting(model) and not in_local_mode():
         return _window_trainer(model).finish()
     return original(model, logs)
 
 
 def _reset_metrics(original, model):
     original(model)
-    trainer = getattr(model, "_asgd_trainer", None)
-    if trainer is not None and getattr(model, "_asgd_fitting", False) and not in_local_mode():
+    strategy = _strategy_of(model)
+    trainer = strategy._trainer_of(model)
+    if trainer is not None and strategy._is_fitting(model) and not in_local_mode():
         trainer.reset_metrics()
 
 
@@ -224,7 +184,7 @@ def _on_chief(original, model, *args, **kwargs):
 
 def _symbolic_build(original, model, iterator=None, data_batch=None):
     if iterator is not None:
-        _check_input_shapes(model, iterator._get_iterator().element_spec)
+        _check_input_shapes(model, internals.epoch_iterator_element_spec(iterator))
     with local_mode():
         return original(model, iterator=iterator, data_batch=data_batch)
 
@@ -262,11 +222,7 @@ def install():
     global _installed
     if _installed:
         return
-    if not keras.__version__.startswith(SUPPORTED_KERAS):
-        raise RuntimeError(
-            f"tf_asgd's Keras hook supports Keras {', '.join(SUPPORTED_KERAS)}.x; "
-            f"found {keras.__version__}."
-        )
+    internals.check_keras_version()
     _wrap("fit", _fit)
     _wrap("make_train_function", _make_train_function)
     _wrap("_get_metrics_result_or_logs", _get_metrics_result_or_logs)

@@ -8,7 +8,8 @@ checkpoints. See docs/launcher.md.
 
 Config fields are overridden with `--config.<field>=<value>`, for example
 `--config.epochs=5 --config.optimizer.learning_rate=0.1 --config.gem.enabled=False`.
-`--help` lists every flag and config field.
+`--help` lists every flag and config field (the fields' meanings are
+written once, in `tf_asgd.train_lib.CONFIG_FIELDS`).
 """
 
 import os
@@ -17,36 +18,12 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-CONFIG_FIELDS = """Config fields (override with --config.<field>=<value>):
-model: builder in tf_asgd.models (digits_convnet, gem_mnist_convnet, cuda_convnet_cifar10, paine2013_imagenet_convnet);
-dataset: digits | mnist | cifar10 | imagenet;
-data_dir: local data path ('' = the data set's default place);
-download: let keras.datasets download missing mnist/cifar10;
-augment: random crop + flip (cifar10, imagenet);
-image_size, crop_size: imagenet resize side, training crop side (0 = default);
-ten_crop_eval: final multi-crop (10-view) evaluation;
-batch_size: examples per worker step;
-epochs: epochs to train (a resumed run continues up to this);
-steps_per_epoch: steps per epoch (0 = training examples // batch_size);
-eval_steps: test batches to evaluate (0 = all);
-validate_every_epoch: evaluate the test split after each epoch;
-seed: random seed;
-n_sync: local steps per window between pull and push;
-staleness: none (Downpour) | dynsgd (push scaled by 1/(staleness+1));
-max_staleness: drop pushes staler than this (unset = keep all);
-optimizer.name: sgd | adam; optimizer.learning_rate; optimizer.momentum;
-gem.enabled, gem.kappa: wrap the optimizer in tf_asgd.optimizers.GEM;
-num_workers, num_ps: local cluster size (ignored under TF_CONFIG);
-shared_process: host all local tasks in one child process;
-gpus_per_worker: GPUs per local worker process (CUDA_VISIBLE_DEVICES);
-max_checkpoints: checkpoints kept in WORKDIR/checkpoints;
-log_every_secs: seconds between progress log lines (0 = off);
-verbose: Keras fit verbosity (-1 = progress bar on a terminal, else a line per epoch).
-"""
+from tf_asgd import data, network, train_lib, training
 
 config_flags.DEFINE_config_file(
     "config", None,
-    "Path to a config file with get_config() (e.g. configs/default.py).\n" + CONFIG_FIELDS,
+    "Path to a config file with get_config() (e.g. configs/default.py).\n"
+    + train_lib.config_help(),
     lock_config=True,
 )
 flags.DEFINE_string(
@@ -79,8 +56,6 @@ def isolate_local_run(mode, config):
     """Moves a local run into a loopback-only network namespace (see
     `tf_asgd.network`), or says why not. Returns only inside the namespace,
     or when the run stays outside it."""
-    from tf_asgd import data, network
-
     if mode == "no":
         return
     if (mode == "auto" and not network.in_loopback_namespace() and config.download
@@ -107,8 +82,6 @@ def isolate_local_run(mode, config):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from tf_asgd import training
-
     config = FLAGS.config
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/default.py")
@@ -125,7 +98,7 @@ def main(argv):
     logging.info("config:\n%s", config)
     try:
         training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume)
-    except training.ClusterTaskLostError as e:
+    except train_lib.ClusterTaskLostError as e:
         logging.error("%s", e)
         sys.exit(f"tf_asgd.launch: {e}")
 

@@ -16,12 +16,18 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 ```
 """
 
+import weakref
+
 import tensorflow as tf
-from tensorflow.python.distribute.coordinator import values as coordinator_values
 
 from tf_asgd import cluster as cluster_lib
-from tf_asgd import keras_hook, update_rules
+from tf_asgd import internals, keras_hook, update_rules
 from tf_asgd.counters import PushCounters
+from tf_asgd.scheduling import WindowTrainer
+
+# ExternalStatePolicy.WARN of DatasetToGraphV2, as TF's coordinator serializes
+# a dataset for its workers (values.serialize_dataset_to_graph).
+_EXTERNAL_STATE_WARN = 0
 
 
 class _WindowDataset:
@@ -36,9 +42,10 @@ class _WindowDataset:
     Every worker runs the same dataset graph, so with a global seed set
     (`keras.utils.set_random_seed`) all would draw the same batches in the
     same order; worker `i` therefore skips `i` batches before its first
-    window (`scheduling.WindowTrainer`), so that no two workers train on the
-    same batch at the same time. (Skipping more, to spread workers over an
-    epoch, would cost a slow input pipeline that many batches per worker.)
+    window (`window.WindowFunction._shift_data_once`), so that no two
+    workers train on the same batch at the same time. (Skipping more, to
+    spread workers over an epoch, would cost a slow input pipeline that many
+    batches per worker.)
     """
 
     def __init__(self, dataset, strategy):
@@ -64,11 +71,17 @@ class _WindowDataset:
         on each worker. The chief's dataset travels as its serialized graph,
         as TF's coordinator sends a dataset object; a function that captured
         the dataset itself would fail on the worker."""
-        graph = coordinator_values.serialize_dataset_to_graph(self._dataset)
+        graph = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(self._dataset),
+            external_state_policy=_EXTERNAL_STATE_WARN,
+            strip_device_assignment=True,
+        )
         spec = self._dataset.element_spec
 
         def dataset_fn():
-            dataset = coordinator_values.deserialize_dataset_from_graph(graph, spec)
+            dataset = tf.data.experimental.from_variant(
+                tf.raw_ops.DatasetFromGraph(graph_def=graph), spec
+            )
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
             out = transform(dataset, index)
             if not isinstance(out, tf.data.Dataset):
@@ -101,6 +114,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     `staleness_scale(tau) * update`, where `tau` counts the pushes committed
     between this window's pull and its push.
 
+    The strategy keeps each model's training state (its `WindowTrainer`,
+    whether `fit` is running) by model, weakly: nothing is set on the model.
+
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             (e.g. `TFConfigClusterResolver()` or `LocalCluster.resolver`) with
@@ -117,7 +133,18 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             (`lambda ds, i: ds.shard(num_workers, i)`) or emulate workers of
             different speeds (`tf_asgd.data.emulated_device_time`). It must keep
             the dataset's `element_spec`.
+
+    Attributes:
+        n_sync, staleness, max_staleness, per_worker_dataset_fn: as given.
+        num_workers: the number of `worker` tasks in the cluster.
+        coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
+        counters: the `counters.PushCounters` on the PS.
     """
+
+    # How `keras_hook` (and `gem.pi_history`) recognise this strategy without
+    # importing this module; TF's coordinator does the same with
+    # `_is_parameter_server_strategy_v2`.
+    _is_tf_asgd_strategy = True
 
     def __init__(
         self,
@@ -144,37 +171,112 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.staleness = staleness
         self.max_staleness = max_staleness
         self.per_worker_dataset_fn = per_worker_dataset_fn
+        # (The strategy's `cluster_resolver` property is None for TF's
+        # ParameterServerStrategy: count from the resolver given.)
+        self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
         # evaluate/predict run on the chief against the central variables.
-        self.extended._allow_run_without_coordinator = True
+        internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         with self.scope():
             self.counters = PushCounters()
+        self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
+        self._fitting = weakref.WeakSet()  # models whose fit is running
 
     def experimental_distribute_dataset(self, dataset, options=None):
+        """What Keras's `fit`, `evaluate` and `predict` iterate over.
+
+        Args:
+            dataset: a `tf.data.Dataset` (Keras's adapted training or
+                evaluation data).
+            options: ignored (kept for the `tf.distribute.Strategy` signature).
+
+        Returns:
+            An iterable that gives per-worker iterators during training and
+            plain local ones on the chief (evaluate, predict, build).
+        """
         return _WindowDataset(dataset, self)
 
     def stats(self, trainer=None):
-        """The run's push counters as an `AsyncStats`.
+        """The run's push counters (a few reads from the PS).
 
-        `trainer` (a model's `WindowTrainer`) gives the byte counts their
-        per-window size; without one they are reported as 0.
+        Args:
+            trainer: a model's `scheduling.WindowTrainer`, which gives the
+                byte counts their per-window size; None reports them as 0
+                (`model_stats` passes the model's).
+
+        Returns:
+            An `AsyncStats`.
         """
         pull = trainer.bytes_per_pull if trainer else 0
         push = trainer.bytes_per_push if trainer else 0
         return self.counters.stats(pull, push)
 
     def window_log(self, model):
-        """Every finished window of `model`'s training so far, in the order the
-        chief saw them: a list of `scheduling.WindowRecord` (worker, pushed,
-        mean loss, time seen, GEM's pi statistics)."""
-        trainer = getattr(model, "_asgd_trainer", None)
+        """Every finished window of `model`'s training so far.
+
+        Args:
+            model: a Keras model trained under this strategy.
+
+        Returns:
+            A list of `WindowRecord` (worker, pushed, staleness, mean loss,
+            times, metric state, GEM's pi statistics), in the order the chief
+            saw the windows finish; empty if `model` has not been trained.
+        """
+        trainer = self._trainer_of(model)
         return list(trainer.window_log) if trainer else []
 
     def window_results(self, model, record):
-        """Metric results of one window's own steps, e.g.
-        `{"loss": 0.31, "accuracy": 0.9}`, for a record of `window_log`."""
-        return model._asgd_trainer.window_results(record)
+        """Metric results of one window's own steps.
+
+        Args:
+            model: the Keras model whose `window_log` holds `record`.
+            record: a `WindowRecord` of `window_log(model)`.
+
+        Returns:
+            A dict of metric results, e.g. `{"loss": 0.31, "accuracy": 0.9}`.
+
+        Raises:
+            ValueError: `model` has not been trained under this strategy.
+        """
+        trainer = self._trainer_of(model)
+        if trainer is None:
+            raise ValueError(f"Model {model.name!r} has not been trained under this strategy.")
+        return trainer.window_results(record)
 
     def model_stats(self, model):
-        """`stats()` with byte counts for `model`."""
-        return self.stats(getattr(model, "_asgd_trainer", None))
+        """`stats()` with byte counts for `model`.
+
+        Args:
+            model: a Keras model trained under this strategy (if not, the
+                byte counts are 0).
+
+        Returns:
+            An `AsyncStats`.
+        """
+        return self.stats(self._trainer_of(model))
+
+    # ---- per-model state, for keras_hook and gem (not public) ----------------
+
+    def _trainer_of(self, model):
+        """The model's `WindowTrainer`, or None if it has none yet."""
+        return self._trainers.get(model)
+
+    def _trainer_for(self, model):
+        """The model's `WindowTrainer`, built on first use and again after the
+        model was compiled with another optimizer."""
+        trainer = self._trainers.get(model)
+        if trainer is None or trainer.optimizer is not model.optimizer:
+            trainer = WindowTrainer(model, self)
+            self._trainers[model] = trainer
+        return trainer
+
+    def _is_fitting(self, model):
+        """Whether `model.fit` is running."""
+        return model in self._fitting
+
+    def _set_fitting(self, model, fitting):
+        """Records that `model.fit` started (`fitting=True`) or ended."""
+        if fitting:
+            self._fitting.add(model)
+        else:
+            self._fitting.discard(model)

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+import _common
+
 RESULT = "BENCH_RESULT "
 
 
@@ -93,8 +95,7 @@ def child_keras(args):
     model = _keras3_model(args.model)
     x, y = _synthetic(model.input_shape[1:], args.batch_size)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size).repeat()
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
     dt = _timed_fit(model, ds, 20)
     dt = _timed_fit(model, ds, 50)
     for _ in range(args.inner):
@@ -110,14 +111,12 @@ def child_pss(args):
     import tensorflow as tf
     import tf_keras
 
-    import tf_asgd
-
-    with tf_asgd.LocalCluster(args.workers, 1, shared_process=True) as cluster:
+    with _common.local_cluster(args.workers) as cluster:
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
-            model.compile(tf_keras.optimizers.SGD(0.05, momentum=0.9),
-                          tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            _common.compile_classifier(model, tf_keras.optimizers.SGD(0.05, momentum=0.9),
+                                       keras_module=tf_keras)
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         batch_size = args.batch_size
 
@@ -144,13 +143,12 @@ def child_asgd(args):
     import tf_asgd
 
     n_syncs = [int(n) for n in args.n_sync.split(",")]
-    with tf_asgd.LocalCluster(args.workers, 1, shared_process=True) as cluster:
+    with _common.local_cluster(args.workers) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness)
         with strategy.scope():
             model = _keras3_model(args.model)
-            model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
         rate = {}
@@ -222,26 +220,28 @@ def markdown(rows, args):
     def f(v, d=2):
         return f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
+    header = ["mode", "workers", "n_sync", "samples/s", "steps/s", "x keras", "x pss",
+              "pulled B/sample", "pushed B/sample", "mean staleness"]
+    cells = [
+        [r["mode"], r["workers"] or "-", r["n_sync"] or "-", f"{r['samples_per_s']:.0f}",
+         f"{r['steps_per_s']:.1f}", f(r["ratio_to_keras"]), f(r["ratio_to_pss"]),
+         f"{r['bytes_pulled_per_sample']:.0f}", f"{r['bytes_pushed_per_sample']:.0f}",
+         f(r["mean_staleness"])]
+        for r in rows
+    ]
     out = [
         f"Model `{args.model}`, synthetic batches of {args.batch_size}, one PS, "
         f"`LocalCluster(shared_process=True)`; medians of {args.rounds} round(s) x {args.inner} "
         f"run(s) of about {args.seconds} s each; {os.cpu_count()} CPU cores. Ratios to `pss` use "
         "the stock run with the same worker count.",
         "",
-        "| mode | workers | n_sync | samples/s | steps/s | x keras | x pss | pulled B/sample | pushed B/sample | mean staleness |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *_common.markdown_table(header, cells),
     ]
-    for r in rows:
-        out.append(
-            f"| {r['mode']} | {r['workers'] or '-'} | {r['n_sync'] or '-'} | {r['samples_per_s']:.0f} | "
-            f"{r['steps_per_s']:.1f} | {f(r['ratio_to_keras'])} | {f(r['ratio_to_pss'])} | "
-            f"{r['bytes_pulled_per_sample']:.0f} | {r['bytes_pushed_per_sample']:.0f} | {f(r['mean_staleness'])} |"
-        )
     return "\n".join(out) + "\n"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--out", default="results/bench")
     p.add_argument("--model", default="gem_mnist_convnet")
     p.add_argument("--batch-size", type=int, default=64)

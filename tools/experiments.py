@@ -28,14 +28,13 @@ Writes `windows.csv` (one row per window), `summary.csv`, and
     python tools/experiments.py --sweeps nsync --nsyncs 1,10 --steps 200
 """
 
-import argparse
 import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common
 
 
 def load_data(name):
@@ -82,9 +81,8 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = getattr(tf_asgd.models, model_name)()
-        model.compile(keras.optimizers.SGD(args.eta, momentum=args.momentum),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        _common.compile_classifier(model, keras.optimizers.SGD(args.eta, momentum=args.momentum),
+                                   metrics=["accuracy"])
     stats0 = strategy.counters.stats(0, 0)
     t0, wall0 = time.perf_counter(), time.time()
     if warm_steps:
@@ -126,7 +124,7 @@ def _smoothed(rows, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--out", default="results/experiments")
     p.add_argument("--data", default="digits", choices=("digits", "mnist", "cifar10"))
     p.add_argument("--sweeps", default="nsync,workers,start")
@@ -165,7 +163,7 @@ def main(argv=None):
     windows, summaries, hists = [], [], {}
     t0 = time.time()
     for workers in sorted(plan):
-        with tf_asgd.LocalCluster(workers, 1, shared_process=True) as cluster:
+        with _common.local_cluster(workers) as cluster:
             strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1)
             for sweep, n, warm in plan[workers]:
                 label = {"nsync": f"n_sync={n}", "workers": f"{workers} workers",

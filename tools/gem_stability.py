@@ -14,37 +14,17 @@ all for the same number of epochs (samples seen), and writes
 `results/gem_stability/results.csv`, `results.md` and `curves.png`.
 
     python tools/gem_stability.py            # 8 workers, 20 epochs, a few minutes
-    python tools/gem_stability.py --workers=4 --epochs=5 --out=/tmp/gem
+    python tools/gem_stability.py --workers 4 --epochs 5 --out /tmp/gem
 """
 
-import csv
 import os
 import sys
 import time
 
-from absl import app, flags
-
-flags.DEFINE_integer("workers", 8, "Worker tasks in the local cluster.")
-flags.DEFINE_integer("epochs", 20, "Epochs (passes over the training split) for every method.")
-flags.DEFINE_integer("batch_size", 64, "Per-worker batch size (the paper: 64).")
-flags.DEFINE_float("eta", 0.1, "Learning rate of the proxy and of every worker.")
-flags.DEFINE_float("mu", 0.9, "Momentum of the proxy and of every worker.")
-flags.DEFINE_integer("n_sync", 1, "Local steps per window (the paper: 1).")
-flags.DEFINE_list("methods", "proxy,downpour,dynsgd,gem_k1,gem_k2", "Methods to run.")
-flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
-flags.DEFINE_string("out", "results/gem_stability", "Output directory.")
-FLAGS = flags.FLAGS
+import _common
 
 
-def _compile(model, optimizer):
-    import keras
-
-    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
-
-
-def run_method(method, cluster, data):
+def run_method(method, cluster, data, args):
     """Trains one method; returns a result row and its per-epoch history."""
     import keras
     import numpy as np
@@ -52,25 +32,25 @@ def run_method(method, cluster, data):
     import tf_asgd
 
     (x, y), (xt, yt) = data
-    keras.utils.set_random_seed(FLAGS.seed)
-    sgd = lambda: keras.optimizers.SGD(FLAGS.eta, momentum=FLAGS.mu)  # noqa: E731
+    keras.utils.set_random_seed(args.seed)
+    sgd = lambda: keras.optimizers.SGD(args.eta, momentum=args.mu)  # noqa: E731
     started = time.time()
-    row = {"method": method, "workers": 1 if method == "proxy" else FLAGS.workers,
-           "n_sync": "" if method == "proxy" else FLAGS.n_sync, "epochs": FLAGS.epochs}
+    row = {"method": method, "workers": 1 if method == "proxy" else args.workers,
+           "n_sync": "" if method == "proxy" else args.n_sync, "epochs": args.epochs}
     if method == "proxy":
-        model = _compile(tf_asgd.models.digits_convnet(), sgd())
+        model = _common.compile_classifier(tf_asgd.models.digits_convnet(), sgd(), metrics=["accuracy"])
         strategy = None
     else:
         rule = "dynsgd" if method == "dynsgd" else "none"
-        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=FLAGS.n_sync, staleness=rule)
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=args.n_sync, staleness=rule)
         with strategy.scope():
             opt = sgd()
             if method.startswith("gem"):
                 opt = tf_asgd.optimizers.GEM(opt, kappa=float(method.split("_k")[1]))
-            model = _compile(tf_asgd.models.digits_convnet(), opt)
+            model = _common.compile_classifier(tf_asgd.models.digits_convnet(), opt, metrics=["accuracy"])
     history, status = {}, "trained"
     try:
-        history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0).history
+        history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0).history
     except FloatingPointError:
         status = "diverged (every update NaN/Inf)"
     loss, acc = model.evaluate(xt, yt, verbose=0)
@@ -90,51 +70,56 @@ def run_method(method, cluster, data):
     return row, history
 
 
-def write_results(rows, histories, out):
+def write_results(rows, histories, args):
+    from tf_asgd import plots
+
+    out = args.out
     os.makedirs(out, exist_ok=True)
-    fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(f"Command: `python tools/gem_stability.py {' '.join(sys.argv[1:])}`\n\n")
-        f.write("| " + " | ".join(fields) + " |\n|" + "---|" * len(fields) + "\n")
-        for r in rows:
-            f.write("| " + " | ".join(str(r.get(k, "")) for k in fields) + " |\n")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for method, h in histories.items():
-        if h.get("loss"):
-            axes[0].plot(range(1, len(h["loss"]) + 1), h["loss"], label=method)
-            axes[1].plot(range(1, len(h["accuracy"]) + 1), h["accuracy"], label=method)
-    axes[0].set(xlabel="epoch", ylabel="training loss", yscale="log",
-                title=f"digits, eta={FLAGS.eta}, mu={FLAGS.mu}, {FLAGS.workers} workers, n_sync={FLAGS.n_sync}")
-    axes[1].set(xlabel="epoch", ylabel="training accuracy")
-    axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "curves.png"), dpi=110)
+    fields = _common.columns(rows)
+    plots.write_csv(os.path.join(out, "results.csv"), rows, fields)
+    _common.write_lines(os.path.join(out, "results.md"), [
+        f"Command: `python tools/gem_stability.py {' '.join(sys.argv[1:])}`",
+        "",
+        *_common.markdown_table(fields, [[r.get(k, "") for k in fields] for r in rows]),
+    ])
+    runs = [(method, h) for method, h in histories.items() if h.get("loss")]
+    plots.plot_panels(os.path.join(out, "curves.png"), [
+        dict(title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, n_sync={args.n_sync}",
+             xlabel="epoch", ylabel="training loss", logy=True,
+             series=[(m, range(1, len(h["loss"]) + 1), h["loss"]) for m, h in runs]),
+        dict(xlabel="epoch", ylabel="training accuracy",
+             series=[(m, range(1, len(h["accuracy"]) + 1), h["accuracy"]) for m, h in runs]),
+    ], panel_size=(5.5, 4.0))
 
 
-def main(argv):
-    del argv
+def main(argv=None):
+    p = _common.parser(__doc__)
+    p.add_argument("--out", default="results/gem_stability", help="output directory")
+    p.add_argument("--workers", type=int, default=8, help="worker tasks in the local cluster")
+    p.add_argument("--epochs", type=int, default=20,
+                   help="epochs (passes over the training split) for every method")
+    p.add_argument("--batch-size", "--batch_size", type=int, default=64,
+                   help="per-worker batch size (the paper: 64)")
+    p.add_argument("--eta", type=float, default=0.1, help="learning rate of the proxy and of every worker")
+    p.add_argument("--mu", type=float, default=0.9, help="momentum of the proxy and of every worker")
+    p.add_argument("--n-sync", "--n_sync", type=int, default=1, help="local steps per window (the paper: 1)")
+    p.add_argument("--methods", type=_common.str_list,
+                   default="proxy,downpour,dynsgd,gem_k1,gem_k2", help="methods to run")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
+    args = p.parse_args(argv)
     import tf_asgd
 
-    data = tf_asgd.data.load_digits(seed=FLAGS.seed)
+    data = tf_asgd.data.load_digits(seed=args.seed)
     rows, histories = [], {}
-    with tf_asgd.LocalCluster(num_workers=FLAGS.workers, num_ps=1, shared_process=True) as cluster:
-        for method in FLAGS.methods:
-            row, histories[method] = run_method(method, cluster, data)
+    with _common.local_cluster(args.workers) as cluster:
+        for method in args.methods:
+            row, histories[method] = run_method(method, cluster, data, args)
             rows.append(row)
             print(row, flush=True)
-    write_results(rows, histories, FLAGS.out)
-    print(f"wrote {FLAGS.out}/results.csv, results.md, curves.png")
+    write_results(rows, histories, args)
+    print(f"wrote {args.out}/results.csv, results.md, curves.png")
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

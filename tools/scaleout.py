@@ -1,9 +1,8 @@
 """Scale-out with emulated GPU workers: speed-up over 1 worker, and where time goes.
 
 A 2-core machine cannot run 8 or 32 GPUs, so each worker's step is made to
-cost a fixed *device time* that uses no CPU: tf.data's internal `sleep`
-transformation (`tensorflow.python.data.experimental.ops.testing.sleep`, via
-`tf_asgd.data.sleep_transformation`) delays each element (one minibatch) of
+cost a fixed *device time* that uses no CPU: tf.data's `SleepDataset` op
+(via `tf_asgd.data.sleep_transformation`) delays each element (one minibatch) of
 the per-worker dataset by `--step-ms`, as a GPU kernel would keep a step busy. The rest is real: Keras 3
 `model.fit` under `tf_asgd.AsyncParameterServerStrategy`, every window
 pulls all variables from the PS and pushes its update, the PS applies it.
@@ -27,10 +26,11 @@ Writes `scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
     python tools/scaleout.py --workers 1,2 --n-sync 10 --step-ms 5 --seconds 1
 """
 
-import argparse
 import os
 import sys
 import time
+
+import _common
 
 
 def emulated_dataset(input_shape, batch_size, step_ms, num_classes=10, seed=0):
@@ -63,14 +63,13 @@ def measure(workers, n_syncs, args):
     import tf_asgd
 
     rows = []
-    with tf_asgd.LocalCluster(workers, args.ps, shared_process=True) as cluster:
+    with _common.local_cluster(workers, args.ps) as cluster:
         host_pid = list(cluster.pids().values())[0]
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness)
         with strategy.scope():
             model = getattr(tf_asgd.models, args.model)()
-            model.compile(keras.optimizers.SGD(0.01),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            _common.compile_classifier(model, keras.optimizers.SGD(0.01))
         nparams = model.count_params()
         for step_ms, ns in ([(args.step_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else [])):
             ds = emulated_dataset(model.input_shape[1:], args.batch_size, step_ms)
@@ -114,7 +113,7 @@ def measure(workers, n_syncs, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--out", default="results/scaleout")
     p.add_argument("--model", default="digits_convnet")
     p.add_argument("--workers", default="1,2,4,8,16,32")
@@ -148,25 +147,26 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     tag = f"_{args.tag}" if args.tag else ""
     plots.write_csv(os.path.join(args.out, f"scaleout{tag}.csv"), rows)
+    def opt(r, key):
+        return f"{r[key]:.2f}" if key in r else "-"
+
+    header = ["kind", "workers", "n_sync", "samples/s", "speed-up", "efficiency", "of ideal", "pushes/s",
+              "MB/push", "chief CPU ms/push", "host CPU ms/push", "mean staleness", "stats read ms"]
+    cells = [
+        [r["kind"], r["workers"], r["n_sync"], f"{r['samples_per_s']:.1f}", opt(r, "speedup"),
+         opt(r, "efficiency"), opt(r, "of_ideal"), f"{r['pushes_per_s']:.1f}", f"{r['mb_per_push']:.1f}",
+         f"{r['chief_cpu_ms_per_push']:.1f}", f"{r['host_cpu_ms_per_push']:.1f}",
+         f"{r['mean_staleness']:.2f}", f"{r['stats_read_ms']:.1f}"]
+        for r in sorted(rows, key=lambda r: (r["kind"], r["n_sync"], r["workers"]))
+    ]
     lines = [
         f"Model `{args.model}` ({rows[0]['params']} parameters), batch {args.batch_size}, "
         f"emulated device time {args.step_ms} ms/step, {args.ps} PS, staleness `{args.staleness}`, "
         f"all tasks in one process; {os.cpu_count()} CPU cores. Speed-up is over 1 worker at the same n_sync.",
         "",
-        "| kind | workers | n_sync | samples/s | speed-up | efficiency | of ideal | pushes/s | MB/push | chief CPU ms/push | host CPU ms/push | mean staleness | stats read ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *_common.markdown_table(header, cells),
     ]
-    for r in sorted(rows, key=lambda r: (r["kind"], r["n_sync"], r["workers"])):
-        sp = f"{r['speedup']:.2f}" if "speedup" in r else "-"
-        ef = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
-        oi = f"{r['of_ideal']:.2f}" if "of_ideal" in r else "-"
-        lines.append(
-            f"| {r['kind']} | {r['workers']} | {r['n_sync']} | {r['samples_per_s']:.1f} | {sp} | {ef} | {oi} | "
-            f"{r['pushes_per_s']:.1f} | {r['mb_per_push']:.1f} | {r['chief_cpu_ms_per_push']:.1f} | "
-            f"{r['host_cpu_ms_per_push']:.1f} | {r['mean_staleness']:.2f} | {r['stats_read_ms']:.1f} |"
-        )
-    with open(os.path.join(args.out, f"scaleout{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    _common.write_lines(os.path.join(args.out, f"scaleout{tag}.md"), lines)
     series = []
     for n in n_syncs:
         pts = sorted((r["workers"], r["speedup"]) for r in rows if r.get("n_sync") == n and "speedup" in r)

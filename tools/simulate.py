@@ -16,7 +16,6 @@ Example (a few seconds):
     python tools/simulate.py --workers 16,100 --etas 0.1 --pushes 500
 """
 
-import argparse
 import json
 import os
 import sys
@@ -26,21 +25,15 @@ import numpy as np
 
 from tf_asgd import plots, simulator
 
-
-def _floats(s):
-    return [float(v) for v in s.split(",") if v]
-
-
-def _ints(s):
-    return [int(v) for v in s.split(",") if v]
+import _common
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--out", default="results/simulator")
     p.add_argument("--methods", default="downpour,dynsgd,gem")
-    p.add_argument("--workers", type=_ints, default=[16, 32, 100])
-    p.add_argument("--etas", type=_floats, default=[0.05, 0.1, 0.3, 1.0])
+    p.add_argument("--workers", type=_common.int_list, default=[16, 32, 100])
+    p.add_argument("--etas", type=_common.float_list, default=[0.05, 0.1, 0.3, 1.0])
     p.add_argument("--pushes", type=int, default=3000)
     p.add_argument("--n-sync", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)

@@ -31,11 +31,12 @@ each push over time, by worker) to `--out`.
     python tools/straggler.py --workers 3 --steps 100 --epochs 1 --rounds 1
 """
 
-import argparse
 import os
 import statistics
 import sys
 import time
+
+import _common
 
 CONFIGS = ("uniform", "straggler", "straggler_drop")
 
@@ -61,9 +62,8 @@ def run_config(cluster, name, data, args):
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = tf_asgd.models.digits_convnet()
-        model.compile(keras.optimizers.SGD(args.eta, momentum=args.momentum),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        _common.compile_classifier(model, keras.optimizers.SGD(args.eta, momentum=args.momentum),
+                                   metrics=["accuracy"])
     model.fit(ds, steps_per_epoch=args.n_sync * args.workers, epochs=1, verbose=0)  # trace
     warm = len(strategy.window_log(model))
     t0, wall0 = time.perf_counter(), time.time()
@@ -93,7 +93,7 @@ def run_config(cluster, name, data, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--out", default="results/straggler")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--slow", type=float, default=10.0, help="the straggler's slowdown factor")
@@ -117,7 +117,7 @@ def main(argv=None):
     data = tf_asgd.data.load_digits()
     rows, logs = [], {}
     t0 = time.time()
-    with tf_asgd.LocalCluster(args.workers, 1, shared_process=True) as cluster:
+    with _common.local_cluster(args.workers) as cluster:
         for k in range(args.rounds):
             order = CONFIGS if k % 2 == 0 else CONFIGS[::-1]  # drift hits all alike
             for name in order:
@@ -134,23 +134,19 @@ def main(argv=None):
     plots.write_csv(os.path.join(args.out, "straggler.csv"), rows)
     w = args.workers
     ideal = (w - 1 + 1 / args.slow) / w
+    header = ["config", "fit seconds", "to first push", "after last fast push", "samples/s",
+              "windows/s per fast worker", "straggler windows", "straggler mean staleness",
+              "fast mean staleness", "dropped stale", "test accuracy"]
+    keys = ("seconds", "start_s", "end_wait_s", "samples_per_s", "fast_windows_per_worker_s", "slow_windows",
+            "slow_mean_staleness", "fast_mean_staleness", "dropped_stale", "test_accuracy")
+    cells = [[name] + [f"{median(name, key):.3g}" for key in keys] for name in CONFIGS]
     lines = [
         f"{w} workers (worker {w - 1} {args.slow:g}x slower), 1 PS, all tasks in one process; "
         f"digits convnet, SGD eta {args.eta:g} momentum {args.momentum:g}, batch {args.batch_size}, emulated device time {args.step_ms:g} ms per "
         f"minibatch, n_sync {args.n_sync}, {args.epochs} epochs of {args.steps} steps; "
         f"median of {args.rounds} rounds; {os.cpu_count()} CPU cores.",
         "",
-        "| config | fit seconds | to first push | after last fast push | samples/s | "
-        "windows/s per fast worker | straggler windows | straggler mean staleness | "
-        "fast mean staleness | dropped stale | test accuracy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    keys = ("seconds", "start_s", "end_wait_s", "samples_per_s", "fast_windows_per_worker_s", "slow_windows",
-            "slow_mean_staleness", "fast_mean_staleness", "dropped_stale", "test_accuracy")
-    for name in CONFIGS:
-        vals = [median(name, key) for key in keys]
-        lines.append(f"| {name} | " + " | ".join(f"{v:.3g}" for v in vals) + " |")
-    lines += [
+        *_common.markdown_table(header, cells),
         "",
         "Ratios, with the straggler over uniform:",
         "",
@@ -161,8 +157,7 @@ def main(argv=None):
         f"(dropping: {median('straggler_drop', 'samples_per_s') / median('uniform', 'samples_per_s'):.2f}); "
         f"ideal {ideal:.2f}",
     ]
-    with open(os.path.join(args.out, "straggler.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    _common.write_lines(os.path.join(args.out, "straggler.md"), lines)
 
     panels = []
     for name in CONFIGS[1:]:

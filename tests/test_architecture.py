@@ -1,0 +1,149 @@
+"""The package's layering, checked statically (no TF import, no cluster).
+
+Every `tf_asgd/*.py` is parsed with `ast`. Imports inside functions count:
+a function-level import is an import that runs, only later.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "tf_asgd")
+MAX_LINES = 450
+MAX_PRIVATE_MODULES = 2
+PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
+
+
+def _modules():
+    """`{module name: path}` of every module of the package (`tf_asgd` for __init__)."""
+    out = {}
+    for name in sorted(os.listdir(PACKAGE)):
+        if name.endswith(".py"):
+            module = "tf_asgd" if name == "__init__.py" else f"tf_asgd.{name[:-3]}"
+            out[module] = os.path.join(PACKAGE, name)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path):
+    """Every module name imported anywhere in `path` (module level or inside
+    functions), absolute. `from tf_asgd import x` names `tf_asgd.x` when `x`
+    is a module, else `tf_asgd`."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x / from .x import y
+                base = "tf_asgd" + (f".{node.module}" if node.module else "")
+            else:
+                base = node.module
+            for alias in node.names:
+                names.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return names
+
+
+def _graph():
+    """`{module: the package's modules it imports}`. Importing `tf_asgd.x`
+    also runs the package's `__init__`; that is Python's doing, not an edge:
+    only `import tf_asgd` or `from tf_asgd import <not a module>` names it."""
+    return {
+        module: {name for name in _imports(path) if name in MODULES and name != module}
+        for module, path in MODULES.items()
+    }
+
+
+def _cycle(graph):
+    """One import cycle as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_checker_sees_imports_inside_functions():
+    graph = {"a": {"b"}, "b": {"a"}}
+    assert _cycle(graph) == ["a", "b", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    tree_imports = _imports(MODULES["tf_asgd.data"])  # data imports TF only inside functions
+    assert "tensorflow" in tree_imports
+
+
+def test_no_import_cycle_among_tf_asgd_modules():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_run_one_way_through_the_core():
+    """update_rules, counters, internals <- scheduling <- strategy -> keras_hook."""
+    graph = _graph()
+    assert "tf_asgd.scheduling" in graph["tf_asgd.strategy"]
+    assert "tf_asgd.keras_hook" in graph["tf_asgd.strategy"]
+    for low in ("tf_asgd.update_rules", "tf_asgd.counters", "tf_asgd.internals"):
+        assert not graph[low] & {"tf_asgd.scheduling", "tf_asgd.strategy", "tf_asgd.keras_hook"}, low
+    assert not graph["tf_asgd.keras_hook"] & {"tf_asgd.strategy", "tf_asgd.scheduling"}
+    assert not graph["tf_asgd.scheduling"] & {"tf_asgd.strategy", "tf_asgd.keras_hook"}
+    assert not graph["tf_asgd.gem"] & {"tf_asgd.strategy", "tf_asgd.scheduling", "tf_asgd.keras_hook"}
+
+
+def test_private_tf_and_keras_imports_stay_in_few_modules():
+    users = {
+        module: sorted(n for n in _imports(path) if n.startswith(PRIVATE_PREFIXES))
+        for module, path in MODULES.items()
+    }
+    users = {m: names for m, names in users.items() if names}
+    assert len(users) <= MAX_PRIVATE_MODULES, users
+
+
+def test_the_keras_version_check_runs_before_any_private_import():
+    path = MODULES["tf_asgd.internals"]
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    check = first_private = None
+    for i, node in enumerate(tree.body):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", None) == "check_keras_version" and check is None):
+            check = i
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) else [])
+        if first_private is None and any(n.startswith(PRIVATE_PREFIXES) for n in names):
+            first_private = i
+    assert check is not None and first_private is not None and check < first_private
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_over_450_lines(module):
+    with open(MODULES[module]) as f:
+        lines = len(f.read().splitlines())
+    assert lines <= MAX_LINES, f"{module}: {lines} lines"
+
+
+def test_no_per_model_state_is_set_on_the_model():
+    for module, path in MODULES.items():
+        with open(path) as f:
+            text = f.read()
+        assert "_asgd_trainer" not in text and "_asgd_fitting" not in text, module

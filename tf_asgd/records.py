@@ -1,0 +1,91 @@
+"""What a window reports: the packed result a worker returns, and its record.
+
+A window returns one float64 tensor, so that the chief fetches its result in
+one copy. `WindowResultLayout` defines that tensor once, for both sides: the
+worker packs it (`pack`, TF ops inside the window function) and the chief
+unpacks it (`unpack`, NumPy) into a `WindowRecord`.
+
+Layout: the header fields `HEADER` (one element each), then each metric
+variable's delta over the window, flattened, then GEM's pi statistics
+(`[n_trainable, 3]`, flattened; empty without a push rule).
+"""
+
+import typing
+
+import numpy as np
+import tensorflow as tf
+
+
+class WindowRecord(typing.NamedTuple):
+    """What the chief learns of each finished window (`strategy.window_log`)."""
+
+    worker: int  # index of the worker that ran it
+    pushed: bool  # False: its update held NaN/Inf and was not pushed
+    staleness: int  # tau of its push (pushes committed since its pull); -1 if not pushed
+    loss: float  # mean training loss over the window's steps
+    seen_at: float  # time.perf_counter() on the chief when it saw the window done
+    finished_at: float  # time.time() on the worker once its push was applied
+    state: tuple  # the window's own metric states (deltas), see WindowTrainer.window_results
+    pi: typing.Optional[np.ndarray]  # GEM: [n_trainable, 3] pi mean, frac at 0, frac at pi_max
+    # True: a re-run (after a worker died) of a window whose earlier attempt
+    # had already pushed; this attempt ran no steps and pushed nothing.
+    replayed: bool = False
+
+
+class WindowResultLayout:
+    """The layout of the tensor a window returns, shared by packer and unpacker.
+
+    Args:
+        metric_values: the model's metric variable values (NumPy arrays);
+            only their shapes and dtypes are used.
+        has_pi: whether the pi statistics are kept (a push rule is in use).
+    """
+
+    # worker: its index; pushed: the update is in the central variables, once
+    # (true also for a replay); replayed: see WindowRecord; finished_at: the
+    # worker's time.time() after the push; staleness: tau, -1 if not pushed.
+    HEADER = ("worker", "pushed", "replayed", "finished_at", "staleness")
+
+    def __init__(self, metric_values, has_pi):
+        self.metric_specs = [(np.shape(m), np.asarray(m).dtype) for m in metric_values]
+        self.has_pi = has_pi
+
+    def pack(self, header, metric_deltas, pi_stats):
+        """The window's result as one float64 tensor (TF ops, on the worker).
+
+        Args:
+            header: a dict with one scalar tensor per name in `HEADER`.
+            metric_deltas: one tensor per metric variable, its change over
+                the window.
+            pi_stats: a `[n_trainable, 3]` tensor (`[0, 3]` without a push rule).
+
+        Returns:
+            A 1-D float64 tensor.
+        """
+        if set(header) != set(self.HEADER):
+            raise ValueError(f"header must name exactly {self.HEADER}, got {sorted(header)}.")
+        parts = [tf.reshape(tf.cast(header[name], tf.float64), [1]) for name in self.HEADER]
+        parts += [tf.reshape(tf.cast(d, tf.float64), [-1]) for d in metric_deltas]
+        parts.append(tf.reshape(tf.cast(pi_stats, tf.float64), [-1]))
+        return tf.concat(parts, axis=0)
+
+    def unpack(self, packed):
+        """Splits a fetched result (on the chief).
+
+        Args:
+            packed: the 1-D array a window returned.
+
+        Returns:
+            `(header, metric_deltas, pi)`: a dict of the header's floats by
+            name, the metric deltas in their shapes and dtypes, and the pi
+            statistics as `[n_trainable, 3]` (None without a push rule).
+        """
+        packed = np.asarray(packed)
+        header = dict(zip(self.HEADER, packed[:len(self.HEADER)]))
+        deltas, at = [], len(self.HEADER)
+        for shape, dtype in self.metric_specs:
+            size = int(np.prod(shape))
+            deltas.append(packed[at:at + size].reshape(shape).astype(dtype))
+            at += size
+        pi = packed[at:].reshape(-1, 3) if self.has_pi else None
+        return header, deltas, pi

@@ -1,0 +1,312 @@
+"""The launcher's library: what the task roles (`tf_asgd.training`) build from a config.
+
+- `CONFIG_FIELDS`: every config field and its meaning, the one place they
+  are written (`python -m tf_asgd.launch --help` prints them; configs/*.py
+  set their values);
+- builders: `make_model`, `make_optimizer`, `compile_model`;
+- callbacks: `make_progress_callback` (throughput log lines),
+  `make_checkpoint_callback` (a checkpoint per epoch), `save_checkpoint`,
+  `make_checkpoint`;
+- stopping: `sigterm_as_keyboard_interrupt`, `checkpoint_on_interrupt`
+  (a checkpoint on Ctrl-C / SIGTERM), `ClusterTaskLostError`,
+  `unreachable_tasks` and `task_lost_error` (which task is gone, and which
+  checkpoint to `--resume` from).
+"""
+
+import importlib.util
+import signal
+import socket
+import sys
+import threading
+import time
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tf_asgd import models, optimizers
+from tf_asgd.input_pipeline import DATASETS
+
+MODELS = (
+    "digits_convnet",
+    "gem_mnist_convnet",
+    "cuda_convnet_cifar10",
+    "paine2013_imagenet_convnet",
+)
+CHECKPOINT_DIR = "checkpoints"
+DONE_FILE = "DONE"
+
+# Every field of configs/default.py (tests/test_configs.py checks the keys).
+CONFIG_FIELDS = {
+    "model": f"a builder in tf_asgd.models: {' | '.join(MODELS)}",
+    "dataset": " | ".join(DATASETS),
+    "data_dir": "local data path ('' = the data set's default place)",
+    "download": "let keras.datasets download missing mnist/cifar10",
+    "augment": "random crop + flip (cifar10, imagenet)",
+    "image_size": "imagenet: side images are resized to (0 = default, 256)",
+    "crop_size": "imagenet/cifar10: training crop side (0 = the data set's default)",
+    "ten_crop_eval": "final multi-crop evaluation: softmax averaged over 10 views "
+                     "(4 corners, centre, and their mirror images)",
+    "batch_size": "examples per worker step",
+    "epochs": "epochs to train (a resumed run continues up to this)",
+    "steps_per_epoch": "steps per epoch (0 = training examples // batch_size)",
+    "eval_steps": "test batches to evaluate (0 = all)",
+    "validate_every_epoch": "evaluate the test split after each epoch",
+    "seed": "random seed (weights, data order)",
+    "n_sync": "local steps per window between pull and push",
+    "staleness": "none (Downpour) | dynsgd (push scaled by 1/(staleness+1))",
+    "max_staleness": "drop pushes staler than this (unset = keep every push)",
+    "optimizer.name": "sgd | adam",
+    "optimizer.learning_rate": "learning rate of every worker's optimizer",
+    "optimizer.momentum": "SGD momentum (sgd only)",
+    "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
+    "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
+    "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",
+    "num_ps": "local cluster: parameter servers (ignored under TF_CONFIG)",
+    "shared_process": "host all local tasks in one child process (off when gpus_per_worker > 0)",
+    "gpus_per_worker": "GPUs per local worker process (CUDA_VISIBLE_DEVICES)",
+    "max_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
+    "log_every_secs": "seconds between progress log lines (0 = off)",
+    "verbose": "Keras fit verbosity (-1 = progress bar on a terminal, else a line per epoch)",
+}
+
+
+def config_help():
+    """`CONFIG_FIELDS` as the text `--help` shows under `--config`."""
+    lines = [f"{field}: {meaning};" for field, meaning in CONFIG_FIELDS.items()]
+    lines[-1] = lines[-1][:-1] + "."
+    return "Config fields (override with --config.<field>=<value>):\n" + "\n".join(lines) + "\n"
+
+
+class ClusterTaskLostError(RuntimeError):
+    """Training stopped because a cluster task (a parameter server, or every
+    worker) could not be reached. The message names the unreachable tasks and
+    the checkpoint to `--resume` from."""
+
+
+# ---------------------------------------------------------------------------
+# Builders
+
+
+def make_model(config):
+    """The Keras model named by `config.model` (a builder in `tf_asgd.models`)."""
+    if config.model not in MODELS:
+        raise ValueError(f"Unknown model {config.model!r}; expected one of {MODELS}.")
+    builder = getattr(models, config.model)
+    if config.model == "cuda_convnet_cifar10":
+        crop = config.crop_size or 24
+        return builder(input_shape=(crop, crop, 3))
+    if config.model == "paine2013_imagenet_convnet":
+        crop = config.crop_size or 224
+        return builder(input_shape=(crop, crop, 3))
+    if config.model == "gem_mnist_convnet" and config.dataset == "digits":
+        return builder(input_shape=(8, 8, 1))
+    return builder()
+
+
+def make_optimizer(config):
+    """`config.optimizer` as a Keras optimizer, wrapped in GEM when `config.gem.enabled`."""
+    o = config.optimizer
+    if o.name == "sgd":
+        opt = keras.optimizers.SGD(o.learning_rate, momentum=o.momentum)
+    elif o.name == "adam":
+        opt = keras.optimizers.Adam(o.learning_rate)
+    else:
+        raise ValueError(f"Unknown optimizer {o.name!r}; expected 'sgd' or 'adam'.")
+    if config.gem.enabled:
+        opt = optimizers.GEM(opt, kappa=config.gem.kappa)
+    return opt
+
+
+def compile_model(model, config):
+    """Compiles `model` with `make_optimizer(config)`, sparse categorical
+    cross-entropy on logits, and accuracy."""
+    model.compile(
+        make_optimizer(config),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
+def fit_verbosity(config):
+    """`config.verbose`, or for -1: a progress bar on a terminal, else a line per epoch."""
+    if config.verbose >= 0:
+        return config.verbose
+    return 1 if sys.stdout.isatty() else 2
+
+
+def tensorboard_available():
+    """Whether `tf.summary` can write (the `tensorboard` package is installed)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+# ---------------------------------------------------------------------------
+# Callbacks and checkpoints
+
+
+class ProgressCallback(keras.callbacks.Callback):
+    """Adds `samples_per_sec` to the epoch logs; logs a progress line every
+    `config.log_every_secs` (0: never)."""
+
+    def __init__(self, config, batch_size):
+        super().__init__()
+        self._config, self._batch_size = config, batch_size
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._t0 = self._last = time.time()
+
+    def on_train_batch_end(self, batch, logs=None):
+        every = self._config.log_every_secs
+        now = time.time()
+        if not every or now - self._last < every:
+            return
+        self._last = now
+        logs = logs or {}
+        steps = batch + 1
+        logging.info(
+            "epoch %d/%d step %d/%s: %.0f samples/s, loss %.4f, staleness %.2f, windows %d",
+            self._epoch + 1, self.params.get("epochs"), steps, self.params.get("steps"),
+            steps * self._batch_size / max(now - self._t0, 1e-9),
+            logs.get("loss", float("nan")), logs.get("staleness", 0.0),
+            int(logs.get("windows", 0)),
+        )
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            steps = self.params.get("steps") or 0
+            logs["samples_per_sec"] = steps * self._batch_size / max(time.time() - self._t0, 1e-9)
+            logging.info(
+                "epoch %d/%d done: %s", epoch + 1, self.params.get("epochs"),
+                ", ".join(f"{k} {v:.4g}" for k, v in sorted(logs.items())),
+            )
+
+
+def make_progress_callback(config, batch_size):
+    """A `ProgressCallback` for `config` at `batch_size` examples per step."""
+    return ProgressCallback(config, batch_size)
+
+
+class CheckpointCallback(keras.callbacks.Callback):
+    """Saves a checkpoint after every epoch, with the epochs done inside."""
+
+    def __init__(self, manager, epoch_var, step_fn):
+        super().__init__()
+        self._manager, self._epoch_var, self._step_fn = manager, epoch_var, step_fn
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch_var.assign(epoch + 1)
+        save_checkpoint(self._manager, self._step_fn(), f"epoch {epoch + 1}")
+
+
+def make_checkpoint_callback(manager, epoch_var, step_fn):
+    """A `CheckpointCallback`: `manager` saves, `epoch_var` counts epochs,
+    `step_fn()` gives the optimizer's global step (the checkpoint number)."""
+    return CheckpointCallback(manager, epoch_var, step_fn)
+
+
+def make_checkpoint(model, strategy, epoch_var):
+    """A `tf.train.Checkpoint` of the model (central variables), the epoch
+    count, the optimizer once built, and the strategy's push counters."""
+    parts = {"model": model, "epoch": epoch_var}
+    if model.optimizer is not None and model.optimizer.built:
+        parts["optimizer"] = model.optimizer
+    if strategy is not None:
+        parts["counters"] = strategy.counters
+    return tf.train.Checkpoint(**parts)
+
+
+def save_checkpoint(manager, step, reason):
+    """Saves `checkpoints/ckpt-STEP` (STEP: the optimizer's global step) unless
+    the newest checkpoint already has that step. Returns the path or None.
+
+    `tf.train.CheckpointManager` writes the files under temporary names and
+    renames them, then rewrites the `checkpoint` state file atomically, so
+    `tf.train.latest_checkpoint` (what `--resume` reads) only ever names a
+    complete checkpoint.
+    """
+    latest = manager.latest_checkpoint
+    if latest and latest.endswith(f"-{step}"):
+        return None
+    path = manager.save(checkpoint_number=step)
+    logging.info("saved checkpoint %s (%s)", path, reason)
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Stopping: signals, interrupts, lost tasks
+
+
+def sigterm_as_keyboard_interrupt():
+    """SIGTERM raises KeyboardInterrupt in the main thread, so `finally` blocks run.
+
+    Returns:
+        The previous SIGTERM handler (restore it with `signal.signal`), or
+        None outside the main thread, where nothing is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def checkpoint_on_interrupt(manager, step_fn):
+    """Saves a checkpoint of the central variables after Ctrl-C or SIGTERM.
+
+    Windows already pushed are kept (the epoch count stays at the last epoch
+    finished: `--resume` restarts that epoch with the trained weights).
+    Further Ctrl-C/SIGTERM are ignored while it saves.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        if save_checkpoint(manager, step_fn(), "interrupted") is None:
+            logging.info("interrupted: the newest checkpoint %s already holds every pushed window",
+                         manager.latest_checkpoint)
+    except Exception as e:  # a dead PS: nothing to save; report and go on stopping
+        logging.error("could not save a checkpoint on interrupt: %s", str(e).splitlines()[0])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def unreachable_tasks(cluster, timeout=2.0):
+    """`["ps:0 (localhost:1234)", ...]`: tasks of `cluster` (a dict) whose port
+    refuses a TCP connection (the chief's own entry is skipped)."""
+    down = []
+    for job, addresses in sorted(cluster.items()):
+        if job in ("chief", "evaluator"):
+            continue
+        for i, address in enumerate(addresses):
+            host, port = address.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), timeout=timeout).close()
+            except OSError:
+                down.append(f"{job}:{i} ({address})")
+    return down
+
+
+def task_lost_error(error, cluster, manager, epoch_var):
+    """A `ClusterTaskLostError` for `error` (a `tf.errors.UnavailableError`):
+    which tasks of `cluster` are unreachable, and the checkpoint to resume from."""
+    down = unreachable_tasks(cluster)
+    latest = manager.latest_checkpoint
+    where = (
+        f"The newest checkpoint is {latest} (epoch {int(epoch_var.numpy())}); rerun "
+        "with --resume to continue from it."
+        if latest else "No checkpoint was written yet; rerun to start again."
+    )
+    what = (
+        f"unreachable: {', '.join(down)}" if down
+        else "every task still accepts connections, so the link failed"
+    )
+    return ClusterTaskLostError(
+        f"Training stopped: lost contact with the cluster ({what}). The parameter "
+        "servers hold the central variables, so training cannot go on without "
+        f"one. {where} (TensorFlow said: {str(error).splitlines()[0][:300]})"
+    )

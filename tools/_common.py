@@ -1,0 +1,99 @@
+"""What the tools in tools/ share: one CLI style, the local cluster, compiling, tables.
+
+Every tool is a script, `python tools/NAME.py --flag value`; Python puts
+tools/ first on `sys.path` for it, so `import _common` finds this module.
+Each tool parses its flags with `parser(__doc__)` (argparse, `--out` for
+its output directory, dashes in flag names), writes CSV with
+`tf_asgd.plots.write_csv`, Markdown tables with `markdown_table` and plots
+with `tf_asgd.plots.plot_panels`.
+
+TensorFlow, Keras and tf_asgd are imported inside the helpers, not here:
+bench.py's stock-PS child must set `TF_USE_LEGACY_KERAS` before TensorFlow
+loads, and `--help` needs none of them.
+"""
+
+import argparse
+
+
+def parser(doc):
+    """The argparse parser of a tool: its module docstring as the help text."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def int_list(text):
+    """`"1,2,4"` -> `[1, 2, 4]` (an argparse `type`)."""
+    return [int(v) for v in text.split(",") if v]
+
+
+def str_list(text):
+    """`"a,b"` -> `["a", "b"]` (an argparse `type`)."""
+    return [v for v in text.split(",") if v]
+
+
+def float_list(text):
+    """`"0.05,0.1"` -> `[0.05, 0.1]` (an argparse `type`)."""
+    return [float(v) for v in text.split(",") if v]
+
+
+def local_cluster(workers, num_ps=1):
+    """A `tf_asgd.LocalCluster` on loopback with every task in one child
+    process (`shared_process=True`: 32 workers fit in memory). Use it as a
+    context manager; leaving the block stops the process."""
+    import tf_asgd
+
+    return tf_asgd.LocalCluster(workers, num_ps, shared_process=True)
+
+
+def compile_classifier(model, optimizer, metrics=None, keras_module=None):
+    """Compiles `model` (logits out) with `optimizer` and sparse categorical
+    cross-entropy, the loss of every tool. Call it under `strategy.scope()`
+    when the model is built there, with the optimizer created there too.
+
+    Args:
+        model: a Keras model.
+        optimizer: a Keras optimizer instance.
+        metrics: Keras `compile` metrics, e.g. `["accuracy"]` (None: none).
+        keras_module: the Keras that built `model`; `tf_keras` for stock
+            ParameterServerStrategy runs (default: Keras 3).
+
+    Returns:
+        `model`.
+    """
+    if keras_module is None:
+        import keras as keras_module
+
+    model.compile(optimizer, keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=metrics)
+    return model
+
+
+def columns(rows):
+    """The keys of a list of dicts, in order of first appearance (the
+    columns `tf_asgd.plots.write_csv` writes)."""
+    out = []
+    for row in rows:
+        out += [k for k in row if k not in out]
+    return out
+
+
+def markdown_table(header, rows):
+    """A Markdown table as a list of lines.
+
+    Args:
+        header: column titles.
+        rows: one list of cells per row, formatted by the caller (`str` is
+            applied to each).
+
+    Returns:
+        `["| a | b |", "| --- | --- |", "| 1 | 2 |", ...]`.
+    """
+    def line(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    return [line(header), line(["---"] * len(header))] + [line(r) for r in rows]
+
+
+def write_lines(path, lines):
+    """Writes `lines` to `path`, one a line, with a final newline."""
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
