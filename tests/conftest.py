@@ -10,8 +10,22 @@ import pytest  # noqa: E402
 import tf_asgd  # noqa: E402
 
 
+CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "sharded_cluster"}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "soak: bounded repeated fit/kill/restart cycles")
+    config.addinivalue_line(
+        "markers",
+        "cluster: starts TF servers or the launcher (the fast tier is -m 'not cluster')",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # A test that takes a cluster fixture starts one; the rest mark themselves.
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture(autouse=True)

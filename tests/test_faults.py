@@ -22,6 +22,8 @@ import tf_asgd
 
 from conftest import compile_digits
 
+pytestmark = pytest.mark.cluster  # every test here starts TF servers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

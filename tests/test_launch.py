@@ -19,6 +19,8 @@ import pytest
 
 from tf_asgd import train_lib, training
 
+pytestmark = pytest.mark.cluster  # every test here starts TF servers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = [
     "--config=configs/default.py",

@@ -74,3 +74,59 @@ def test_delayed_nesterov_is_diloco_over_each_group():
 def test_bad_outer_configuration(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+@pytest.fixture(scope="module")
+def sharded_cluster():
+    """1 worker and 2 PS: variables split over both by a partitioner."""
+    import tf_asgd
+
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=2, shared_process=True) as c:
+        yield c
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("opt", OPTIMIZERS[1:], ids=repr)
+def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, opt):
+    """Known updates pushed through `push.push_update` onto a variable split
+    over 2 PS (and an unsplit one): central variables and outer state follow
+    `update_rules.ps_push`, and the step counter the tickets."""
+    import tf_asgd
+    from tf_asgd import push
+
+    partitioner = tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=16)
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        sharded_cluster.resolver, n_sync=1, staleness="dynsgd", variable_partitioner=partitioner)
+    rng = np.random.default_rng(2)
+    init = [rng.normal(size=(6, 2)).astype(np.float32), rng.normal(size=(1,)).astype(np.float32)]
+    with strategy.scope():
+        variables = [tf.Variable(v) for v in init]
+        slots = [[outer.create_slots(opt, s) for s in push.shard_variables(v)] for v in variables]
+    assert len(slots[0]) > 1  # really split
+
+    @tf.function
+    def push_once(u0, u1, pulled_version):
+        ops, tau = push.push_update(variables, [u0, u1], pulled_version, strategy.counters,
+                                    "dynsgd", None, opt, slots, 4)
+        with tf.control_dependencies(ops):
+            return tf.identity(tau)
+
+    central, state = [v.copy() for v in init], [{}, {}]
+    pulled = [0, 0, 1, 1, 2, 5, 6, 6]
+    for ticket, p in enumerate(pulled):
+        updates = [rng.normal(size=v.shape).astype(np.float32) for v in init]
+        tau = strategy.coordinator.schedule(
+            push_once, args=(*map(tf.constant, updates), tf.constant(p, tf.int64)))
+        strategy.coordinator.join()  # one push at a time: a fixed ticket order
+        assert int(tau.fetch()) == ticket - p
+        for i in range(2):
+            central[i], state[i] = update_rules.ps_push(
+                central[i], updates[i], ticket - p, ticket, state[i], "dynsgd",
+                outer=opt, num_workers=4)
+    for v, c in zip(variables, central):
+        np.testing.assert_allclose(push.read(v).numpy() if hasattr(v, "variables") else v.numpy(),
+                                   c, rtol=1e-5, atol=1e-6)
+    for var_slots, st in zip(slots, state):
+        for name in opt.slots:
+            got = np.concatenate([s[name].numpy() for s in var_slots], axis=0)
+            np.testing.assert_allclose(got, st[name], rtol=1e-5, atol=1e-6)

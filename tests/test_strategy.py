@@ -14,6 +14,8 @@ from tf_asgd.cluster import make_resolver
 
 from conftest import compile_digits
 
+pytestmark = pytest.mark.cluster  # every test here starts TF servers
+
 
 def _strategy(cluster, **kwargs):
     return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, **kwargs)
@@ -40,7 +42,8 @@ def test_digits_convnet_fit_evaluate_predict_save(cluster, digits, tmp_path):
     steps = int(np.ceil(len(x) / 32))
     windows_per_epoch = int(np.ceil(steps / 10))
     assert stats.windows == epochs * windows_per_epoch == history.history["windows"][-1]
-    assert int(model.optimizer.iterations.numpy()) == stats.applied * 10
+    # An epoch is exactly one pass (45 steps): 4 windows of 10 and one of 5.
+    assert int(model.optimizer.iterations.numpy()) == epochs * steps
     assert stats.bytes_pulled == stats.windows * sum(
         int(np.prod(v.shape)) * 4 for v in model.variables
     )
@@ -59,6 +62,7 @@ def test_n_sync_extremes_train_with_real_staleness(cluster, digits, n_sync):
         model = compile_digits(tf_asgd.models.digits_convnet())
     # 400 steps per epoch: 4 windows of 100, or 400 windows of 1, over 2 workers.
     history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=400, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2 * 400
     _, acc = model.evaluate(xt, yt, verbose=0)
     assert acc >= 0.9, history.history
 

@@ -114,8 +114,8 @@ def _fit(original, model, *args, **kwargs):
         # One Keras "execution" is one window of n_sync steps.
         model.steps_per_execution = strategy.n_sync
     model.train_function = None
-    kwargs = _repeat_when_steps_given(original, model, args, kwargs)
-    strategy._set_fitting(model, True)
+    kwargs = _steps_and_repeated_data(original, model, args, kwargs)
+    strategy._set_fitting(model, True, kwargs["steps_per_epoch"])
     try:
         return original(model, **kwargs)
     finally:
@@ -125,33 +125,48 @@ def _fit(original, model, *args, **kwargs):
             trainer.coordinator.join()  # nothing left running after fit, even on error
 
 
-def _repeat_when_steps_given(original, model, args, kwargs):
-    """Workers draw from the training data repeated forever; with an explicit
-    `steps_per_epoch` Keras must not stop at the data's own length."""
+def _steps_and_repeated_data(original, model, args, kwargs):
+    """`fit`'s arguments with the training data repeated forever and an
+    explicit `steps_per_epoch`.
+
+    Workers draw from the data repeated forever, so Keras must not stop at
+    the data's own length; and the trainer needs an epoch's steps to make the
+    epoch exactly that many (its last window may be shorter than `n_sync`).
+    Without `steps_per_epoch` an epoch is one pass over the data, as in Keras.
+    """
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     kw = dict(bound.arguments)
     kw.pop("self")
-    if kw["steps_per_epoch"] is None:
-        return kw
-    x = kw["x"]
+    x, num_batches = kw["x"], None
     if isinstance(x, tf.data.Dataset):
-        kw["x"] = x.repeat()
-        return kw
-    if kw["validation_split"] and kw["validation_data"] is None:
-        (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_data"] = (
-            internals.train_validation_split(
-                (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_split"]
+        num_batches = int(x.cardinality())
+    else:
+        if kw["validation_split"] and kw["validation_data"] is None:
+            (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_data"] = (
+                internals.train_validation_split(
+                    (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_split"]
+                )
             )
+            kw["validation_split"] = 0.0
+        x, num_batches = internals.keras_tf_dataset(
+            x=kw["x"], y=kw["y"], sample_weight=kw["sample_weight"],
+            batch_size=kw["batch_size"], shuffle=kw["shuffle"],
+            class_weight=kw["class_weight"],
         )
-        kw["validation_split"] = 0.0
-    dataset = internals.keras_tf_dataset(
-        x=kw["x"], y=kw["y"], sample_weight=kw["sample_weight"],
-        batch_size=kw["batch_size"], shuffle=kw["shuffle"],
-        class_weight=kw["class_weight"],
-    )
-    kw.update(x=dataset.repeat(), y=None, sample_weight=None,
-              class_weight=None, batch_size=None)
+        # Shuffled by the adapter already: Keras must not warn about `shuffle`.
+        kw.update(y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False)
+    if kw["steps_per_epoch"] is None:
+        if num_batches is None or num_batches < 0:
+            raise ValueError(
+                "fit under AsyncParameterServerStrategy needs `steps_per_epoch` for "
+                "training data whose length is infinite or unknown: pass "
+                "`steps_per_epoch=...` to `fit`."
+            )
+        if num_batches == 0:
+            raise ValueError("The training data is empty: no batch to train on.")
+        kw["steps_per_epoch"] = num_batches
+    kw["x"] = x.repeat()
     return kw
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 from keras import Variable
 
-from tf_asgd import internals, update_rules
+from tf_asgd import internals, outer, update_rules
 
 
 def raw(v):
@@ -39,6 +39,13 @@ def shards(raw_variable, value):
     return [(raw_variable, value)]
 
 
+def shard_variables(raw_variable):
+    """The PS variables that hold a (possibly sharded) variable."""
+    if internals.is_sharded(raw_variable):
+        return list(raw_variable.variables)
+    return [raw_variable]
+
+
 def device_of(raw_variable):
     """The device of a (possibly sharded) variable's first piece."""
     if internals.is_sharded(raw_variable):
@@ -46,7 +53,8 @@ def device_of(raw_variable):
     return raw_variable.device
 
 
-def push_update(variables, updates, pulled_version, counters, rule, max_staleness):
+def push_update(variables, updates, pulled_version, counters, rule, max_staleness,
+                outer_optimizer=None, slots=None, num_workers=1):
     """The PS side of a push; call inside a closure running on a worker.
 
     First every piece of the update is copied to the PS that holds its
@@ -54,9 +62,10 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
     taken (so staleness is measured at push time) and anything written. A
     worker that dies while its update is in transit therefore leaves the PS
     untouched, not half-updated. Then `scale(tau)` is computed on the PS that
-    holds the counter and each PS adds `scale * update` to its variables.
-    Pushes with `tau > max_staleness` are counted as dropped (their scale is
-    0).
+    holds the counter and each PS applies the outer optimizer to the
+    pseudo-gradient `-scale * update` of its variables (`outer.apply`; by
+    default it adds `scale * update`). Pushes with `tau > max_staleness` are
+    counted as dropped (their scale is 0).
 
     Args:
         variables: the central variables (Keras or TF, possibly sharded).
@@ -65,27 +74,35 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
         counters: the strategy's `counters.PushCounters`.
         rule: the staleness rule (`update_rules.STALENESS_RULES`).
         max_staleness: drop pushes staler than this; None keeps all.
+        outer_optimizer: `update_rules.OuterSGD` or `DelayedNesterov`;
+            default `OuterSGD()`.
+        slots: per variable, per shard, the outer state (`outer.create_slots`),
+            `{}` for none; default none anywhere.
+        num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
 
     Returns:
         `(ops, tau)`: the write ops, whose control dependencies order the
         push, and the push's staleness (int64 scalar).
     """
-    arrived = []  # (PS variable, its piece of the update, now on that PS)
-    for v, u in zip(variables, updates):
-        for shard, piece in shards(raw(v), u):
+    outer_optimizer = outer_optimizer or update_rules.OuterSGD()
+    arrived = []  # (PS variable, its piece of the update, now on that PS, its outer slots)
+    for i, (v, u) in enumerate(zip(variables, updates)):
+        for j, (shard, piece) in enumerate(shards(raw(v), u)):
             with tf.device(shard.device):
-                arrived.append((shard, tf.identity(piece)))
-    with tf.control_dependencies([piece for _, piece in arrived]):
+                arrived.append((shard, tf.identity(piece), slots[i][j] if slots else {}))
+    with tf.control_dependencies([piece for _, piece, _ in arrived]):
         tau = counters.take_ticket(pulled_version)
     with tf.device(raw(counters.version).device):
         scale = update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp)
         dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
+        ticket = pulled_version + tau
     ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
-    for shard, piece in arrived:
+    for shard, piece, shard_slots in arrived:
         # Under the ticket even where the scale is a constant ("none").
         with tf.device(shard.device), tf.control_dependencies([tau]):
             if piece.dtype.is_floating:
-                piece = tf.cast(scale, piece.dtype) * piece
-            # else: integer state (RNG seeds) advances unscaled
-            ops.append(shard.assign_add(piece, read_value=False))
+                ops.extend(outer.apply(outer_optimizer, shard, piece, shard_slots, scale,
+                                       ticket, num_workers))
+            else:  # integer state (RNG seeds) advances unscaled
+                ops.append(shard.assign_add(piece, read_value=False))
     return ops, tau

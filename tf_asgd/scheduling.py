@@ -31,8 +31,8 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals
-from tf_asgd.push import device_of, nbytes, push_update, raw
+from tf_asgd import internals, outer
+from tf_asgd.push import device_of, nbytes, push_update, raw, shard_variables
 from tf_asgd.records import WindowRecord, WindowResultLayout
 from tf_asgd.window import APPLIED_RING, WindowFunction
 
@@ -71,6 +71,16 @@ class WindowTrainer:
                     "`AsyncParameterServerStrategy.scope()`. Create and compile "
                     "the model inside `with strategy.scope():`."
                 )
+        # The outer optimizer's state, per variable and PS shard, beside it;
+        # non-trainable variables (e.g. moving statistics) get none.
+        self.outer = strategy._outer_optimizer_for(self.push_rule)
+        n_train = len(model.trainable_variables)
+        with strategy.scope():
+            self.outer_slots = [
+                [outer.create_slots(self.outer, shard) if i < n_train else {}
+                 for shard in shard_variables(raw(v))]
+                for i, v in enumerate(self.variables)
+            ]
         self.window = WindowFunction(self)  # creates the worker-side state
         self.window_log = []  # a WindowRecord per finished window, in order seen
         self._ticketed = 0  # windows of window_log that took a version ticket
@@ -82,6 +92,7 @@ class WindowTrainer:
         self._epoch_windows = []
         self._pending = []
         self._next_window_id = 0
+        self._epoch_step = 0  # steps scheduled this epoch
         self._max_in_flight = MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers
         self._logs, self._logs_at = None, 0.0
         ids = [id(v) for v in model.metrics_variables]
@@ -107,9 +118,13 @@ class WindowTrainer:
         """
         window_id = tf.constant(self._next_window_id, tf.int64)
         self._next_window_id += 1
+        # An epoch is exactly its steps: its last window may be shorter.
+        n_sync = self.strategy.n_sync
+        steps = self.strategy._steps_per_epoch(self.model)
+        num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
+        self._epoch_step += num_steps
         rv = self.coordinator.schedule(
-            self._window,
-            args=(iterator, tf.constant(self.strategy.n_sync, tf.int32), window_id),
+            self._window, args=(iterator, tf.constant(num_steps, tf.int32), window_id),
         )
         self._pending.append(rv)
         self._drain(block=True, keep=self._max_in_flight)
@@ -176,6 +191,7 @@ class WindowTrainer:
         self.metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
         self._metric_sum = None
         self._epoch_windows = []
+        self._epoch_step = 0
         self._logs = None
 
     def metric_values(self):
@@ -211,6 +227,7 @@ class WindowTrainer:
         """
         self.coordinator.join()
         self._drain(block=True)
+        self._epoch_step = 0
         if self._epoch_windows and not any(r.pushed for r in self._epoch_windows):
             raise FloatingPointError(
                 f"All {len(self._epoch_windows)} windows of this epoch computed "

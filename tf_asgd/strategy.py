@@ -7,7 +7,7 @@ import keras, tf_asgd
 
 with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=10, staleness="dynsgd")
+        cluster.resolver, n_sync=10)
     with strategy.scope():
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -110,9 +110,15 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     Keras's `model.fit` on a model built under the scope trains it with one
     `ClusterCoordinator` closure per window of `n_sync` local steps on some
     worker: pull, `n_sync` steps of the compiled optimizer on the worker's own
-    copy, push the accumulated update once. The PS applies
-    `staleness_scale(tau) * update`, where `tau` counts the pushes committed
-    between this window's pull and its push.
+    copy, push the accumulated update once. The PS applies its outer
+    optimizer to the pseudo-gradient `-staleness_scale(tau) * update`, where
+    `tau` counts the pushes committed between this window's pull and its push.
+
+    Defaults: each push counts `1 / num_workers` (`OuterSGD(1 / num_workers)`,
+    no staleness scaling): N workers that each carry their own momentum (or
+    Adam moments) add up to about one worker's step, which keeps the user's
+    optimizer stable unchanged; see README, "Convergence". With a GEM
+    optimizer the default is the paper's: every push added as is.
 
     The strategy keeps each model's training state (its `WindowTrainer`,
     whether `fit` is running) by model, weakly: nothing is set on the model.
@@ -122,7 +128,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             (e.g. `TFConfigClusterResolver()` or `LocalCluster.resolver`) with
             at least one `ps` and one `worker` task.
         n_sync: local steps per window (`1` is classic per-step async SGD).
-        staleness: `"none"` (Downpour) or `"dynsgd"` (scale by 1/(tau+1)).
+        staleness: `"none"` (no scaling) or `"dynsgd"` (scale by 1/(tau+1)).
         max_staleness: pushes with `tau > max_staleness` are dropped and
             counted; `None` keeps every push.
         variable_partitioner: passed to `ParameterServerStrategy`.
@@ -133,9 +139,19 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             (`lambda ds, i: ds.shard(num_workers, i)`) or emulate workers of
             different speeds (`tf_asgd.data.emulated_device_time`). It must keep
             the dataset's `element_spec`.
+        outer_optimizer: what the PS does with each push:
+            `tf_asgd.OuterSGD(learning_rate, momentum, nesterov)` (DiLoCo's is
+            `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
+            `tf_asgd.DelayedNesterov(learning_rate, momentum, delay)`. `None`:
+            `OuterSGD(1 / num_workers)`, or `OuterSGD()` (add as is) for GEM.
+            Its state lives on the PS beside each variable (or shard).
+        worker_state: what a worker does with its own optimizer state
+            (momentum, Adam's moments) at each pull: `"keep"` it across
+            windows, or `"reset"` it to its initial value.
 
     Attributes:
-        n_sync, staleness, max_staleness, per_worker_dataset_fn: as given.
+        n_sync, staleness, max_staleness, per_worker_dataset_fn,
+            outer_optimizer, worker_state: as given.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
@@ -150,10 +166,12 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self,
         cluster_resolver,
         n_sync=10,
-        staleness="dynsgd",
+        staleness="none",
         max_staleness=None,
         variable_partitioner=None,
         per_worker_dataset_fn=None,
+        outer_optimizer=None,
+        worker_state="keep",
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -164,6 +182,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
                 f"dataset or None, got {per_worker_dataset_fn!r}."
             )
         update_rules.validate_staleness(staleness, max_staleness)
+        if outer_optimizer is not None:
+            update_rules.validate_outer_optimizer(outer_optimizer)
+        update_rules.validate_worker_state(worker_state)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         keras_hook.install()
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
@@ -171,6 +192,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.staleness = staleness
         self.max_staleness = max_staleness
         self.per_worker_dataset_fn = per_worker_dataset_fn
+        self.outer_optimizer = outer_optimizer
+        self.worker_state = worker_state
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
@@ -180,7 +203,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         with self.scope():
             self.counters = PushCounters()
         self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
-        self._fitting = weakref.WeakSet()  # models whose fit is running
+        self._fitting = weakref.WeakKeyDictionary()  # model -> its fit's steps per epoch
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """What Keras's `fit`, `evaluate` and `predict` iterate over.
@@ -274,9 +297,22 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """Whether `model.fit` is running."""
         return model in self._fitting
 
-    def _set_fitting(self, model, fitting):
-        """Records that `model.fit` started (`fitting=True`) or ended."""
+    def _set_fitting(self, model, fitting, steps_per_epoch=None):
+        """Records that `model.fit` started (`fitting=True`, with its steps
+        per epoch) or ended."""
         if fitting:
-            self._fitting.add(model)
+            self._fitting[model] = steps_per_epoch
         else:
-            self._fitting.discard(model)
+            self._fitting.pop(model, None)
+
+    def _steps_per_epoch(self, model):
+        """The running fit's steps per epoch."""
+        return self._fitting.get(model)
+
+    def _outer_optimizer_for(self, push_rule):
+        """The outer optimizer a model's pushes get (see `outer_optimizer`)."""
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
+        if push_rule is not None:
+            return update_rules.OuterSGD()  # GEM: the paper's PS adds pushes as is
+        return update_rules.OuterSGD(1.0 / self.num_workers)

@@ -28,6 +28,7 @@ result, with its timestamp, under control dependencies on all of those.
 
 import typing
 
+import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 from keras.utils import unpack_x_y_sample_weight
@@ -88,10 +89,12 @@ class WindowFunction:
             lr = internals.learning_rate_variable(lo)
             if lr is not None:
                 self._shared[id(lr)] = lr
-            self.worker_state = [
-                internals.per_worker_variable(read(raw(v)))
-                for v in lo.variables
-                if id(v) not in self._shared
+            initial = [read(raw(v)) for v in lo.variables if id(v) not in self._shared]
+            self.worker_state = [internals.per_worker_variable(v) for v in initial]
+            # What `worker_state="reset"` restores at each pull: zeros for
+            # the usual zero-initialised slots, else the initial values.
+            self._initial_state = [
+                None if not np.any(v.numpy()) else v.numpy() for v in initial
             ]
             if push_rule:
                 push_rule.create_worker_state(model.trainable_variables)
@@ -155,12 +158,20 @@ class WindowFunction:
         PS, the rest from this worker's own variables). Returns a `_Pulled`."""
         version = self._trainer.strategy.counters.version.read_value()
         weights = [tf.identity(read(raw(v))) for v in self._trainer.variables]
-        opt_values, own = [], iter(self.worker_state)
+        reset = self._trainer.strategy.worker_state == "reset"
+        opt_values, own = [], iter(zip(self.worker_state, self._initial_state))
         for v in self.local_optimizer.variables:
             shared = self._shared.get(id(v))
-            opt_values.append(
-                raw(shared).read_value() if shared is not None else next(own).read_value()
-            )
+            if shared is not None:
+                opt_values.append(raw(shared).read_value())
+                continue
+            var, initial = next(own)
+            if not reset:
+                opt_values.append(var.read_value())
+            elif initial is None:
+                opt_values.append(tf.zeros(var.shape, var.dtype))
+            else:
+                opt_values.append(tf.constant(initial))
         return _Pulled(version, weights, opt_values)
 
     def _local_steps(self, iterator, num_steps, pulled):
@@ -245,9 +256,11 @@ class WindowFunction:
         )
 
         def push():
+            strategy = self._trainer.strategy
             ops, tau = push_update(
                 self._trainer.variables, outgoing.update, pulled.version, counters,
-                self._trainer.strategy.staleness, self._trainer.strategy.max_staleness,
+                strategy.staleness, strategy.max_staleness, self._trainer.outer,
+                self._trainer.outer_slots, strategy.num_workers,
             )
             # Like the variables, the step count and the window's id are
             # written only once the whole update has reached the PS.
