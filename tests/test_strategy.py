@@ -155,6 +155,27 @@ def test_per_worker_dataset_fn_shards_the_data_per_worker(cluster, digits):
     assert means == {0: {0.0}, 1: {1.0}}
 
 
+def test_arrays_are_sharded_by_batch_over_the_workers_by_default(cluster, digits):
+    """Arrays given to `fit` (no `per_worker_dataset_fn`): worker i of 2 takes
+    batches i, i + 2, ...: in order (shuffle=False) batch b holds label b % 2,
+    so each worker sees one label only, and together they see every batch."""
+    (x, _), _ = digits
+    n = len(x) // 64 * 64
+    y = np.repeat(np.tile([0, 1], n // 64), 32)
+    strategy = _strategy(cluster, n_sync=4)
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile(keras.optimizers.SGD(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.MeanMetricWrapper(
+                          lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
+    model.fit(x[:n], y, batch_size=32, shuffle=False, epochs=2, verbose=0)
+    log = strategy.window_log(model)
+    means = {w: {strategy.window_results(model, r)["label_mean"] for r in log if r.worker == w}
+             for w in (0, 1)}
+    assert means == {0: {0.0}, 1: {1.0}}
+
+
 @pytest.mark.parametrize(
     "fn,error,match",
     [(lambda d, i: d.unbatch(), ValueError, "per_worker_dataset_fn must keep the dataset's element_spec"),

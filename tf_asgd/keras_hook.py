@@ -139,7 +139,8 @@ def _steps_and_repeated_data(original, model, args, kwargs):
     kw = dict(bound.arguments)
     kw.pop("self")
     x, num_batches = kw["x"], None
-    if isinstance(x, tf.data.Dataset):
+    arrays = not isinstance(x, tf.data.Dataset)
+    if not arrays:
         num_batches = int(x.cardinality())
     else:
         if kw["validation_split"] and kw["validation_data"] is None:
@@ -167,6 +168,8 @@ def _steps_and_repeated_data(original, model, args, kwargs):
             raise ValueError("The training data is empty: no batch to train on.")
         kw["steps_per_epoch"] = num_batches
     kw["x"] = x.repeat()
+    if arrays:
+        _strategy_of(model)._shard_by_batch(kw["x"])
     return kw
 
 

@@ -41,11 +41,16 @@ class _WindowDataset:
 
     Every worker runs the same dataset graph, so with a global seed set
     (`keras.utils.set_random_seed`) all would draw the same batches in the
-    same order; worker `i` therefore skips `i` batches before its first
-    window (`window.WindowFunction._shift_data_once`), so that no two
-    workers train on the same batch at the same time. (Skipping more, to
-    spread workers over an epoch, would cost a slow input pipeline that many
-    batches per worker.)
+    same order. Training data given as arrays (the hook builds their dataset,
+    a cheap gather per batch) is therefore sharded by batch: worker `i` of
+    `n` takes batches `i, i + n, ...`, so that the workers together see each
+    example once per pass, as one Keras process would. A `tf.data.Dataset`
+    given to `fit` is not sharded by default (each worker would run the
+    whole pipeline, e.g. decode every image, to keep `1/n` of it): each
+    worker reads all of it, and worker `i` skips `i` batches before its
+    first window (`window.WindowFunction._shift_data_once`), so that no two
+    workers train on the same batch at the same time. Shard such data
+    yourself with `per_worker_dataset_fn` (by file, before decoding, ideally).
     """
 
     def __init__(self, dataset, strategy):
@@ -58,6 +63,9 @@ class _WindowDataset:
             return iter(self._dataset)
         if self._iterator is None:
             transform = self._strategy.per_worker_dataset_fn
+            if transform is None and self._dataset in self._strategy._batch_sharded:
+                n = self._strategy.num_workers
+                transform = lambda dataset, index: dataset.shard(n, index)  # noqa: E731
             if transform is None:
                 source = self._dataset.repeat()
             else:
@@ -204,6 +212,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             self.counters = PushCounters()
         self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
         self._fitting = weakref.WeakKeyDictionary()  # model -> its fit's steps per epoch
+        self._batch_sharded = weakref.WeakSet()  # datasets sharded by batch over the workers
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """What Keras's `fit`, `evaluate` and `predict` iterate over.
@@ -304,6 +313,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             self._fitting[model] = steps_per_epoch
         else:
             self._fitting.pop(model, None)
+
+    def _shard_by_batch(self, dataset):
+        """Marks a dataset built from arrays (by `keras_hook`) to be sharded by
+        batch over the workers (see `_WindowDataset`)."""
+        self._batch_sharded.add(dataset)
 
     def _steps_per_epoch(self, model):
         """The running fit's steps per epoch."""
