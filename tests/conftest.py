@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import tf_asgd  # noqa: E402
 
 
-CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "sharded_cluster"}
+CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "cluster4", "sharded_cluster"}
 
 
 def pytest_configure(config):
@@ -57,6 +57,13 @@ def cluster1():
 def cluster3():
     """3 workers and 1 PS (GEM's fixed-order test)."""
     with tf_asgd.LocalCluster(num_workers=3, num_ps=1, shared_process=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    """4 workers and 1 PS (convergence with the default outer optimizer)."""
+    with tf_asgd.LocalCluster(num_workers=4, num_ps=1, shared_process=True) as c:
         yield c
 
 

@@ -34,9 +34,10 @@ def _mse_grads(w, b, x, t):
 class ReferenceGEM:
     """The issue's rule in NumPy, per worker, for windows of N_SYNC plain-SGD steps."""
 
-    def __init__(self, central):
+    def __init__(self, central, outer=None):
         self.central = [c.astype("float64") for c in central]
         self.workers = {}
+        self.outer, self.outer_state, self.ticket = outer, [{} for _ in central], 0
 
     def window(self, worker, x, t):
         pulled = [c.copy() for c in self.central]
@@ -51,8 +52,12 @@ class ReferenceGEM:
         for i, c in enumerate(pulled):
             dc = c - state["prev"][i] if state["prev"] is not None else np.zeros_like(c)
             pushed, state["m"][i], _ = update_rules.gem_step(g[i], state["m"][i], dc, MU, KAPPA)
-            self.central[i] = self.central[i] + pushed  # tau = 0: one window at a time
+            # tau = 0: one window at a time; the PS's outer optimizer (default: add).
+            self.central[i], self.outer_state[i] = update_rules.ps_push(
+                self.central[i], pushed, 0, self.ticket, self.outer_state[i], "dynsgd",
+                outer=self.outer)
         state["prev"] = pulled
+        self.ticket += 1
 
 
 class RecordWeights(keras.callbacks.Callback):
@@ -64,15 +69,20 @@ class RecordWeights(keras.callbacks.Callback):
         self.weights.append([v.numpy() for v in self.model.trainable_variables])
 
 
-@pytest.mark.parametrize("cluster_name", ["cluster1", "cluster3"])
-def test_gem_matches_numpy_reference(request, cluster_name):
+@pytest.mark.parametrize("cluster_name,outer", [
+    ("cluster1", None), ("cluster3", None),
+    ("cluster3", update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)),
+    ("cluster3", update_rules.DelayedNesterov(0.7, 0.9, delay=2)),
+])
+def test_gem_matches_numpy_reference(request, cluster_name, outer):
     cluster = request.getfixturevalue(cluster_name)
     x, t = _tiny_problem()
-    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=N_SYNC, staleness="dynsgd")
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=N_SYNC, staleness="dynsgd", outer_optimizer=outer)
     with strategy.scope():
         model = _tiny_model()
         model.compile(tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse")
-    ref = ReferenceGEM([v.numpy() for v in model.trainable_variables])
+    ref = ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
     recorder = RecordWeights()
     # One window per epoch, and fit joins at each epoch's end: a fixed push
     # order; the window log says which worker ran each window.

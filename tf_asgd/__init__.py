@@ -24,13 +24,16 @@ from tf_asgd.cluster import LocalCluster, parse_tf_config
 from tf_asgd.counters import AsyncStats
 from tf_asgd.records import WindowRecord
 from tf_asgd.strategy import AsyncParameterServerStrategy
+from tf_asgd.update_rules import DelayedNesterov, OuterSGD
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncParameterServerStrategy",
     "AsyncStats",
+    "DelayedNesterov",
     "LocalCluster",
+    "OuterSGD",
     "WindowRecord",
     "data",
     "gem",

@@ -70,7 +70,8 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
     """Saves a grid of line or bar panels as a PNG.
 
     Each panel is a dict: `title`, `xlabel`, `ylabel`, `series` (a list of
-    `(label, x, y)`), optional `kind` (`"line"`, `"bar"` or `"scatter"`),
+    `(label, x, y)`, or `(label, x, y, y_min, y_max)` for a line with a
+    shaded min-max band), optional `kind` (`"line"`, `"bar"` or `"scatter"`),
     `logx`, `logy`, `ylim`, `hline` (`(y, label)`: a dashed reference line).
     """
     import matplotlib
@@ -88,8 +89,10 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
         series = panel.get("series", [])
         kind = panel.get("kind", "line")
         width = 0.8 / max(1, len(series))
-        for k, (label, x, y) in enumerate(series):
+        for k, (label, x, y, *band) in enumerate(series):
             x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            if band:
+                ax.fill_between(x, band[0], band[1], alpha=0.2)
             if kind == "bar":
                 ax.bar(x + (k - (len(series) - 1) / 2) * width, y, width=width, label=label)
             elif kind == "scatter":

@@ -1,0 +1,284 @@
+"""Convergence against plain Keras: held-out accuracy and loss against samples seen.
+
+Every run trains an unmodified Keras model with an unmodified optimizer on
+scikit-learn's digits (1437 training images, 360 held out), side by side with
+plain Keras `fit` given the same samples and seed:
+
+- one pass over the data per epoch (45 steps of batch 32) for `--epochs`; at
+  `n_sync` above one pass, an epoch is `workers x n_sync` steps and there are
+  at least `--min-windows` of them, so every worker pushes that many windows;
+- `setups` name strategy configurations: `default` (only `n_sync` given),
+  `average` (`OuterSGD(1 / workers)`), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`),
+  `dynsgd` (the defaults before issue #13: DynSGD, every push added as is),
+  `none` (Downpour), `diloco` (`OuterSGD(0.7 / workers, 0.9, nesterov)`),
+  `delayed_nesterov` (`DelayedNesterov(0.7, 0.9)`), `reset` (the default with
+  `worker_state="reset"`) and `gem` (the optimizer wrapped in GEM, kappa 1;
+  momentum SGD only).
+
+A run diverged if an epoch's held-out loss exceeds twice its first epoch's.
+Writes to `--out`: `curves.csv` (every epoch of every run), `summary.csv`
+(one row a run: final accuracy, gap to plain, divergence, samples to reach
+plain's final accuracy minus 1 point as a ratio to plain's), `summary.md`
+(the table, min/max over seeds) and `curves_<model>_<optimizer>.png` (held-out
+accuracy against samples, mean and min-max band over seeds).
+
+Example (a few minutes):
+
+    python tools/convergence.py --models mlp --optimizers sgd --workers 4 --n-sync 10 --seeds 2
+"""
+
+import collections
+import os
+import time
+
+import numpy as np
+
+import _common
+
+SETUPS = ("default", "average", "sqrt", "dynsgd", "none", "diloco", "delayed_nesterov", "reset", "gem")
+
+
+def make_model(name, input_shape):
+    """The digits MLP (Flatten, Dense 64 relu, Dense 10) or the small convnet."""
+    import keras
+
+    import tf_asgd
+
+    if name == "mlp":
+        return keras.Sequential([
+            keras.Input(input_shape), keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10),
+        ])
+    if name == "convnet":
+        return tf_asgd.models.digits_convnet()
+    raise ValueError(f"Unknown model {name!r}; expected mlp or convnet.")
+
+
+def make_optimizer(name, gem=False):
+    """`SGD(0.05, momentum=0.9)` or `Adam(1e-3)`; with `gem`, SGD wrapped in GEM."""
+    import keras
+
+    import tf_asgd
+
+    if name == "sgd":
+        opt = keras.optimizers.SGD(0.05, momentum=0.9)
+        return tf_asgd.optimizers.GEM(opt, kappa=1.0) if gem else opt
+    if name == "adam":
+        return keras.optimizers.Adam(1e-3)
+    raise ValueError(f"Unknown optimizer {name!r}; expected sgd or adam.")
+
+
+def strategy_kwargs(setup, workers):
+    """The strategy arguments of a setup, beyond `n_sync`."""
+    from tf_asgd import update_rules as rules
+
+    return {
+        "default": {},
+        "gem": {},
+        "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
+        "sqrt": dict(outer_optimizer=rules.OuterSGD(max(1.0, (workers / 2) ** 0.5) / workers)),
+        "reset": dict(worker_state="reset"),
+        "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
+        "none": dict(staleness="none", outer_optimizer=rules.OuterSGD()),
+        "diloco": dict(outer_optimizer=rules.OuterSGD(0.7 / workers, 0.9, nesterov=True)),
+        "delayed_nesterov": dict(outer_optimizer=rules.DelayedNesterov(0.7, 0.9)),
+    }[setup]
+
+
+def schedule(n_sync, workers, args, steps_per_pass):
+    """`(steps_per_epoch, epochs)` of a run (plain Keras gets the same)."""
+    if n_sync <= steps_per_pass:
+        return steps_per_pass, args.epochs
+    return workers * n_sync, max(args.epochs, args.min_windows)
+
+
+def train(data, model_name, opt_name, seed, steps_per_epoch, epochs, args,
+          strategy=None, gem=False):
+    """One run; returns per-epoch rows (samples, val_loss, val_accuracy)."""
+    import keras
+
+    (x, y), (xt, yt) = data
+    keras.utils.set_random_seed(seed)
+    if strategy is None:
+        model = make_model(model_name, x.shape[1:])
+        model = _common.compile_classifier(model, make_optimizer(opt_name), ["accuracy"])
+    else:
+        with strategy.scope():
+            model = make_model(model_name, x.shape[1:])
+            model = _common.compile_classifier(model, make_optimizer(opt_name, gem), ["accuracy"])
+    # Plain Keras: one pass of 45 steps per epoch, or `steps_per_epoch` drawn
+    # from the data repeated (Keras then reshuffles per pass, as the workers do).
+    import tensorflow as tf
+
+    if steps_per_epoch == args.steps_per_pass and strategy is None:
+        history = model.fit(x, y, batch_size=args.batch_size, epochs=epochs,
+                            validation_data=(xt, yt), verbose=0)
+    elif strategy is None:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).batch(
+            args.batch_size).repeat()
+        history = model.fit(ds, steps_per_epoch=steps_per_epoch, epochs=epochs,
+                            validation_data=(xt, yt), verbose=0)
+    else:
+        history = model.fit(x, y, batch_size=args.batch_size, epochs=epochs,
+                            steps_per_epoch=None if steps_per_epoch == args.steps_per_pass
+                            else steps_per_epoch,
+                            validation_data=(xt, yt), verbose=0)
+    h = history.history
+    return [
+        dict(epoch=e + 1, samples=(e + 1) * steps_per_epoch * args.batch_size,
+             val_loss=float(h["val_loss"][e]), val_accuracy=float(h["val_accuracy"][e]))
+        for e in range(epochs)
+    ]
+
+
+def samples_to(rows, target):
+    """Samples seen at the first epoch whose held-out accuracy reaches `target`."""
+    for r in rows:
+        if r["val_accuracy"] >= target:
+            return r["samples"]
+    return float("inf")
+
+
+def summarize(rows, plain):
+    """One summary row of a run against its plain-Keras twin (same seed, same samples)."""
+    first = rows[0]["val_loss"]
+    final, plain_final = rows[-1]["val_accuracy"], plain[-1]["val_accuracy"]
+    target = plain_final - 0.01
+    return dict(
+        final_accuracy=final, plain_accuracy=plain_final, gap_points=100 * (plain_final - final),
+        diverged=int(any(r["val_loss"] > 2 * first or not np.isfinite(r["val_loss"]) for r in rows)),
+        samples_ratio=samples_to(rows, target) / samples_to(plain, target),
+    )
+
+
+def write_summary(out, summary):
+    """`summary.md`: a row per (model, optimizer, n_sync, workers, setup), min/max over seeds."""
+    groups = collections.defaultdict(list)
+    for r in summary:
+        if r["setup"] != "plain":
+            groups[(r["model"], r["optimizer"], r["n_sync"], r["workers"], r["setup"])].append(r)
+    rows = []
+    for key, runs in sorted(groups.items()):
+        acc = [r["final_accuracy"] for r in runs]
+        plain = [r["plain_accuracy"] for r in runs]
+        gap = [r["gap_points"] for r in runs]
+        ratio = [r["samples_ratio"] for r in runs]
+        rows.append([*key, len(runs), f"{min(plain):.3f}-{max(plain):.3f}",
+                     f"{min(acc):.3f}-{max(acc):.3f}", f"{max(gap):.1f}",
+                     sum(r["diverged"] for r in runs), f"{max(ratio):.2f}"])
+    header = ["model", "optimizer", "n_sync", "workers", "setup", "seeds", "plain acc",
+              "acc", "worst gap (points)", "diverged", "worst samples ratio"]
+    _common.write_lines(os.path.join(out, "summary.md"), _common.markdown_table(header, rows))
+
+
+def plot(out, curves):
+    """`curves_<model>_<optimizer>_n<n_sync>.png`: held-out accuracy and loss
+    against samples seen, a panel per worker count; each setup (and plain
+    Keras) as its mean over seeds with a min-max band."""
+    from tf_asgd import plots
+
+    runs = collections.defaultdict(list)  # (model, opt, n_sync, workers, setup) -> rows of all seeds
+    for r in curves:
+        runs[(r["model"], r["optimizer"], r["n_sync"], r["workers"], r["setup"],
+              r["steps_per_epoch"])].append(r)
+    figures = collections.defaultdict(list)
+    for (model, opt, n_sync, workers, setup, spe), rows in runs.items():
+        if setup != "plain":
+            figures[(model, opt, n_sync)].append((workers, setup, spe, rows))
+    for (model, opt, n_sync), members in sorted(figures.items()):
+        panels = []
+        for metric, ylabel in (("val_accuracy", "held-out accuracy"), ("val_loss", "held-out loss")):
+            for workers in sorted({w for w, *_ in members}):
+                series = []
+                for w, setup, spe, rows in sorted(members, key=lambda m: m[1]):
+                    if w != workers:
+                        continue
+                    if not series:  # plain Keras with the same samples
+                        plain = runs.get((model, opt, 0, 1, "plain", spe), [])
+                        series.append(_band("plain Keras", plain, metric))
+                    series.append(_band(setup, rows, metric))
+                panels.append(dict(title=f"{model}, {opt}, n_sync {n_sync}, {workers} workers",
+                                   xlabel="samples seen", ylabel=ylabel, series=series,
+                                   logy=metric == "val_loss"))
+        plots.plot_panels(os.path.join(out, f"curves_{model}_{opt}_n{n_sync}.png"), panels,
+                          ncols=len(panels) // 2)
+
+
+def _band(label, rows, metric):
+    """`(label, samples, mean, min, max)` over the seeds of one setup."""
+    by_epoch = collections.defaultdict(list)
+    for r in rows:
+        by_epoch[r["samples"]].append(r[metric])
+    xs = sorted(by_epoch)
+    values = [np.asarray(by_epoch[x], np.float64) for x in xs]
+    return (label, xs, [v.mean() for v in values], [v.min() for v in values], [v.max() for v in values])
+
+
+def main(argv=None):
+    p = _common.parser(__doc__)
+    p.add_argument("--out", default="results/convergence")
+    p.add_argument("--models", type=_common.str_list, default=["mlp", "convnet"])
+    p.add_argument("--optimizers", type=_common.str_list, default=["sgd", "adam"])
+    p.add_argument("--workers", type=_common.int_list, default=[2, 4, 8])
+    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
+    p.add_argument("--setups", type=_common.str_list, default=["default", "dynsgd"])
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--min-windows", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32)
+    args = p.parse_args(argv)
+    for s in args.setups:
+        if s not in SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(SETUPS)}")
+    os.makedirs(args.out, exist_ok=True)
+
+    import tf_asgd
+    from tf_asgd import plots
+
+    data = tf_asgd.data.load_digits()
+    args.steps_per_pass = int(np.ceil(len(data[0][0]) / args.batch_size))
+    curves, summary, plain_cache = [], [], {}
+    t0 = time.time()
+
+    def plain_run(model, opt, seed, spe, epochs):
+        key = (model, opt, seed, spe, epochs)
+        if key not in plain_cache:
+            plain_cache[key] = train(data, model, opt, seed, spe, epochs, args)
+            curves.extend(dict(setup="plain", model=model, optimizer=opt, n_sync=0, workers=1,
+                               seed=seed, steps_per_epoch=spe, **r) for r in plain_cache[key])
+        return plain_cache[key]
+
+    for workers in args.workers:
+        with _common.local_cluster(workers) as cluster:
+            for model in args.models:
+                for opt in args.optimizers:
+                    for n_sync in args.n_sync:
+                        spe, epochs = schedule(n_sync, workers, args, args.steps_per_pass)
+                        for setup in args.setups:
+                            if setup == "gem" and opt != "sgd":
+                                continue
+                            for seed in range(args.seeds):
+                                plain = plain_run(model, opt, seed, spe, epochs)
+                                strategy = tf_asgd.AsyncParameterServerStrategy(
+                                    cluster.resolver, n_sync=n_sync,
+                                    **strategy_kwargs(setup, workers))
+                                rows = train(data, model, opt, seed, spe, epochs, args,
+                                             strategy=strategy, gem=setup == "gem")
+                                tags = dict(setup=setup, model=model, optimizer=opt, n_sync=n_sync,
+                                            workers=workers, seed=seed, steps_per_epoch=spe)
+                                curves.extend(dict(**tags, **r) for r in rows)
+                                summary.append(dict(**tags, **summarize(rows, plain)))
+                                s = summary[-1]
+                                print(f"[{time.time() - t0:6.0f}s] {model} {opt} n_sync {n_sync} "
+                                      f"{workers}w {setup} seed {seed}: acc {s['final_accuracy']:.3f} "
+                                      f"(plain {s['plain_accuracy']:.3f}) diverged {s['diverged']} "
+                                      f"samples x{s['samples_ratio']:.2f}", flush=True)
+                                plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+                                plots.write_csv(os.path.join(args.out, "summary.csv"), summary)
+                                write_summary(args.out, summary)
+    plot(args.out, curves)
+    print(f"wrote {args.out}/summary.md, summary.csv, curves.csv and plots in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
