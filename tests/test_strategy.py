@@ -126,50 +126,36 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
     [({"n_sync": 0}, "n_sync must be a positive integer"),
      ({"n_sync": -3}, "n_sync must be a positive integer"),
      ({"staleness": "fancy"}, "Unknown staleness rule 'fancy'"),
-     ({"max_staleness": -1}, "max_staleness must be >= 0")],
+     ({"max_staleness": -1}, "max_staleness must be >= 0"),
+     ({"worker_state": "zero"}, "Unknown worker_state 'zero'")],
 )
 def test_bad_strategy_arguments(cluster, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _strategy(cluster, **kwargs)
 
 
-def test_per_worker_dataset_fn_shards_the_data_per_worker(cluster, digits):
-    """`per_worker_dataset_fn` runs on each worker with that worker's index:
-    with `shard(2, i)`, worker i trains only on batches whose label is i. A
+@pytest.mark.parametrize("source", ["per_worker_dataset_fn", "arrays by default"])
+def test_each_worker_trains_on_its_own_shard(cluster, digits, source):
+    """With `per_worker_dataset_fn=lambda d, i: d.shard(2, i)` on a dataset,
+    or by default for arrays, worker i of 2 takes batches i, i + 2, ...: in
+    order, batch b holds label b % 2, so each worker sees one label only. A
     metric that averages the label shows it, window by window."""
     (x, _), _ = digits
     n = len(x) // 64 * 64
     y = np.repeat(np.tile([0, 1], n // 64), 32)  # batch b holds label b % 2
-    ds = tf.data.Dataset.from_tensor_slices((x[:n], y)).batch(32)
-    strategy = _strategy(cluster, n_sync=4, per_worker_dataset_fn=lambda d, i: d.shard(2, i))
+    if source == "per_worker_dataset_fn":
+        strategy = _strategy(cluster, n_sync=4, per_worker_dataset_fn=lambda d, i: d.shard(2, i))
+        data = dict(x=tf.data.Dataset.from_tensor_slices((x[:n], y)).batch(32), steps_per_epoch=40)
+    else:
+        strategy = _strategy(cluster, n_sync=4)
+        data = dict(x=x[:n], y=y, batch_size=32, shuffle=False)
     with strategy.scope():
         model = tf_asgd.models.digits_convnet()
         model.compile(keras.optimizers.SGD(0.05),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[keras.metrics.MeanMetricWrapper(
                           lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
-    model.fit(ds, epochs=2, steps_per_epoch=40, verbose=0)
-    log = strategy.window_log(model)
-    means = {w: {strategy.window_results(model, r)["label_mean"] for r in log if r.worker == w}
-             for w in (0, 1)}
-    assert means == {0: {0.0}, 1: {1.0}}
-
-
-def test_arrays_are_sharded_by_batch_over_the_workers_by_default(cluster, digits):
-    """Arrays given to `fit` (no `per_worker_dataset_fn`): worker i of 2 takes
-    batches i, i + 2, ...: in order (shuffle=False) batch b holds label b % 2,
-    so each worker sees one label only, and together they see every batch."""
-    (x, _), _ = digits
-    n = len(x) // 64 * 64
-    y = np.repeat(np.tile([0, 1], n // 64), 32)
-    strategy = _strategy(cluster, n_sync=4)
-    with strategy.scope():
-        model = tf_asgd.models.digits_convnet()
-        model.compile(keras.optimizers.SGD(0.05),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=[keras.metrics.MeanMetricWrapper(
-                          lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
-    model.fit(x[:n], y, batch_size=32, shuffle=False, epochs=2, verbose=0)
+    model.fit(epochs=2, verbose=0, **data)
     log = strategy.window_log(model)
     means = {w: {strategy.window_results(model, r)["label_mean"] for r in log if r.worker == w}
              for w in (0, 1)}
@@ -322,3 +308,28 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
     val_loss = history.history["val_loss"]
     assert max(val_loss) <= 2 * val_loss[0], val_loss
     assert history.history["val_accuracy"][-1] >= 0.92, history.history["val_accuracy"]
+
+
+@pytest.mark.parametrize("worker_state,momentum_seen", [("keep", 0.9), ("reset", 0.0)])
+def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(cluster1, worker_state, momentum_seen):
+    """One worker, windows of 3 steps: with `worker_state="keep"` training is
+    exactly plain Keras `SGD(0.1, momentum=0.9)`; with `"reset"` each window
+    starts the momentum from zero, which for windows of 1 step is plain SGD
+    without momentum. The same batches in the same order, one pass per epoch."""
+    rng = np.random.default_rng(3)
+    x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
+    n_sync = 3 if worker_state == "keep" else 1
+    strategy = _strategy(cluster1, n_sync=n_sync, worker_state=worker_state)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    init = [v.numpy() for v in model.trainable_variables]
+    model.fit(x, t, batch_size=8, epochs=4, shuffle=False, verbose=0)
+
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    local.compile(keras.optimizers.SGD(0.1, momentum=momentum_seen), "mse")
+    local.set_weights(init)
+    local.fit(x, t, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    for got, want in zip(model.trainable_variables, local.trainable_variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 4 * 3
