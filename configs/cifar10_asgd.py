@@ -25,7 +25,7 @@ def get_config():
     c.epochs = 60
     c.optimizer.learning_rate = 0.01
     c.gem.enabled = False
-    # The strategy's default rule: each push counts 1/num_workers (no staleness scaling).
+    # The strategy's default rule: no staleness scaling, the default outer optimizer.
     c.staleness = "none"
     c.num_workers = 4
     c.log_every_secs = 30.0

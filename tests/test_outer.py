@@ -48,6 +48,12 @@ def test_defaults_are_the_classic_parameter_server():
     assert state == {} and update_rules.OuterSGD().slots == ()
 
 
+def test_default_outer_learning_rate():
+    # One worker: plain Keras; two: their average; then sqrt(N / 2) times the average.
+    got = [update_rules.default_outer_learning_rate(n) for n in (1, 2, 4, 8, 32)]
+    np.testing.assert_allclose(got, [1.0, 0.5, 2**0.5 / 4, 0.25, 0.125])
+
+
 def test_delayed_nesterov_is_diloco_over_each_group():
     # Over `delay` pushes: theta -= lr * (mean(g) + mu * v), v = mu * v + mean(g) (Nesterov).
     opt = update_rules.DelayedNesterov(0.7, 0.9, delay=2)

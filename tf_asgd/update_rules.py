@@ -209,6 +209,21 @@ def _check_lr_momentum(learning_rate, momentum):
         raise ValueError(f"Outer momentum must be in [0, 1), got {momentum!r}.")
 
 
+def default_outer_learning_rate(num_workers):
+    """The default outer learning rate: `max(1, sqrt(num_workers / 2)) / num_workers`.
+
+    Each push is one worker's displacement; N workers' pushes add up to N
+    steps of the user's optimizer, each carrying that worker's own momentum
+    (or Adam moments) and computed from a stale copy. Scaling each push by
+    `1 / N` (their average) is stable but gives up sample efficiency as N
+    grows; the square-root factor (the rule for growing an optimizer's batch
+    N-fold) wins much of it back. At 2 workers it is the plain average: the
+    sum of 2 momentum-SGD workers' pushes already diverged. Measured in
+    README ("Convergence") and results/convergence.
+    """
+    return max(1.0, (num_workers / 2.0) ** 0.5) / num_workers
+
+
 def validate_outer_optimizer(opt):
     """Returns `opt` if it is an outer optimizer; raises `TypeError` naming it otherwise."""
     if not isinstance(opt, (OuterSGD, DelayedNesterov)):

@@ -8,7 +8,8 @@ plain Keras `fit` given the same samples and seed:
   `n_sync` above one pass, an epoch is `workers x n_sync` steps and there are
   at least `--min-windows` of them, so every worker pushes that many windows;
 - `setups` name strategy configurations: `default` (only `n_sync` given),
-  `average` (`OuterSGD(1 / workers)`), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`),
+  `average` (`OuterSGD(1 / workers)`), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`,
+  the default since issue #13),
   `dynsgd` (the defaults before issue #13: DynSGD, every push added as is),
   `none` (Downpour), `diloco` (`OuterSGD(0.7 / workers, 0.9, nesterov)`),
   `delayed_nesterov` (`DelayedNesterov(0.7, 0.9)`), `reset` (the default with
@@ -76,7 +77,7 @@ def strategy_kwargs(setup, workers):
         "default": {},
         "gem": {},
         "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
-        "sqrt": dict(outer_optimizer=rules.OuterSGD(max(1.0, (workers / 2) ** 0.5) / workers)),
+        "sqrt": dict(outer_optimizer=rules.OuterSGD(rules.default_outer_learning_rate(workers))),
         "reset": dict(worker_state="reset"),
         "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
         "none": dict(staleness="none", outer_optimizer=rules.OuterSGD()),
