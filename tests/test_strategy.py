@@ -297,7 +297,7 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
     4 workers, n_sync 10, only `n_sync` given, the samples of 10 plain epochs.
     The defaults before it (DynSGD, every push added as is) diverged here
     (held-out 0.22 to 0.47 against 0.96 to 0.98 plain); each push now counts
-    1/4 and no epoch's held-out loss rises above twice the first's."""
+    sqrt(2) / 4 and no epoch's held-out loss rises above twice the first's."""
     (x, y), (xt, yt) = digits
     strategy = _strategy(cluster4, n_sync=10)
     with strategy.scope():
