@@ -215,6 +215,41 @@ def _band(label, rows, metric):
     return (label, xs, [v.mean() for v in values], [v.min() for v in values], [v.max() for v in values])
 
 
+def merge(dirs, out):
+    """Combines the CSVs of several runs of this tool; rewrites the table and plots."""
+    from tf_asgd import plots
+
+    numeric = ("n_sync", "workers", "seed", "steps_per_epoch", "epoch", "samples", "diverged")
+    tables = {"curves.csv": [], "summary.csv": []}
+    for d in dirs:
+        for name, rows in tables.items():
+            for row in plots.read_csv(os.path.join(d, name)):
+                rows.append({k: (int(float(v)) if k in numeric else
+                                 v if k in ("setup", "model", "optimizer") else float(v))
+                             for k, v in row.items()})
+    os.makedirs(out, exist_ok=True)
+    curves = _unique(tables["curves.csv"], ("setup", "model", "optimizer", "n_sync", "workers",
+                                            "seed", "steps_per_epoch", "epoch"))
+    summary = tables["summary.csv"]
+    plots.write_csv(os.path.join(out, "curves.csv"), curves)
+    plots.write_csv(os.path.join(out, "summary.csv"), summary)
+    write_summary(out, summary)
+    plot(out, curves)
+    print(f"merged {len(dirs)} directories into {out}: {len(summary)} runs")
+    return 0
+
+
+def _unique(rows, key):
+    """`rows` without repeats of `key` (plain-Keras twins appear once per directory)."""
+    seen, out = set(), []
+    for r in rows:
+        k = tuple(r[f] for f in key)
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
 def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/convergence")
@@ -227,7 +262,12 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--min-windows", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--merge", type=_common.str_list, default=None,
+                   help="instead of training: combine the curves.csv and summary.csv of these "
+                        "output directories (runs split over several invocations) into --out")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     for s in args.setups:
         if s not in SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(SETUPS)}")
