@@ -23,8 +23,18 @@ def _run(tool, *args, timeout=240):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, tool), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _errors(proc.stderr)
     return proc
+
+
+def _errors(stderr):
+    """The tool's stderr without TF's shutdown noise (lines about functions
+    it could not remove from tasks already stopped), head and tail."""
+    noise = ("Failed to remove function remotely", "GRPC error information", "Error received from peer",
+             "remote target has been disconnected")
+    lines = [line for line in stderr.splitlines() if not any(n in line for n in noise)]
+    text = "\n".join(lines)
+    return text if len(text) < 6000 else text[:3000] + "\n[...]\n" + text[-3000:]
 
 
 def _csv(path, columns):
@@ -127,7 +137,9 @@ def test_straggler_tool(tmp_path):
                                              "fast_windows_per_worker_s", "slow_windows",
                                              "dropped_stale", "test_accuracy"])
     assert [r["config"] for r in rows] == ["uniform", "straggler", "straggler_drop"]
-    _positive(rows, "fast_windows_per_worker_s")
+    # nan where a loaded machine left the fast workers under 2 windows
+    rates = [float(r["fast_windows_per_worker_s"]) for r in rows]
+    assert any(v > 0 for v in rates) and all(v > 0 or math.isnan(v) for v in rates), rates
     assert sum(int(r["slow_windows"]) for r in rows) >= 1
     md = (tmp_path / "straggler.md").read_text()
     assert "windows/s per fast worker" in md and "ideal" in md

@@ -16,18 +16,124 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 """
 
 import atexit
+import contextlib
+import ctypes
+import gc
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 _READY = "TF_ASGD_READY"  # printed by tf_asgd.task_server once it listens
 
 ROLES = ("chief", "worker", "ps", "evaluator")
+
+# "1": processes started by tf_asgd show TensorFlow's start-up logs (the
+# launcher's --verbose_tf sets it); otherwise they start quietly.
+VERBOSE_TF_ENV = "TF_ASGD_VERBOSE_TF"
+
+# What every TF 2.21 process writes to stderr while it starts (absl's
+# pre-initialisation notice, the CPU-feature note), and, on a machine without
+# a CUDA driver, the failed GPU probe. Nothing else is dropped.
+_STARTUP_NOISE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
+    r"cudart_stub\.cc:\d+\] Could not find cuda drivers|"
+    r"cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized|"
+    r"^To enable the following instructions: .* rebuild TensorFlow"
+)
+_FAILED_CUINIT = re.compile(r"cuda_platform\.cc:\d+\] failed call to cuInit")
+
+# Runs a module (argv[1]) with TensorFlow imported and its devices listed
+# while native stderr goes to a file, then shows that output without the
+# start-up noise (`startup_log_to_show`); on a failure, all of it.
+_QUIET_BOOT = "exec(%r)" % (  # one line (`ps` shows lines)
+    "import os,sys,tempfile,runpy\n"
+    "f=tempfile.TemporaryFile();e=os.dup(2);os.dup2(f.fileno(),2);ok=False\n"
+    "try:\n"
+    " import tf_asgd.cluster as c,tensorflow as tf;tf.config.list_physical_devices();ok=True\n"
+    "finally:\n"
+    " os.dup2(e,2);os.close(e);f.seek(0);t=f.read().decode(errors='replace');f.close()\n"
+    " sys.stderr.write(c.startup_log_to_show(t) if ok else t);sys.stderr.flush()\n"
+    "sys.argv=sys.argv[1:];runpy.run_module(sys.argv[0],run_name='__main__',alter_sys=True)\n"
+)
+
+
+def verbose_tf():
+    """Whether TF's start-up logs are wanted (`VERBOSE_TF_ENV` is "1")."""
+    return os.environ.get(VERBOSE_TF_ENV) == "1"
+
+
+def python_command(module, args=()):
+    """`python -m module args`, started quietly unless `verbose_tf()`: TF's
+    start-up lines are dropped (`startup_log_to_show`), all else is shown."""
+    if verbose_tf():
+        return [sys.executable, "-m", module, *args]
+    # The module's name first, so that a narrow `ps` shows it, as with `-m`.
+    return [sys.executable, "-c", f"{module!r};{_QUIET_BOOT}", module, *args]
+
+
+def startup_log_to_show(text):
+    """`text` (what native code wrote to stderr while TF started) without the
+    start-up noise. A failed cuInit is noise only where there is no CUDA
+    driver (no GPU could be used anyway); with a driver it is shown."""
+    no_driver = not _cuda_driver_present()
+    kept = [
+        line for line in text.splitlines(keepends=True)
+        if not _STARTUP_NOISE.search(line) and not (no_driver and _FAILED_CUINIT.search(line))
+    ]
+    return "".join(kept)
+
+
+def _cuda_driver_present():
+    """Whether the CUDA driver library (libcuda) can be loaded."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def quiet_tf_startup(enabled=True):
+    """While the block runs (import TensorFlow, list its devices), what native
+    code writes to stderr (fd 2) goes to a file; afterwards it is written to
+    stderr without the start-up noise (everything, if the block raised)."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    ok = False
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            sys.stderr.write(startup_log_to_show(text) if ok else text)
+            sys.stderr.flush()
+
+
+def _mark_gone(addresses, gone=True):
+    """Tells this process's TF client that the tasks at `addresses` stopped
+    (or, `gone=False`, are back): a tf.function freed while it is connected
+    to them is then not removed from the cluster, one synchronous RPC per
+    task, each an error logged for a task that is gone (see
+    `internals.mark_tasks_gone`). Nothing to do if TF was never imported."""
+    if "tensorflow" in sys.modules:
+        from tf_asgd import internals
+
+        internals.mark_tasks_gone(addresses, gone)
 
 
 def _pick_ports(n):
@@ -188,13 +294,7 @@ class LocalCluster:
         return env
 
     def _spawn(self, tasks):
-        cmd = [
-            sys.executable,
-            "-m",
-            "tf_asgd.task_server",
-            json.dumps(self.cluster_spec),
-            ",".join(tasks),
-        ]
+        cmd = python_command("tf_asgd.task_server", [json.dumps(self.cluster_spec), ",".join(tasks)])
         return subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -235,6 +335,7 @@ class LocalCluster:
         if self.shared_process:
             raise ValueError("restart_task needs shared_process=False.")
         self.kill_task(task)
+        _mark_gone(self._addresses([task]), gone=False)
         proc = self._spawn([task])
         self._procs[task] = proc
         self._wait_ready(task, proc, time.time() + timeout)
@@ -243,16 +344,37 @@ class LocalCluster:
         """Kills one task's process (for fault injection)."""
         proc = self._procs.get(task)
         if proc is not None and proc.poll() is None:
+            _mark_gone(self._addresses(self.tasks() if task == "all" else [task]))
             proc.send_signal(sig)
             proc.wait(timeout=30)
+
+    def _addresses(self, tasks):
+        return [self.cluster_spec[t.split(":")[0]][int(t.split(":")[1])] for t in tasks]
 
     def pids(self):
         return {t: p.pid for t, p in self._procs.items() if p.poll() is None}
 
     def close(self):
-        """Stops every task. Safe to call more than once."""
+        """Stops every task. Safe to call more than once.
+
+        In an order that logs no error: a tf.function freed on a client
+        connected to the cluster is removed from every task, one synchronous
+        RPC each; quick while the task is up, an error logged per function
+        and task once it is gone. So this process's garbage is collected
+        while the tasks still answer, then the tasks are marked gone (what is
+        freed later is not removed from them), then they are stopped. Tasks
+        that died before (killed, crashed) are marked gone first.
+        """
         with self._lock:
-            procs, self._procs = list(self._procs.values()), {}
+            procs, self._procs = dict(self._procs), {}
+        dead = [t for t, proc in procs.items() if proc.poll() is not None]  # killed, crashed
+        if dead:
+            _mark_gone(self._addresses(self.tasks() if "all" in dead else dead))
+        if len(dead) < len(procs):
+            gc.collect()
+        if procs:
+            _mark_gone(self._addresses(self.tasks()))
+        procs = list(procs.values())
         for proc in procs:
             if proc.poll() is None:
                 try:

@@ -11,6 +11,8 @@ unsupported Keras, `import tf_asgd` fails with a message naming the versions
 it supports, not with an `ImportError` from deep inside Keras.
 """
 
+import inspect
+import os
 import time
 import types
 
@@ -176,3 +178,158 @@ def flat_tensor_specs(element_spec):
     ragged or sparse component is one variant): the `output_types` and
     `output_shapes` of raw dataset ops. `tf.TypeSpec` has no public accessor."""
     return [t for spec in tf.nest.flatten(element_spec) for t in spec._flat_tensor_specs]
+
+
+# ---- Inputs, checkpoints and shutdown under a parameter-server cluster --------
+
+
+def is_array_input(x, y=None, sample_weight=None):
+    """Whether Keras feeds `fit(x, y, sample_weight)` through its array adapter
+    (NumPy, tensors, pandas, ...): no Python runs per batch. Every other
+    non-`tf.data` input (PyDataset, generators, torch and grain loaders) is
+    read by Python on the chief. Keras has no public predicate for it."""
+    return data_adapters.array_data_adapter.can_convert_arrays((x, y, sample_weight))
+
+
+def trace_checkpoint_writes(checkpoint):
+    """Makes the writes of `checkpoint` (a `tf.train.Checkpoint`, as
+    `tf.train.CheckpointManager.save` calls them) run one traced function.
+
+    Why: executing eagerly with tensors on several tasks (the PS and the
+    chief), TF's `MultiDeviceSaver.save` defines and traces a new tf.function
+    on every save (functional_saver.py: "this will cause a function re-trace
+    on each save"): a `tf.function retracing` warning from the 5th checkpoint
+    on, and, under a parameter-server cluster, a function registered on every
+    task and removed again (synchronous RPCs, see
+    `stop_removing_functions_remotely`) per checkpoint. Saving inside one
+    `tf.function` builds the save ops once. The manager calls the private
+    `Checkpoint._write` (there is no public hook), so that is what is
+    replaced, on this object only. The object graph is fixed at the first
+    write: create every variable (optimizer slots included) before it.
+    Writes with options other than callbacks (async checkpoints, an I/O
+    device) take TF's own path.
+    """
+    write = checkpoint._write
+
+    @tf.function(autograph=False)
+    def traced(file_prefix):
+        return write(file_prefix)
+
+    def traced_write(file_prefix, options=None):
+        callbacks = list(getattr(options, "experimental_write_callbacks", None) or ())
+        if options is not None and (options.experimental_enable_async_checkpoint
+                                    or options.experimental_io_device):
+            return write(file_prefix, options=options)
+        tf.io.gfile.makedirs(os.path.dirname(file_prefix) or ".")
+        path = traced(tf.constant(file_prefix, tf.string)).numpy().decode()
+        for callback in callbacks:  # the manager's bookkeeping, as TF runs it
+            callback(*([path] if inspect.signature(callback).parameters else []))
+        return path
+
+    checkpoint._write = traced_write
+    return checkpoint
+
+
+# Why the functions below exist: a `ParameterServerStrategy` turns off
+# streaming enqueue (`TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE=False` in
+# parameter_server_strategy_v2.py), so freeing a tf.function on the chief
+# (`AtomicFunction.__del__` -> `EagerContext::RemoveFunction`) sends one
+# synchronous `RemoveFunction` RPC to every remote task in turn and waits for
+# each, holding the GIL (`TFE_ContextRemoveFunction` does not release it).
+# For a task that is gone each logs `E0000 ... context.cc:911 Failed to remove
+# function remotely` and a multi-line gRPC error; for one that does not answer
+# it blocks every thread of the process. The same error ("Tried to remove
+# non-existent function") comes back from live tasks for a function that
+# existed before the current connection (each strategy connects anew: a new
+# eager context on the tasks, without the old functions). TF has no public
+# switch: the global eager context's `remove_function` (what
+# `AtomicFunction.__del__` calls) and `set_server_def` / `update_server_def`
+# (how a strategy connects, `tensorflow.python.eager.remote`) are wrapped. A
+# function whose removal is skipped is leaked (its definition stays in this
+# process, and on tasks that still have it), which is cheap.
+
+_gone_tasks = set()  # "host:port" of tasks stopped for good
+_removal = {"off": False}  # True once the process is about to exit
+_older = set()  # functions that existed before the current connection
+
+
+def guard_function_removal():
+    """Installs the wrappers (once; call before connecting, as the Keras hook
+    does): a freed function is removed only while connected to the cluster
+    it was registered on, and not while a task of it is marked gone
+    (`mark_tasks_gone`)."""
+    from tensorflow.python.eager import context as eager_context  # the global eager context
+
+    context = eager_context.context()
+    if getattr(context.remove_function, "_tf_asgd_guard", False):
+        return
+    remove = context.remove_function
+
+    def connecting(connect):
+        def wrapper(*args, **kwargs):
+            _older.clear()
+            _older.update(context.list_function_names())
+            return connect(*args, **kwargs)
+
+        return wrapper
+
+    def remove_function(name):
+        name = name.decode() if isinstance(name, bytes) else name
+        if _removal["off"] or _connected_to_gone_task(context):
+            return
+        if context.get_server_def() is not None and name in _older:
+            _older.discard(name)
+            return  # registered before this connection: the tasks do not have it
+        remove(name)
+
+    remove_function._tf_asgd_guard = True
+    context.set_server_def = connecting(context.set_server_def)
+    context.update_server_def = connecting(context.update_server_def)
+    context.remove_function = remove_function
+
+
+def mark_tasks_gone(addresses, gone=True):
+    """Marks the tasks at `addresses` ("host:port") as stopped (`gone=False`:
+    started again): while this process's eager context is connected to a
+    cluster with a task that is gone, a freed tf.function is not removed
+    (neither from the tasks nor locally), so no RPC goes to a dead task."""
+    if gone:
+        _gone_tasks.update(addresses)
+    else:
+        _gone_tasks.difference_update(addresses)
+    guard_function_removal()
+
+
+def stop_removing_functions_remotely():
+    """From now on, tf.functions freed in this process are not removed at all.
+    For a process about to exit (nothing remote follows)."""
+    _removal["off"] = True
+    guard_function_removal()
+
+
+def _connected_to_gone_task(context):
+    server_def = context.get_server_def()
+    if server_def is None or not _gone_tasks:
+        return False
+    return any(
+        set(job.tasks.values()) & _gone_tasks
+        for job in server_def.cluster.job if job.name != server_def.job_name
+    )
+
+
+# ---- scheduling: closures scheduled as concrete functions (issue #10) ----------
+
+
+def concrete_function_for(function, args):
+    """The concrete function `ClusterCoordinator.schedule(function, args=args)`
+    traces (per-worker arguments as worker 0's type specs), so that the chief
+    can schedule it directly and skip the per-call dispatch of a `tf.function`
+    (about 3 ms of the chief's CPU per closure). TF has no public way to trace
+    a function against per-worker values."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    spec_args = tf.nest.map_structure(
+        cluster_coordinator._maybe_as_type_spec,  # noqa: SLF001
+        cluster_coordinator._select_worker_slice(0, args),  # noqa: SLF001
+    )
+    return function.get_concrete_function(*spec_args)

@@ -29,11 +29,14 @@ Pinned to the Keras versions in `internals.SUPPORTED_KERAS`: importing
 against. Every private Keras API it touches is reached through `internals`.
 """
 
+import collections.abc
 import contextlib
 import functools
 import inspect
 import threading
+import types
 
+import keras
 import tensorflow as tf
 
 from tf_asgd import internals
@@ -116,13 +119,33 @@ def _fit(original, model, *args, **kwargs):
     model.train_function = None
     kwargs = _steps_and_repeated_data(original, model, args, kwargs)
     strategy._set_fitting(model, True, kwargs["steps_per_epoch"])
+    failed = True
     try:
-        return original(model, **kwargs)
+        result = original(model, **kwargs)
+        failed = False
+        return result
     finally:
         strategy._set_fitting(model, False)
-        trainer = strategy._trainer_of(model)
-        if trainer is not None:
-            trainer.coordinator.join()  # nothing left running after fit, even on error
+        _join(strategy._trainer_of(model), failed)
+
+
+def _join(trainer, failed):
+    """Waits for the model's scheduled windows: nothing is left running after
+    `fit`, even on an error, and the strategy is ready for the next `fit`.
+
+    After an error (a worker's, a callback's, KeyboardInterrupt) the windows'
+    own errors are not raised again: the user sees the first error, not a
+    CancelledError of the windows it stopped.
+    """
+    if trainer is None:
+        return
+    if not failed:
+        trainer.coordinator.join()
+        return
+    try:
+        trainer.coordinator.join()
+    except Exception:  # noqa: BLE001  (the error that matters is already on its way)
+        pass
 
 
 def _steps_and_repeated_data(original, model, args, kwargs):
@@ -139,9 +162,11 @@ def _steps_and_repeated_data(original, model, args, kwargs):
     kw = dict(bound.arguments)
     kw.pop("self")
     x, num_batches = kw["x"], None
+    _refuse_python_input(x, kw["y"], kw["sample_weight"])
     arrays = not isinstance(x, tf.data.Dataset)
     if not arrays:
         num_batches = int(x.cardinality())
+        kw["shuffle"] = False  # Keras ignores it for a dataset, with a warning
     else:
         if kw["validation_split"] and kw["validation_data"] is None:
             (kw["x"], kw["y"], kw["sample_weight"]), kw["validation_data"] = (
@@ -171,6 +196,83 @@ def _steps_and_repeated_data(original, model, args, kwargs):
     if arrays:
         _strategy_of(model)._shard_by_batch(kw["x"])
     return kw
+
+
+PYTHON_INPUT_FIX = (
+    "Feed the workers tensors instead: NumPy arrays (`fit(x, y, batch_size=...)`), a "
+    "tf.data pipeline of TF ops (`tf.data.Dataset.from_tensor_slices(...)`, `.map` "
+    "with TF ops), or write the data to TFRecord files (`tf.io.TFRecordWriter`) and read "
+    "them with `tf.data.TFRecordDataset`. (validation_data may be any input: it is "
+    "evaluated on the chief.)"
+)
+
+# Ops that call back into the Python interpreter that created them.
+_PYTHON_OPS = {"PyFunc": "tf.numpy_function", "PyFuncStateless": "tf.numpy_function",
+               "EagerPyFunc": "tf.py_function"}
+_EXTERNAL_STATE_IGNORE = 1  # DatasetToGraphV2's ExternalStatePolicy.IGNORE
+
+
+def _refuse_python_input(x, y, sample_weight):
+    """Raises `ValueError` for training data whose batches Python makes on the
+    chief, before anything is scheduled.
+
+    Every worker reads the training data on its own; a batch made by Python
+    (a generator, a PyDataset, `py_function` / `numpy_function` in a tf.data
+    pipeline) would have each worker call back into the chief's interpreter
+    for every batch, which stalls or deadlocks the cluster (the chief's main
+    thread can hold the GIL while it waits on the workers).
+    """
+    what = _python_input_kind(x, y, sample_weight)
+    if what is not None:
+        raise ValueError(
+            f"fit under AsyncParameterServerStrategy cannot train on {what}: it runs "
+            "Python on the chief, and every worker would have to call back into the "
+            "chief's Python for each batch (which stalls or hangs the cluster). "
+            + PYTHON_INPUT_FIX
+        )
+
+
+def _python_input_kind(x, y, sample_weight):
+    """What runs Python in training data `x`, in words, or None."""
+    if isinstance(x, tf.data.Dataset):
+        return _python_ops_in(x)
+    if internals.is_array_input(x, y, sample_weight):
+        return None
+    if isinstance(x, keras.utils.PyDataset):
+        return f"a keras.utils.PyDataset ({type(x).__name__})"
+    if isinstance(x, (types.GeneratorType, collections.abc.Iterator)):
+        return f"a Python generator ({type(x).__name__})"
+    return f"a {type(x).__module__}.{type(x).__name__} (Keras reads it with Python)"
+
+
+def _python_ops_in(dataset):
+    """The Python-calling ops of a tf.data pipeline, in words, or None.
+
+    Walks the dataset's graph (`tf.raw_ops.DatasetToGraphV2`, the form in
+    which it is shipped to the workers) and every function in its library.
+    Serializing costs about as much as shipping the dataset does (about 1.6 s
+    for 150 MB of in-memory tensors).
+    """
+    try:
+        graph = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            external_state_policy=_EXTERNAL_STATE_IGNORE,
+            strip_device_assignment=True,
+        )
+    except tf.errors.OpError:
+        return None  # not serializable: shipping it to the workers will say why
+    graph_def = tf.compat.v1.GraphDef.FromString(graph.numpy())
+    found = set()
+    for name, nodes in [("", graph_def.node)] + [
+        (f.signature.name, f.node_def) for f in graph_def.library.function
+    ]:
+        for node in nodes:
+            if node.op in _PYTHON_OPS:
+                found.add("tf.data.Dataset.from_generator" if "from_generator" in name
+                          else _PYTHON_OPS[node.op])
+    if not found:
+        return None
+    return "a tf.data.Dataset that calls " + " and ".join(sorted(found))
 
 
 def _make_train_function(original, model, force=False):
@@ -241,6 +343,9 @@ def install():
     if _installed:
         return
     internals.check_keras_version()
+    # Before the strategy connects: freed functions are then removed only
+    # from the connection that has them (no error lines, see internals).
+    internals.guard_function_removal()
     _wrap("fit", _fit)
     _wrap("make_train_function", _make_train_function)
     _wrap("_get_metrics_result_or_logs", _get_metrics_result_or_logs)

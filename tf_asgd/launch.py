@@ -10,6 +10,10 @@ Config fields are overridden with `--config.<field>=<value>`, for example
 `--config.epochs=5 --config.optimizer.learning_rate=0.1 --config.gem.enabled=False`.
 `--help` lists every flag and config field (the fields' meanings are
 written once, in `tf_asgd.train_lib.CONFIG_FIELDS`).
+
+The console shows the config, Keras's progress, the launcher's own log lines
+and the results; TensorFlow's start-up lines and INFO logs (C++ and Python)
+are off in the launcher and in every task it starts, unless `--verbose_tf`.
 """
 
 import os
@@ -18,7 +22,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tf_asgd import data, network, train_lib, training
+from tf_asgd import cluster, data, internals, network, train_lib, training
 
 config_flags.DEFINE_config_file(
     "config", None,
@@ -49,6 +53,18 @@ flags.DEFINE_enum(
     "downloaded, else a warning; yes: or stop; no: listen on every interface. Ignored "
     "under TF_CONFIG.",
 )
+flags.DEFINE_bool(
+    "verbose_tf", False,
+    "Show TensorFlow's own logs: its start-up lines and C++ INFO logs "
+    "(TF_CPP_MIN_LOG_LEVEL=0) in the launcher and in every task it starts, and its "
+    "Python INFO logs. Off by default: errors and warnings are shown either way.",
+)
+flags.DEFINE_float(
+    "stop_timeout", 60.0,
+    "After Ctrl-C or SIGTERM the launcher saves a checkpoint and stops its local "
+    "cluster, then exits; if that takes longer than this many seconds (TF blocked), it "
+    "prints every thread's stack and exits with status 1 (0 = no bound).",
+)
 FLAGS = flags.FLAGS
 
 
@@ -66,7 +82,9 @@ def isolate_local_run(mode, config):
             "interface; once the data is here, runs are isolated.", config.dataset)
         return
     try:
-        network.reexec_in_loopback_namespace()  # outside: does not return
+        # Outside: does not return. Inside, TF starts quietly (see quiet_tf_startup).
+        network.reexec_in_loopback_namespace(
+            cluster.python_command("tf_asgd.launch", sys.argv[1:]))
     except OSError as e:
         if mode == "yes":
             sys.exit(f"tf_asgd.launch: --isolate_network=yes, but {e}.")
@@ -93,15 +111,61 @@ def main(argv):
         sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
+    train_lib.configure_tf_python_logging(FLAGS.verbose_tf)
     if role is None:
         isolate_local_run(FLAGS.isolate_network, config)
     logging.info("config:\n%s", config)
+    stop = train_lib.StopSignals(FLAGS.stop_timeout)
     try:
-        training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume)
+        training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir),
+                     resume=FLAGS.resume, stop=stop)
     except train_lib.ClusterTaskLostError as e:
         logging.error("%s", e)
         sys.exit(f"tf_asgd.launch: {e}")
+    except KeyboardInterrupt:
+        logging.warning("stopped by %s. Rerun with --resume to continue from the newest "
+                        "checkpoint.", f"signal {stop.signum}" if stop.signum else "KeyboardInterrupt")
+        sys.exit(stop.exit_code)
+    finally:
+        # The process ends: no remote work follows, and freeing the chief's
+        # tf.functions must not send an RPC to each (stopped) task.
+        internals.stop_removing_functions_remotely()
+
+
+def verbose_tf_requested(argv, environ=None):
+    """`--verbose_tf` as absl would read it from `argv` (the last one wins), or
+    the environment's `cluster.VERBOSE_TF_ENV`, before flags are parsed."""
+    environ = os.environ if environ is None else environ
+    verbose = environ.get(cluster.VERBOSE_TF_ENV) == "1"
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if arg in ("--verbose_tf", "--noverbose_tf"):
+            verbose = arg == "--verbose_tf"
+        elif arg.startswith("--verbose_tf="):
+            verbose = arg.split("=", 1)[1].lower() in ("1", "true", "t", "yes", "y")
+    return verbose
+
+
+def prepare_tf_output(argv):
+    """Before absl starts: TF's logs for this process and every process it
+    starts (`TF_CPP_MIN_LOG_LEVEL`, `cluster.VERBOSE_TF_ENV`), and TF's
+    devices listed while native stderr is held back (`cluster.quiet_tf_startup`:
+    drops the start-up lines, shows anything else). TensorFlow is already
+    imported here (by `tf_asgd/__init__.py`), so this process's own import
+    lines have been printed; the re-executed launcher and the tasks start quietly."""
+    verbose = verbose_tf_requested(argv)
+    if verbose:
+        os.environ[cluster.VERBOSE_TF_ENV] = "1"
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    with cluster.quiet_tf_startup(not verbose):
+        tf.config.list_physical_devices()
 
 
 if __name__ == "__main__":
+    prepare_tf_output(sys.argv)
     app.run(main)

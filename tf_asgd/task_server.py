@@ -44,10 +44,9 @@ def serve(cluster, tasks):
 def _main(argv):
     # Exit when the parent goes away (stdin EOF) or is asked to (SIGTERM).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    servers = serve(json.loads(argv[1]), argv[2].split(","))
+    servers = serve(json.loads(argv[1]), argv[2].split(","))  # noqa: F841  (kept alive)
     sys.stdin.read()
-    del servers
-    os._exit(0)
+    os._exit(0)  # the servers end with the process (TF cannot stop them)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 
 import keras
 import tensorflow as tf
@@ -47,6 +48,8 @@ from tf_asgd.strategy import AsyncParameterServerStrategy
 from tf_asgd.train_lib import (
     CHECKPOINT_DIR,
     DONE_FILE,
+    InterruptCallback,
+    StopSignals,
     checkpoint_on_interrupt,
     compile_model,
     fit_verbosity,
@@ -54,7 +57,6 @@ from tf_asgd.train_lib import (
     make_checkpoint_callback,
     make_model,
     make_progress_callback,
-    sigterm_as_keyboard_interrupt,
     task_lost_error,
     tensorboard_available,
 )
@@ -101,14 +103,16 @@ def hide_gpus():
 # The chief
 
 
-def train_and_evaluate(config, workdir, resolver, resume=False):
+def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     """Trains `config` on the cluster of `resolver` as its chief; returns the results dict.
 
     Writes checkpoints (each epoch), `metrics.csv`, TensorBoard logs,
     `model.keras`, `results.json` and `DONE` to `workdir`. With `resume`, the
     newest checkpoint restores the central variables, optimizer step, push
     counters (version) and the epoch count, and training continues from it;
-    without, a workdir that already holds checkpoints is refused.
+    without, a workdir that already holds checkpoints is refused. A Ctrl-C or
+    SIGTERM (a KeyboardInterrupt; `stop`, a `StopSignals`, raises it again
+    after a batch if Python lost it) saves a checkpoint and re-raises.
     """
     t_start = time.time()
     os.makedirs(workdir, exist_ok=True)
@@ -153,6 +157,7 @@ def train_and_evaluate(config, workdir, resolver, resume=False):
         return int(model.optimizer.iterations.numpy())
 
     callbacks = [
+        *([InterruptCallback(stop)] if stop is not None else []),
         make_progress_callback(config, config.batch_size),
         make_checkpoint_callback(manager, epoch_var, step_fn),
         keras.callbacks.CSVLogger(os.path.join(workdir, "metrics.csv"), append=initial_epoch > 0),
@@ -178,8 +183,10 @@ def train_and_evaluate(config, workdir, resolver, resume=False):
             callbacks=callbacks,
             verbose=fit_verbosity(config),
         )
+        if stop is not None:
+            stop.check()
         test = model.evaluate(data.test, steps=data.test_steps, return_dict=True, verbose=0)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see sigterm_as_keyboard_interrupt)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see StopSignals)
         checkpoint_on_interrupt(manager, step_fn)
         raise
     except tf.errors.UnavailableError as e:  # includes the coordinator's PSUnavailableError
@@ -217,33 +224,47 @@ def train_and_evaluate(config, workdir, resolver, resume=False):
     return results
 
 
-def run_local(config, workdir, resume=False):
+def run_local(config, workdir, resume=False, stop=None):
     """No `TF_CONFIG`: trains on a `LocalCluster` of loopback tasks, then stops them all.
 
     The cluster's processes are stopped on success, on an exception, on
     Ctrl-C and on SIGTERM (and, through their stdin lifeline, if this process
-    dies).
+    dies). Shutdown order: the run's objects (model, strategy, datasets) are
+    released and collected while the tasks still answer (each tf.function
+    freed on the chief is removed from every task by a synchronous RPC), then
+    the tasks are stopped.
     """
     hide_gpus()  # the chief keeps off the GPUs; local workers get theirs below
     shared = config.shared_process and not config.gpus_per_worker
     if config.shared_process and config.gpus_per_worker:
         logging.info("gpus_per_worker=%d: one process per task", config.gpus_per_worker)
-    previous = sigterm_as_keyboard_interrupt()
-    try:
-        logging.info(
-            "starting a local cluster: %d worker(s), %d ps%s", config.num_workers,
-            config.num_ps, f", {config.gpus_per_worker} GPU(s) per worker"
-            if config.gpus_per_worker else "",
-        )
-        with cluster_lib.LocalCluster(
-            config.num_workers, config.num_ps, shared_process=shared,
-            gpus_per_worker=config.gpus_per_worker,
-        ) as local:
-            logging.info("local cluster %s, processes %s", json.dumps(local.cluster_spec), local.pids())
-            return train_and_evaluate(config, workdir, local.resolver, resume=resume)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    logging.info(
+        "starting a local cluster: %d worker(s), %d ps%s", config.num_workers,
+        config.num_ps, f", {config.gpus_per_worker} GPU(s) per worker"
+        if config.gpus_per_worker else "",
+    )
+    with cluster_lib.LocalCluster(
+        config.num_workers, config.num_ps, shared_process=shared,
+        gpus_per_worker=config.gpus_per_worker,
+    ) as local:  # its close() collects garbage first, then stops the tasks
+        logging.info("local cluster %s, processes %s", json.dumps(local.cluster_spec), local.pids())
+        try:
+            return train_and_evaluate(config, workdir, local.resolver, resume=resume, stop=stop)
+        except BaseException as e:
+            release_frames(e)
+            raise
+
+
+def release_frames(error):
+    """Drops the local variables of the finished frames in `error`'s
+    traceback (and its causes'), so that what they held (a model, a strategy,
+    datasets) can be collected now, while the cluster still answers, rather
+    than when the exception is gone. Tracebacks still print."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 # ---------------------------------------------------------------------------
@@ -330,17 +351,15 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
     return out
 
 
-def run_task(config, workdir, cluster, task_type, task_index, resume=False):
-    """Runs this process's role in a `TF_CONFIG` cluster."""
+def run_task(config, workdir, cluster, task_type, task_index, resume=False, stop=None):
+    """Runs this process's role in a `TF_CONFIG` cluster. The chief stops on
+    Ctrl-C / SIGTERM (`stop`, a `StopSignals`) after a checkpoint."""
     if task_type == "chief":
         hide_gpus()
         resolver = cluster_lib.make_resolver(cluster, "chief", task_index)
-        previous = sigterm_as_keyboard_interrupt()  # SIGTERM: checkpoint, then stop
-        try:
-            return train_and_evaluate(config, workdir, resolver, resume=resume)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        stop = stop or StopSignals()
+        with stop:
+            return train_and_evaluate(config, workdir, resolver, resume=resume, stop=stop)
     if task_type in ("worker", "ps"):
         serve_task(cluster, task_type, task_index)
         return None
@@ -349,11 +368,18 @@ def run_task(config, workdir, cluster, task_type, task_index, resume=False):
     raise ValueError(f"Unknown task type {task_type!r}.")
 
 
-def run(config, workdir, resume=False, environ=None):
-    """The launcher's entry point: the role from `TF_CONFIG`, or a local cluster."""
+def run(config, workdir, resume=False, environ=None, stop=None):
+    """The launcher's entry point: the role from `TF_CONFIG`, or a local cluster.
+
+    `stop` (a `StopSignals`, default one with a 60 s bound) turns Ctrl-C and
+    SIGTERM into a KeyboardInterrupt for a local run and the chief: a
+    checkpoint, every local task stopped, then the KeyboardInterrupt.
+    """
     role = tf_config_role(environ)
     if role is None:
-        return run_local(config, workdir, resume=resume)
+        stop = stop or StopSignals()
+        with stop:
+            return run_local(config, workdir, resume=resume, stop=stop)
     cluster, task_type, task_index = role
     logging.info("TF_CONFIG: %s:%d of %s", task_type, task_index, json.dumps(cluster))
-    return run_task(config, workdir, cluster, task_type, task_index, resume=resume)
+    return run_task(config, workdir, cluster, task_type, task_index, resume=resume, stop=stop)

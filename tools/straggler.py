@@ -76,11 +76,14 @@ def run_config(cluster, name, data, args):
     # The fast workers' steady state: from their first push to their last.
     # Before it, fit starts (per-worker datasets are built; the first windows
     # run); after it, fit only waits for the straggler's last window.
-    first, last = min(r.finished_at for r in fast), max(r.finished_at for r in fast)
+    # A loaded machine can leave the fast workers fewer than 2 windows: no rate then.
+    first = min((r.finished_at for r in fast), default=wall0)
+    last = max((r.finished_at for r in fast), default=wall0)
+    rate = (len(fast) - 1) / slowest / (last - first) if last > first else float("nan")
     row = dict(
         config=name, workers=args.workers, slow=args.slow if slowdown else 1.0,
         seconds=seconds, samples_per_s=len(log) * args.n_sync * args.batch_size / seconds,
-        fast_windows_per_worker_s=(len(fast) - 1) / slowest / (last - first),
+        fast_windows_per_worker_s=rate,
         start_s=first - wall0,
         end_wait_s=wall0 + seconds - last,
         slow_windows=len(slow),
