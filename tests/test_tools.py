@@ -87,7 +87,9 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
     _run("scaleout.py", "--out", str(tmp_path), "--workers", "1,2", "--n-sync", "2",
          "--step-ms", "2", "--seconds", "0.2", "--max-pushes", "8", "--ceiling")
     rows = _csv(tmp_path / "scaleout.csv", ["workers", "n_sync", "samples_per_s", "speedup",
-                                            "chief_cpu_ms_per_push", "host_cpu_ms_per_push"])
+                                            "chief_cpu_ms_per_push", "host_cpu_ms_per_push",
+                                            "windows_per_closure"])
+    assert all(float(r["windows_per_closure"]) >= 1 for r in rows)
     assert {(r["kind"], r["workers"]) for r in rows} == {
         (k, w) for k in ("emulated", "ceiling") for w in ("1", "2")}
     _positive(rows, "samples_per_s")
@@ -98,10 +100,13 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
 
 def test_bench_tool(tmp_path):
     _run("bench.py", "--out", str(tmp_path), "--workers", "1", "--n-sync", "2",
-         "--modes", "keras,pss,asgd", "--rounds", "1", "--seconds", "0.2")
+         "--modes", "keras,pss,asgd", "--rounds", "1", "--seconds", "0.2",
+         "--processes", "shared", "--pss-spe", "1")
     rows = _csv(tmp_path / "summary.csv", ["mode", "workers", "n_sync", "samples_per_s",
-                                           "ratio_to_keras", "ratio_to_pss", "bytes_pulled_per_sample"])
+                                           "ratio_to_keras", "ratio_to_pss", "bytes_pulled_per_sample",
+                                           "processes", "windows_per_closure", "ratio_to_best_pss"])
     assert [(r["mode"], r["n_sync"]) for r in rows] == [("keras", "0"), ("pss", "1"), ("asgd", "2")]
+    assert [r["processes"] for r in rows] == ["one", "shared", "shared"]
     _positive(rows, "samples_per_s")
     asgd = rows[2]
     # One pull and one push of the whole model per window of 2 steps of 64 samples.

@@ -67,19 +67,26 @@ class PushCounters(tf.Module):
             tf.zeros([STALENESS_BINS], tf.int64), trainable=False, name="staleness_histogram"
         )
 
-    def take_ticket(self, pulled_version):
+    def take_ticket(self, pulled_version, push=None):
         """Takes a version ticket; returns staleness tau (int64) and records it.
 
         Call under `tf.control_dependencies` on the window's update, so that the
         ticket is taken when the update exists, not at pull time.
+
+        Args:
+            pulled_version: int64 scalar, the version read at pull time.
+            push: None, or a bool scalar: where false, no ticket is taken and
+                nothing is recorded (branch-free; the tau returned is then
+                meaningless).
         """
-        ticket = self.version.assign_add(1, read_value=True)
-        tau = ticket - 1 - pulled_version
-        bin_ = tf.minimum(tau, STALENESS_BINS - 1)
+        count = tf.constant(1, tf.int64) if push is None else tf.cast(push, tf.int64)
+        ticket = self.version.assign_add(count, read_value=True)
+        tau = ticket - count - pulled_version
+        bin_ = tf.clip_by_value(tau, 0, STALENESS_BINS - 1)
         record = [
-            self.staleness_sum.assign_add(tau, read_value=False),
+            self.staleness_sum.assign_add(tau * count, read_value=False),
             self.histogram.scatter_add(
-                tf.IndexedSlices(tf.ones([1], tf.int64), tf.reshape(bin_, [1]))
+                tf.IndexedSlices(tf.reshape(count, [1]), tf.reshape(bin_, [1]))
             ),
         ]
         with tf.control_dependencies(record):

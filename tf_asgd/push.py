@@ -6,6 +6,8 @@ and `update_rules.staleness_scale(tau) * update` is added where each
 variable (or shard) lives.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
@@ -53,24 +55,218 @@ def device_of(raw_variable):
     return raw_variable.device
 
 
+FUSE_MAX_ELEMENTS = 1 << 16  # larger tensors travel alone (fusing them would only copy)
+
+
+class Transfer:
+    """How a list of tensors travels between the worker and the PS tasks.
+
+    Each cross-task tensor is an RPC whose fixed cost outweighs its bytes for
+    a small model, so the small tensors of one device travel together, as
+    one byte vector (`tf.bitcast`, exact for every dtype); each large one
+    travels alone. `gather` makes the flat tensors where the tensors are,
+    `scatter` restores the tensors where the flat ones arrived.
+
+    Args:
+        specs: `(device, shape, dtype)` per tensor: the PS device it comes
+            from or goes to (the other end is the worker).
+    """
+
+    def __init__(self, specs):
+        self.specs = [(d, tf.TensorShape(s), tf.as_dtype(t)) for d, s, t in specs]
+        self.groups = []  # (device, indices, packed)
+        small = {}
+        for i, (device, shape, _) in enumerate(self.specs):
+            if shape.num_elements() > FUSE_MAX_ELEMENTS:
+                self.groups.append((device, [i], False))
+            else:
+                if device not in small:
+                    small[device] = []
+                    self.groups.append((device, small[device], True))
+                small[device].append(i)
+        order = list(dict.fromkeys(d for d, _, _ in self.groups))  # each device's groups together
+        self.groups.sort(key=lambda g: order.index(g[0]))
+
+    def devices(self):
+        """The PS devices, in order of their first group."""
+        return list(dict.fromkeys(d for d, _, _ in self.groups))
+
+    def gather(self, tensors, device=None):
+        """The flat tensors of the groups of `device` (all groups: None), in
+        group order, made from `tensors` (one per spec, None where unused)."""
+        out = []
+        for d, idx, packed in self.groups:
+            if device is None or d == device:
+                parts = [tensors[i] for i in idx]
+                out.append(tf.concat([_to_bytes(t) for t in parts], 0) if packed
+                           else tf.reshape(parts[0], [-1]))
+        return out
+
+    def empty(self, device):
+        """Flat tensors of no elements, like `gather(..., device)` makes."""
+        return [tf.zeros([0], tf.uint8 if packed else self.specs[idx[0]][2])
+                for d, idx, packed in self.groups if d == device]
+
+    def scatter(self, flats, on_devices=False):
+        """The tensors from the flat tensors of every group, in spec order;
+        with `on_devices`, each group is unpacked on its PS (else on the
+        caller's device, the worker)."""
+        out = [None] * len(self.specs)
+        for (device, idx, packed), flat in zip(self.groups, flats):
+            with tf.device(device) if on_devices else contextlib.nullcontext():
+                if not packed:
+                    out[idx[0]] = tf.reshape(flat, self.specs[idx[0]][1])
+                    continue
+                specs = [self.specs[i] for i in idx]
+                sizes = [s.num_elements() * (1 if t == tf.bool else t.size) for _, s, t in specs]
+                for i, part, (_, shape, dtype) in zip(idx, tf.split(flat, sizes), specs):
+                    out[i] = _from_bytes(part, shape, dtype)
+        return out
+
+    def send(self, tensors):
+        """Worker to PS: `tensors` (on the worker) arrive on their PS.
+        Returns `(tensors there, the flat tensors as they landed)`."""
+        landed = []
+        for (device, _, _), flat in zip(self.groups, self.gather(tensors)):
+            with tf.device(device):
+                landed.append(tf.identity(flat))
+        return self.scatter(landed, on_devices=True), landed
+
+
+class Pull:
+    """What a window's pull reads on the PS and how it travels to the worker.
+
+    Per PS tensor, in order: on the counters' PS `[tau, replayed, version]`
+    (int64: the previous push's staleness, filled in by `to_worker`, whether
+    the window already pushed, `replayed(ids)`, and the version counter),
+    then the local optimizer's shared variables (step counter, learning
+    rate), then the variables' shards. Small ones travel as one byte vector
+    per PS (`Transfer`).
+
+    Args:
+        variables: the central variables (Keras or TF, possibly sharded).
+        shared: the local optimizer's variables read from the PS.
+        counters: the strategy's `counters.PushCounters`.
+        replayed: `fn(ids) -> bool scalar` on the counters' PS, `ids` the
+            window's `[window_id, num_steps]` there.
+    """
+
+    def __init__(self, variables, shared, counters, replayed):
+        self.cdev = raw(counters.version).device
+        self.num_variables, self.num_shared = len(variables), len(shared)
+        self.owners = [i for i, v in enumerate(variables) for _ in shard_variables(raw(v))]
+        tensors = [raw(v) for v in shared] + [s for v in variables for s in shard_variables(raw(v))]
+
+        def meta(ids):
+            return tf.stack([tf.constant(-1, tf.int64), tf.cast(replayed(ids), tf.int64),
+                             counters.version.read_value()])
+        self._reads = [meta] + [lambda ids, v=v: v.read_value() for v in tensors]
+        self.transfer = Transfer([(self.cdev, [3], tf.int64)]
+                                 + [(v.device, v.shape, v.dtype) for v in tensors])
+
+    def read(self, ids, device=None):
+        """On each PS (or `device` only): the pull's flat tensors."""
+        out = []
+        for d in self.transfer.devices():
+            if device is None or d == device:
+                with tf.device(d):
+                    values = [read(ids) if spec[0] == d else None
+                              for spec, read in zip(self.transfer.specs, self._reads)]
+                    out += self.transfer.gather(values, d)
+        return out
+
+    def to_worker(self, flats, tau=None):
+        """The flat tensors to the worker (the caller's device); the first
+        (the counters' PS's, packed) carries the push's staleness `tau`.
+        Returns `(tau, flats)` on the worker."""
+        if tau is not None:
+            with tf.device(self.cdev):
+                head = tf.concat([_to_bytes(tf.reshape(tau, [1])), flats[0][8:]], 0)
+            flats = [head] + list(flats[1:])
+        flats = [tf.identity(f) for f in flats]  # the transfers
+        return _from_bytes(flats[0][:8], [], tf.int64), flats
+
+    def unpack(self, flats):
+        """On the worker: `(meta, shared values, variable values)`."""
+        values = self.transfer.scatter(flats)
+        meta, shared, pieces = values[0], values[1:1 + self.num_shared], values[1 + self.num_shared:]
+        weights = []
+        for i in range(self.num_variables):
+            parts = [p for owner, p in zip(self.owners, pieces) if owner == i]
+            weights.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
+        return meta, shared, weights
+
+
+def _to_bytes(t):
+    """A tensor's bytes, flat (`tf.bitcast`, exact for every numeric dtype)."""
+    if t.dtype == tf.bool:
+        t = tf.cast(t, tf.uint8)
+    return tf.reshape(tf.bitcast(t, tf.uint8) if t.dtype != tf.uint8 else t, [-1])
+
+
+def _from_bytes(b, shape, dtype):
+    """Inverse of `_to_bytes` for a tensor of `shape` and `dtype`."""
+    if dtype == tf.bool:
+        return tf.reshape(tf.cast(b, tf.bool), shape)
+    if dtype != tf.uint8:
+        b = tf.bitcast(tf.reshape(b, [-1, dtype.size]), dtype)
+    return tf.reshape(b, shape)
+
+
+def update_specs(variables, updates):
+    """`(shard, its piece of the update)` per PS shard, in order."""
+    return [(shard, piece) for v, u in zip(variables, updates) for shard, piece in shards(raw(v), u)]
+
+
 def push_update(variables, updates, pulled_version, counters, rule, max_staleness,
                 outer_optimizer=None, slots=None, num_workers=1):
     """The PS side of a push; call inside a closure running on a worker.
 
     First every piece of the update is copied to the PS that holds its
-    variable (or shard); only once all have arrived is the version ticket
-    taken (so staleness is measured at push time) and anything written. A
-    worker that dies while its update is in transit therefore leaves the PS
-    untouched, not half-updated. Then `scale(tau)` is computed on the PS that
-    holds the counter and each PS applies the outer optimizer to the
-    pseudo-gradient `-scale * update` of its variables (`outer.apply`; by
-    default it adds `scale * update`). Pushes with `tau > max_staleness` are
-    counted as dropped (their scale is 0).
+    variable (or shard), small pieces as one flat tensor per PS (`Transfer`);
+    only once all have arrived is the version ticket taken (so staleness is
+    measured at push time) and anything written (`apply_push`). A worker
+    that dies while its update is in transit therefore leaves the PS
+    untouched, not half-updated.
+
+    Args: as `apply_push`; `updates`: one tensor per variable, on the worker.
+
+    Returns:
+        `(ops, tau)`: the write ops (one per PS), whose control dependencies
+        order the push, and the push's staleness (int64 scalar on the
+        counters' PS, available once every write of the push is done).
+    """
+    pieces = update_specs(variables, updates)
+    transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces])
+    arrived, landed = transfer.send([p for _, p in pieces])
+    done, tau = apply_push(variables, arrived, landed, pulled_version, counters, rule,
+                           max_staleness, outer_optimizer, slots, num_workers)
+    return list(done.values()), tau
+
+
+def apply_push(variables, arrived, landed, pulled_version, counters, rule, max_staleness,
+               outer_optimizer=None, slots=None, num_workers=1, also=None, ok=None,
+               otherwise=None):
+    """Applies an update that has arrived on the PS: the ticket, the outer
+    optimizer, the counters; call inside a closure running on a worker.
+
+    The version ticket is taken under control dependencies on `landed` (every
+    flat tensor of the update as it landed on its PS), so staleness is
+    measured at push time and nothing is written before the whole update is
+    there. Then `scale(tau)` is computed on the PS that holds the counter and
+    each PS applies the outer optimizer to the pseudo-gradient
+    `-scale * update` of its variables (`outer.apply`, piece by piece,
+    exactly as for a single push; by default it adds `scale * update`).
+    Pushes with `tau > max_staleness` are counted as dropped (their scale is
+    0).
 
     Args:
         variables: the central variables (Keras or TF, possibly sharded).
-        updates: one tensor per variable, the window's update.
-        pulled_version: int64 scalar, the version counter read at pull time.
+        arrived: the update's pieces on their PS, one per shard
+            (`update_specs` order).
+        landed: tensors that exist once the whole update is on the PS.
+        pulled_version: int64 scalar on the counters' PS, the version counter
+            read at pull time.
         counters: the strategy's `counters.PushCounters`.
         rule: the staleness rule (`update_rules.STALENESS_RULES`).
         max_staleness: drop pushes staler than this; None keeps all.
@@ -79,30 +275,100 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
         slots: per variable, per shard, the outer state (`outer.create_slots`),
             `{}` for none; default none anywhere.
         num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
+        also: optional `fn(tau, push) -> [ops]`: more writes that belong to
+            the push (e.g. the step count), made under its ticket. `push` is
+            None when the writes run only for a push, else `ok`: they must
+            then change nothing where it is false.
+        ok: optional bool scalar on the counters' PS: push only if true.
+            Without outer-optimizer state (`slots` all empty) the push is
+            then branch-free (`branch_free`): the caller sent a zero update
+            where `ok` is false; the version advances by 0 and exactly 0 is
+            added. Else every write is in a `tf.cond` on its PS.
+        otherwise: with `ok`, `fn() -> int64 scalar`, called on the
+            counters' PS; it may count why a push was not made (and must
+            count nothing for a push that is made: it may run in either
+            case); its value is returned as `tau` when not pushing.
 
     Returns:
-        `(ops, tau)`: the write ops, whose control dependencies order the
-        push, and the push's staleness (int64 scalar).
+        `(done, tau)`: per PS device, an op that runs once that PS's writes
+        are done, and the push's staleness (int64 scalar on the counters'
+        PS, available only once every write of the push is done;
+        `otherwise()` when not pushed).
     """
     outer_optimizer = outer_optimizer or update_rules.OuterSGD()
-    arrived = []  # (PS variable, its piece of the update, now on that PS, its outer slots)
-    for i, (v, u) in enumerate(zip(variables, updates)):
-        for j, (shard, piece) in enumerate(shards(raw(v), u)):
-            with tf.device(shard.device):
-                arrived.append((shard, tf.identity(piece), slots[i][j] if slots else {}))
-    with tf.control_dependencies([piece for _, piece, _ in arrived]):
-        tau = counters.take_ticket(pulled_version)
-    with tf.device(raw(counters.version).device):
-        scale = update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp)
-        dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
-        ticket = pulled_version + tau
-    ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
-    for shard, piece, shard_slots in arrived:
-        # Under the ticket even where the scale is a constant ("none").
-        with tf.device(shard.device), tf.control_dependencies([tau]):
-            if piece.dtype.is_floating:
-                ops.extend(outer.apply(outer_optimizer, shard, piece, shard_slots, scale,
-                                       ticket, num_workers))
-            else:  # integer state (RNG seeds) advances unscaled
-                ops.append(shard.assign_add(piece, read_value=False))
-    return ops, tau
+    shard_list = [(s, slots[i][j] if slots else {}) for i, v in enumerate(variables)
+                  for j, s in enumerate(shard_variables(raw(v)))]
+    cdev = raw(counters.version).device
+    by_device = {cdev: []}
+    for i, (shard, _) in enumerate(shard_list):
+        by_device.setdefault(shard.device, []).append(i)
+    free = ok is not None and branch_free(slots)
+
+    def apply(device, scale, ticket, tau):
+        ops = []
+        for i in by_device[device]:
+            shard, shard_slots = shard_list[i]
+            # Under the ticket even where the scale is a constant ("none").
+            with tf.device(device), tf.control_dependencies([tau]):
+                if arrived[i].dtype.is_floating:
+                    ops += outer.apply(outer_optimizer, shard, arrived[i], shard_slots, scale,
+                                       ticket, num_workers)
+                else:  # integer state (RNG seeds) advances unscaled
+                    ops.append(shard.assign_add(arrived[i], read_value=False))
+        return ops
+
+    def ticketed(push=None):
+        with tf.device(cdev):
+            with tf.control_dependencies(landed):
+                tau = counters.take_ticket(pulled_version, push)
+            scale = tf.cast(update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp), tf.float64)
+            dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
+            if push is not None:
+                scale = tf.where(push, scale, tf.zeros_like(scale))
+                dropped = dropped * tf.cast(push, tf.int64)
+            ticket = pulled_version + tau
+            ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
+            with tf.control_dependencies([tau]):
+                ops += list(also(tau, push)) if also else []
+            ops += apply(cdev, scale, ticket, tau)
+            with tf.control_dependencies(ops):
+                return tf.identity(tau), tf.identity(scale), tf.identity(ticket)
+
+    def not_pushed():
+        with tf.device(cdev):
+            return (tf.cast(otherwise(), tf.int64), tf.zeros([], tf.float64),
+                    tf.zeros([], tf.int64))
+
+    with tf.device(cdev):
+        if ok is None:
+            tau, scale, ticket = ticketed()
+        elif free:
+            tau, scale, ticket = ticketed(ok)
+            tau = tf.where(ok, tau, tf.cast(otherwise(), tf.int64))
+        else:
+            tau, scale, ticket = tf.cond(ok, ticketed, not_pushed)
+    done = {}
+    for device in by_device:
+        if device == cdev:
+            continue
+        if ok is None or free:
+            with tf.device(device):
+                done[device] = tf.group(*apply(device, scale, ticket, tau))
+            continue
+
+        def on_device(device=device):
+            with tf.device(device), tf.control_dependencies(apply(device, scale, ticket, tau)):
+                return tf.constant(True)
+
+        with tf.device(device):
+            done[device] = tf.cond(ok, on_device, lambda: tf.constant(False)).op
+    with tf.device(cdev), tf.control_dependencies(list(done.values())):
+        tau = tf.identity(tau)
+    done[cdev] = tau.op
+    return done, tau
+
+
+def branch_free(slots):
+    """Whether a conditional push can be branch-free: no outer-optimizer
+    state anywhere (`slots` as for `apply_push`)."""
+    return not any(s for per_var in (slots or []) for s in per_var)

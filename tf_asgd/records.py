@@ -1,9 +1,10 @@
 """What a window reports: the packed result a worker returns, and its record.
 
-A window returns one float64 tensor, so that the chief fetches its result in
-one copy. `WindowResultLayout` defines that tensor once, for both sides: the
-worker packs it (`pack`, TF ops inside the window function) and the chief
-unpacks it (`unpack`, NumPy) into a `WindowRecord`.
+A window's result is one float64 row, and a closure of `K` windows returns
+their rows as one `[windows run, size]` tensor, so that the chief fetches a
+closure's results in one copy. `WindowResultLayout` defines a row once, for
+both sides: the worker packs it (`pack`, TF ops inside the window function)
+and the chief unpacks it (`unpack`, NumPy) into a `WindowRecord`.
 
 Layout: the header fields `HEADER` (one element each), then each metric
 variable's delta over the window, flattened, then GEM's pi statistics
@@ -30,6 +31,8 @@ class WindowRecord(typing.NamedTuple):
     # True: a re-run (after a worker died) of a window whose earlier attempt
     # had already pushed; this attempt ran no steps and pushed nothing.
     replayed: bool = False
+    started_at: float = float("nan")  # time.time() on the worker when the window started
+    window_id: int = -1  # the chief's id of the window (unique; a re-run keeps it)
 
 
 class WindowResultLayout:
@@ -43,12 +46,20 @@ class WindowResultLayout:
 
     # worker: its index; pushed: the update is in the central variables, once
     # (true also for a replay); replayed: see WindowRecord; finished_at: the
-    # worker's time.time() after the push; staleness: tau, -1 if not pushed.
-    HEADER = ("worker", "pushed", "replayed", "finished_at", "staleness")
+    # worker's time.time() after the push; staleness: tau, -1 if not pushed;
+    # started_at: the worker's time.time() when the window started.
+    HEADER = ("worker", "pushed", "replayed", "finished_at", "staleness", "started_at")
 
-    def __init__(self, metric_values, has_pi):
+    def __init__(self, metric_values, has_pi, num_trainable=0):
         self.metric_specs = [(np.shape(m), np.asarray(m).dtype) for m in metric_values]
         self.has_pi = has_pi
+        self._slices, at = [], len(self.HEADER)  # each metric's part of a row
+        for shape, _ in self.metric_specs:
+            self._slices.append((at, at + int(np.prod(shape))))
+            at = self._slices[-1][1]
+        # Elements of one window's row (a closure returns `[windows, size]`).
+        self.size = len(self.HEADER) + sum(int(np.prod(s)) for s, _ in self.metric_specs) + (
+            3 * num_trainable if has_pi else 0)
 
     def pack(self, header, metric_deltas, pi_stats):
         """The window's result as one float64 tensor (TF ops, on the worker).
@@ -81,11 +92,9 @@ class WindowResultLayout:
             statistics as `[n_trainable, 3]` (None without a push rule).
         """
         packed = np.asarray(packed)
-        header = dict(zip(self.HEADER, packed[:len(self.HEADER)]))
-        deltas, at = [], len(self.HEADER)
-        for shape, dtype in self.metric_specs:
-            size = int(np.prod(shape))
-            deltas.append(packed[at:at + size].reshape(shape).astype(dtype))
-            at += size
-        pi = packed[at:].reshape(-1, 3) if self.has_pi else None
+        header = dict(zip(self.HEADER, packed[:len(self.HEADER)].tolist()))
+        deltas = [packed[a:b].reshape(shape).astype(dtype)
+                  for (a, b), (shape, dtype) in zip(self._slices, self.metric_specs)]
+        pi = packed[self._slices[-1][1] if self._slices else len(self.HEADER):].reshape(-1, 3) \
+            if self.has_pi else None
         return header, deltas, pi

@@ -1,4 +1,4 @@
-"""Window scheduling: one `ClusterCoordinator` closure per `n_sync` window.
+"""Window scheduling: `ClusterCoordinator` closures of `K` windows of `n_sync` steps.
 
 A window is GPU A-SGD's unit of work (Paine et al. 2013). On one worker it:
 
@@ -15,15 +15,32 @@ their results, metrics and logs). The worker's side, phase by phase, is
 `window.WindowFunction`; the PS side of a push is `push.push_update`; the
 result a window returns, and its record, are defined in `records`.
 
+Closures: one Keras `train_function` call is one window (Keras's
+`steps_per_execution` is `n_sync`; an epoch's last window may be shorter,
+so that an epoch is exactly `steps_per_epoch` steps). The trainer queues
+the windows Keras asks for and schedules them `K` at a time, as one closure
+that runs them back to back on its worker (`window.WindowFunction.run`):
+one `schedule`, one dispatch and one fetch per `K` windows instead of per
+window. `K` is the strategy's `windows_per_closure`, or automatic: about
+`TARGET_CLOSURE_S` of work per closure, from the windows' measured
+durations on the workers. Near an epoch's end closures shrink (at most the
+epoch's windows left divided by the workers), and a closure stops starting
+windows once it has run `BUDGET_FACTOR` times as long as `K` windows should
+take on a typical worker; the chief reschedules what it did not run. So a
+slow worker holds back at most a few closures' time, not `K` of its own
+slow windows.
+
 Exactly once: when a worker dies, TF's `ClusterCoordinator` puts its
 in-flight closure back and runs it again on a live worker. If the dead worker
-had already pushed (it died between its push and returning the result), a
-plain re-run would push that window a second time. Each window therefore
-carries an id from the chief; a push records it in a ring of applied ids on
-the PS, and an attempt whose id is already recorded runs no steps and pushes
-nothing (`WindowRecord.replayed`).
+had already pushed some of its windows (it died before returning the
+closure's result), a plain re-run would push those windows a second time.
+Each window therefore carries an id from the chief; a push records it in a
+ring of applied ids on the PS, and an attempt whose id is already recorded
+runs no steps and pushes nothing (`WindowRecord.replayed`): a re-run closure
+runs only its windows that had not pushed.
 """
 
+import statistics
 import time
 import weakref
 
@@ -39,7 +56,11 @@ from tf_asgd.window import APPLIED_RING, WindowFunction
 # push_update and WindowRecord are re-exported: tests and tools use them from here.
 __all__ = ["APPLIED_RING", "WindowRecord", "WindowTrainer", "push_update"]
 
-MAX_IN_FLIGHT_PER_WORKER = 2  # windows scheduled but unfinished, per worker
+MAX_IN_FLIGHT_PER_WORKER = 2  # closures scheduled but unfinished, per worker
+TARGET_CLOSURE_S = 0.1  # automatic K: about this much work on a worker per closure
+MAX_WINDOWS_PER_CLOSURE = 256
+MIN_BUDGET_S = 0.1  # a closure may always start windows for this long
+BUDGET_FACTOR = 4  # ... and for this many times what its windows should take
 
 
 class WindowTrainer:
@@ -87,19 +108,32 @@ class WindowTrainer:
         # The metric values at the epoch's start; a window's metrics start from
         # them (read when the window function is traced).
         self.metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
-        self.layout = WindowResultLayout(self.metric_init, has_pi=bool(self.push_rule))
+        self.layout = WindowResultLayout(self.metric_init, has_pi=bool(self.push_rule),
+                                         num_trainable=n_train)
         self._metric_sum = None
         self._epoch_windows = []
-        self._pending = []
+        self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
+        self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
+        self._iterator = None
         self._next_window_id = 0
-        self._epoch_step = 0  # steps scheduled this epoch
+        self._epoch_step = 0  # steps asked for this epoch
+        self._window_s = {}  # (worker, window steps) -> moving average of its windows' seconds
+        self.closure_sizes = []  # windows per scheduled closure (first attempts)
+        # Per finished closure: (worker, windows asked, windows run, budget s);
+        # its windows' records are the `run` last ones of window_log then.
+        self.closure_log = []
         self._max_in_flight = MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers
         self._logs, self._logs_at = None, 0.0
         ids = [id(v) for v in model.metrics_variables]
         self._loss_index = [ids.index(id(v)) for v in internals.loss_tracker(model).variables]
         self.bytes_per_pull = nbytes(self.variables)
         self.bytes_per_push = self.bytes_per_pull
+        # One trace for every closure size: the window vectors are padded to
+        # MAX_WINDOWS_PER_CLOSURE (a shape that varied would retrace, and TF
+        # cannot relax the shape of a function that captures per-worker
+        # variables).
         self._window = tf.function(self.window.run)
+        self._concrete = None  # (iterator, the concrete function scheduled with it)
 
     @property
     def model(self):
@@ -109,24 +143,28 @@ class WindowTrainer:
     # ---- chief side -------------------------------------------------------
 
     def train_function(self, iterator):
-        """Keras's `train_function`: schedules one window.
+        """Keras's `train_function`: one window of `n_sync` steps.
 
-        It returns at once while fewer than `MAX_IN_FLIGHT_PER_WORKER` windows
-        per worker are unfinished, else once the oldest one finishes: enough
-        queued to keep every worker busy, few enough that the progress bar
-        follows the training and a stop waits for seconds, not an epoch.
+        The window is queued and scheduled with others, `K` to a closure
+        (`windows_per_closure`). It returns at once while fewer than
+        `MAX_IN_FLIGHT_PER_WORKER` closures per worker are unfinished, else
+        once one finishes: enough queued to keep every worker busy, few
+        enough that the progress bar follows the training and a stop waits
+        for seconds, not an epoch. Outside `fit` (no epoch) the window is
+        scheduled at once, alone.
         """
-        window_id = tf.constant(self._next_window_id, tf.int64)
+        self._iterator = iterator
+        window_id = self._next_window_id
         self._next_window_id += 1
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
         steps = self.strategy._steps_per_epoch(self.model)
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
         self._epoch_step += num_steps
-        rv = self.coordinator.schedule(
-            self._window, args=(iterator, tf.constant(num_steps, tf.int32), window_id),
-        )
-        self._pending.append(rv)
+        self._queue.append((num_steps, window_id))
+        left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
+        if not steps or left <= 0 or len(self._queue) >= self._closure_size(len(self._queue) + left):
+            self._flush(left)
         self._drain(block=True, keep=self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
         # chief's time per window bounds throughput at small n_sync.
@@ -136,25 +174,94 @@ class WindowTrainer:
             self._logs, self._logs_at = self.logs(), now
         return self._logs
 
-    def _drain(self, block, keep=0):
-        """Records finished windows in the order they finish; with `block`,
-        waits until at most `keep` are unfinished.
+    def _pace(self):
+        """Seconds a window of `n_sync` steps takes on a typical worker (the
+        lower median of the workers' moving averages: a single straggler
+        does not count), or None before such a window was measured."""
+        n_sync = self.strategy.n_sync
+        paces = [s for (_, steps), s in self._window_s.items() if steps == n_sync]
+        return statistics.median_low(paces) if paces else None
 
-        Any finished window frees a slot, not only the oldest: waiting for the
-        oldest would hold every fast worker behind a straggler's window.
+    def windows_per_closure(self):
+        """`K`: the strategy's `windows_per_closure`, or automatic (about
+        `TARGET_CLOSURE_S` of windows at a typical worker's measured pace;
+        1 until a window has been measured)."""
+        fixed = getattr(self.strategy, "windows_per_closure", None)
+        if fixed:
+            return fixed
+        pace = self._pace()
+        if pace is None:
+            return 1
+        k = TARGET_CLOSURE_S / max(pace, 1e-6)
+        return int(min(MAX_WINDOWS_PER_CLOSURE, max(1, round(k))))
+
+    def _closure_size(self, windows_left):
+        """Windows in the next closure, with `windows_left` of the epoch not
+        yet scheduled: `K`, but no more than an even share per worker (closures
+        shrink towards an epoch's end, so no worker is left with a long one)."""
+        share = -(-windows_left // self.strategy.num_workers)
+        return max(1, min(self.windows_per_closure(), share))
+
+    def _budget(self, windows):
+        """Seconds after which a closure of `windows` starts no new window:
+        `BUDGET_FACTOR` times what they should take at a typical worker's
+        pace, at least `MIN_BUDGET_S` (no limit before any window was
+        measured). A window's time varies with the machine's load: a tight
+        budget would cut closures short, and each cut costs a schedule."""
+        pace = self._pace()
+        if pace is None:
+            return 1e9
+        return max(MIN_BUDGET_S, BUDGET_FACTOR * windows * pace)
+
+    def _flush(self, left=0):
+        """Schedules every queued window, in closures of `_closure_size`
+        (`left`: the epoch's windows still to come after them)."""
+        while self._queue:
+            k = self._closure_size(len(self._queue) + left)
+            windows, self._queue = self._queue[:k], self._queue[k:]
+            self._schedule(windows)
+
+    def _schedule(self, windows, first=True):
+        # Two small tensors: each argument costs the chief a conversion.
+        plan = np.zeros([2, MAX_WINDOWS_PER_CLOSURE], np.int64)  # [ids, steps]
+        plan[0] = -1
+        plan[1, :len(windows)], plan[0, :len(windows)] = zip(*windows)
+        budget = self._budget(len(windows))
+        args = (self._iterator, tf.constant(plan), tf.constant([len(windows), budget], tf.float64))
+        if self._concrete is None or self._concrete[0] is not self._iterator:
+            self._concrete = (self._iterator, internals.concrete_function_for(self._window, args))
+        rv = self.coordinator.schedule(self._concrete[1], args=args)
+        self._pending.append((rv, windows, budget))
+        if first:
+            self.closure_sizes.append(len(windows))
+
+    def _drain(self, block, keep=0):
+        """Records finished closures' windows in the order they finish; with
+        `block`, waits until at most `keep` closures are unfinished. Windows a
+        closure did not start (its budget ran out) are scheduled again.
+
+        Any finished closure frees a slot, not only the oldest: waiting for
+        the oldest would hold every fast worker behind a straggler's closure.
         """
         while True:
-            ready = [rv for rv in self._pending if internals.remote_value_ready(rv)]
-            for rv in ready:
-                self._pending.remove(rv)
-                self._record(np.asarray(rv.fetch()))
+            ready = [p for p in self._pending if internals.remote_value_ready(p[0])]
+            for item in ready:
+                self._pending.remove(item)
+                rv, windows, budget = item
+                rows = np.asarray(rv.fetch()).reshape(-1, self.layout.size)
+                for row, (steps, window_id) in zip(rows, windows):
+                    self._record(row, window_id, steps)
+                self.closure_log.append((int(rows[0][0]), len(windows), len(rows), budget))
+                if len(rows) < len(windows):
+                    self._schedule(windows[len(rows):], first=False)
             if not block or len(self._pending) <= keep:
                 return
-            internals.wait_briefly(self._pending[0])
+            internals.wait_briefly(self._pending[0][0])
 
-    def _record(self, packed):
-        """Appends the `WindowRecord` of one window's fetched result and adds
-        its metric deltas to the epoch's sums."""
+    def _record(self, packed, window_id=-1, steps=None):
+        """Appends the `WindowRecord` of one window's fetched result, adds
+        its metric deltas to the epoch's sums and its duration to its
+        worker's pace."""
         header, values, pi = self.layout.unpack(packed)
         total, count = (values[i] for i in self._loss_index)
         record = WindowRecord(
@@ -167,7 +274,14 @@ class WindowTrainer:
             state=tuple(values),
             pi=pi,
             replayed=bool(header["replayed"]),
+            started_at=float(header["started_at"]),
+            window_id=int(window_id),
         )
+        if not record.replayed:
+            seconds = max(record.finished_at - record.started_at, 0.0)
+            key = (record.worker, steps)
+            old = self._window_s.get(key)
+            self._window_s[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
         self.window_log.append(record)
         self._ticketed += record.staleness >= 0
         self._epoch_windows.append(record)
@@ -225,8 +339,12 @@ class WindowTrainer:
         Raises if every window of the epoch held NaN/Inf: training cannot
         progress, and spinning on would hide it.
         """
-        self.coordinator.join()
-        self._drain(block=True)
+        self._flush()
+        while True:
+            self.coordinator.join()
+            self._drain(block=True)  # may schedule windows a closure did not run
+            if not self._pending:
+                break
         self._epoch_step = 0
         if self._epoch_windows and not any(r.pushed for r in self._epoch_windows):
             raise FloatingPointError(
@@ -238,3 +356,17 @@ class WindowTrainer:
             var.assign(value)
         return self.logs(counters=True)
 
+
+
+def validate_windows_per_closure(value):
+    """Raises unless `value` is None (automatic) or an int in
+    `[1, MAX_WINDOWS_PER_CLOSURE]` (the `windows_per_closure` argument)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            1 <= value <= MAX_WINDOWS_PER_CLOSURE):
+        raise ValueError(
+            "windows_per_closure must be None (automatic: about "
+            f"{TARGET_CLOSURE_S * 1000:.0f} ms of windows per closure) or an integer from 1 "
+            f"to {MAX_WINDOWS_PER_CLOSURE}, got {value!r}."
+        )

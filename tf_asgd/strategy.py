@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_asgd import cluster as cluster_lib
 from tf_asgd import internals, keras_hook, update_rules
 from tf_asgd.counters import PushCounters
-from tf_asgd.scheduling import WindowTrainer
+from tf_asgd.scheduling import WindowTrainer, validate_windows_per_closure
 
 # ExternalStatePolicy.WARN of DatasetToGraphV2, as TF's coordinator serializes
 # a dataset for its workers (values.serialize_dataset_to_graph).
@@ -158,10 +158,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         worker_state: what a worker does with its own optimizer state
             (momentum, Adam's moments) at each pull: `"keep"` it across
             windows, or `"reset"` it to its initial value.
+        windows_per_closure: windows a worker runs back to back per
+            `ClusterCoordinator` closure (each with its own pull, ticket and
+            push): `None` sizes closures automatically to about 100 ms of
+            work; an integer from 1 to 256 fixes it. Closures shrink near an
+            epoch's end, and a slow worker's closure hands back the windows
+            it did not start (see `scheduling`).
 
     Attributes:
         n_sync, staleness, max_staleness, per_worker_dataset_fn,
-            outer_optimizer, worker_state: as given.
+            outer_optimizer, worker_state, windows_per_closure: as given.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
@@ -182,6 +188,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         per_worker_dataset_fn=None,
         outer_optimizer=None,
         worker_state="keep",
+        windows_per_closure=None,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -195,6 +202,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         if outer_optimizer is not None:
             update_rules.validate_outer_optimizer(outer_optimizer)
         update_rules.validate_worker_state(worker_state)
+        validate_windows_per_closure(windows_per_closure)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         keras_hook.install()
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
@@ -204,6 +212,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.per_worker_dataset_fn = per_worker_dataset_fn
         self.outer_optimizer = outer_optimizer
         self.worker_state = worker_state
+        self.windows_per_closure = windows_per_closure
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")

@@ -1,8 +1,12 @@
-"""The function one window runs on a worker, in named phases.
+"""The function a closure of windows runs on a worker, in named phases.
 
-`WindowFunction.run` is traced once into the `tf.function` that
-`scheduling.WindowTrainer.train_function` schedules on some worker per
-window. Its phases, each a method:
+`WindowFunction.run` is traced into the `tf.function` that
+`scheduling.WindowTrainer` schedules on some worker per closure. A closure
+runs `K` windows back to back (a `tf.while_loop`), each with its own step
+count, window id, pull, ticket and push, and returns one packed row per
+window it ran. It stops early, leaving the rest to the chief, once its time
+budget is spent: a slow worker does not hold `K` windows hostage. Each
+window's phases, each a method:
 
 1. `_shift_data_once`: before its first window, worker `i` skips `i` batches;
 2. `_already_pushed`: a re-run of a window that already pushed is a replay;
@@ -12,18 +16,29 @@ window. Its phases, each a method:
 6. `_push_skip_or_replay`: push it (`push.push_update`), or count a NaN/Inf
    update as skipped, or do nothing for a replay;
 7. `_write_worker_state`: the worker's own optimizer and push-rule state;
-8. `_pack_result`: one tensor for the chief (`records.WindowResultLayout`).
+8. `_pack_result`: one row for the chief (`records.WindowResultLayout`).
+
+What crosses between worker and PS is what costs (each transfer is an RPC
+whose fixed cost outweighs its bytes for a small model): per closure, the
+window ids and step counts go to the PS once, and the windows' staleness
+comes back once, at the end; per window, one transfer each way (the pull,
+with the replay flag and optimizer step; the update, with its push flag),
+small tensors fused (`push.move`).
 
 Order: inside one `tf.function` TF runs an op as soon as its inputs are
 ready, whatever the source order: a ticket taken without a dependency on
 the window's computation ran right after the pull. Every ordering that
-matters is a data or control dependency made here: the version ticket
-is taken under control dependencies on the whole update having reached the
-PS (`push.push_update`); the step count and the window's id are written
-under the ticket; the per-worker variables are written outside the push's
-`tf.cond` (per-worker variables are captured at call time, which does not
-reach into cond branches), under a control dependency on its outcome; the
-result, with its timestamp, under control dependencies on all of those.
+matters is a data or control dependency made here: on the PS a window's
+replay check and pull run after the previous window's push is written
+(`ps_token`, a loop value that stays on the PS), on the worker its reads
+of the worker's own state after the previous window's writes (`token`);
+the version ticket is taken under control dependencies on the whole
+update having reached the PS (`push.push_update`); the step count and the
+window's id are written under the ticket; the per-worker variables are
+written outside any `tf.cond` (per-worker variables are captured at call
+time, which does not reach into cond branches; a while loop's body does
+pass them on), under a control dependency on the push decision; the row,
+with its timestamp, under control dependencies on those writes.
 """
 
 import typing
@@ -34,7 +49,7 @@ from keras import StatelessScope
 from keras.utils import unpack_x_y_sample_weight
 
 from tf_asgd import internals
-from tf_asgd.push import push_update, raw, read
+from tf_asgd.push import Pull, Transfer, apply_push, branch_free, raw, read, update_specs
 
 APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 
@@ -105,74 +120,135 @@ class WindowFunction:
                 tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
             )
 
-    def run(self, iterator, num_steps, window_id):
-        """One window on a worker (traced into the function the trainer schedules).
+    def run(self, iterator, plan, limits):
+        """A closure of windows on a worker (traced into the function the
+        trainer schedules).
 
-        Phases: skip this worker's first batches (once), check for a replay,
-        pull, local steps, compute the outgoing update, push it (or skip a
-        NaN/Inf one, or nothing for a replay), write the worker's state, pack
-        the result.
+        Skips this worker's first batches (once), then runs the windows in
+        order, each one: check for a replay, pull, local steps, compute the
+        outgoing update, push it (or skip a NaN/Inf one, or nothing for a
+        replay), write the worker's state, pack its row. It starts no new
+        window once `budget` seconds have passed since the closure started;
+        the windows it did not start are the chief's to reschedule.
+
+        Pipelined: each window's update goes to the PS with the next
+        window's id; the PS pushes it, then (after the push's writes) checks
+        and pulls for the next window, and sends the push's staleness back
+        with that pull. One transfer each way per window.
 
         Args:
             iterator: the per-worker dataset iterator.
-            num_steps: int32 scalar, the window's local steps (`n_sync`).
-            window_id: int64 scalar, unique per window (a re-run keeps it).
+            plan: int64 `[2, N]`: each window's id (unique; a re-run keeps
+                it) and local steps (`n_sync`, or fewer for an epoch's last
+                window); the first `K` are used.
+            limits: float64 `[2]`: `K`, the closure's windows, and its
+                budget, the seconds after which no new window starts.
 
         Returns:
-            The packed result (`records.WindowResultLayout`).
+            float64 `[windows run, row size]`: one packed result per window
+            run, in order (`records.WindowResultLayout`).
         """
+        window_ids, num_steps = plan[0], plan[1]
+        count, budget = tf.cast(limits[0], tf.int32), limits[1]
         worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
-        self._shift_data_once(iterator, worker)
-        replayed, slot = self._already_pushed(window_id)
-        num_steps = tf.where(replayed, tf.zeros_like(num_steps), num_steps)
-        pulled = self._pull()
-        weights, opt_values, metric_values = self._local_steps(iterator, num_steps, pulled)
-        outgoing = self._outgoing(pulled, weights, opt_values)
-        pushed, tau = self._push_skip_or_replay(outgoing, pulled, num_steps, window_id, slot, replayed)
-        state_ops = self._write_worker_state(pushed, pulled, outgoing)
-        with tf.control_dependencies([pushed] + state_ops):
-            return self._pack_result(worker, pushed, replayed, tau, metric_values, outgoing.pi_stats)
+        shifted = self._shift_data_once(iterator, worker)
+        with tf.control_dependencies([shifted]):
+            start = tf.timestamp()
+        self._pull_plan = pull = Pull(
+            self._trainer.variables, [self._shared[id(v)] for v in self.local_optimizer.variables
+                                      if id(v) in self._shared],
+            self._trainer.strategy.counters, self._already_pushed)
+        self._cdev = pull.cdev
+        with tf.device(pull.cdev):
+            flats = pull.read(tf.identity(plan[:, 0]))
+        flats = pull.to_worker(flats)[1]
+        rows = tf.TensorArray(tf.float64, size=0, dynamic_size=True,
+                              element_shape=[self._trainer.layout.size])
+
+        def window(k, token, rows, has_next, flats):
+            row, has_next, flats = self._window(
+                iterator, worker, k, num_steps, window_ids, (count, budget, start), token, flats)
+            return k + 1, row[0], rows.write(k, row), has_next, flats
+
+        loop = (tf.constant(0), tf.zeros([], tf.float64), rows, tf.constant(True), flats)
+        shapes = (tf.TensorShape([]), tf.TensorShape([]), tf.TensorShape(None), tf.TensorShape([]),
+                  [tf.TensorShape([None])] * len(flats))
+        _, _, rows, _, _ = tf.while_loop(lambda k, token, rows, has_next, flats: has_next, window,
+                                         loop, shape_invariants=shapes, parallel_iterations=1)
+        return rows.stack()
+
+    def _window(self, iterator, worker, k, num_steps, window_ids, limits, token, flats):
+        """Window `k`: its phases on the worker after `token` (the previous
+        window's row), from the pull `flats` (the PS made it after the
+        previous window's push). Returns its packed row, whether a next
+        window follows, and the next window's pull."""
+        with tf.control_dependencies([token]):
+            started_at = tf.timestamp()
+        pulled, replayed = self._pull(flats, token)
+        steps = tf.where(replayed, tf.zeros_like(num_steps[k]), num_steps[k])
+        weights, opt_values, metric_values = self._local_steps(iterator, steps, pulled)
+        with tf.control_dependencies([token]):
+            outgoing = self._outgoing(pulled, weights, opt_values)
+        count, budget, start = limits
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(u)) for u in outgoing.update if u.dtype.is_floating])
+        ok = tf.logical_and(finite, tf.logical_not(replayed))
+        with tf.control_dependencies([finite]):  # once the local steps are done
+            has_next = tf.logical_and(k + 1 < count, tf.timestamp() - start < budget)
+        following = tf.minimum(k + 1, num_steps.shape[0] - 1)
+        meta = tf.stack([window_ids[k], num_steps[k], pulled.version, tf.cast(ok, tf.int64),
+                         tf.cast(tf.logical_not(tf.logical_or(finite, replayed)), tf.int64),
+                         window_ids[following], num_steps[following], tf.cast(has_next, tf.int64)])
+        tau, flats = self._push_skip_or_replay(outgoing, ok, meta, has_next)
+        state_ops = self._write_worker_state(ok, pulled, outgoing)
+        with tf.control_dependencies(state_ops):
+            row = self._pack_result(worker, ok, replayed, tau, metric_values, outgoing.pi_stats,
+                                    started_at)
+        return row, has_next, flats
 
     def _shift_data_once(self, iterator, worker):
         """Before its first window, worker `i` skips `i` batches (see
         `strategy._WindowDataset`): seeded workers must not train on the same
-        batches. `data_shifted` is set by `_write_worker_state`."""
+        batches. `data_shifted` is set by `_write_worker_state`. Returns a
+        tensor that exists once the batches are skipped."""
         shifted = self.data_shifted.read_value()
-        for _ in tf.range(tf.where(shifted, tf.zeros_like(worker), worker)):
+        skip = tf.where(shifted, tf.zeros_like(worker), worker)
+        for _ in tf.range(skip):
             next(iterator)
+        return skip
 
-    def _already_pushed(self, window_id):
-        """Whether an earlier attempt of this window (on a worker that died
-        before returning) already pushed; a replay then runs nothing and
-        pushes nothing. Returns `(replayed, slot)`: a bool scalar and the
-        window's `[1]` index into the ring `applied_windows`."""
-        slot = tf.reshape(window_id % APPLIED_RING, [1])
-        replayed = tf.reduce_any(
-            tf.equal(self.applied_windows.sparse_read(slot), window_id + 1)
-        )
-        return replayed, slot
+    def _already_pushed(self, ids):
+        """Whether an earlier attempt of window `ids[0]` (on a worker that
+        died before returning) already pushed; a replay then runs nothing and
+        pushes nothing. On the counters' PS; a bool scalar."""
+        slot = tf.reshape(ids[0] % APPLIED_RING, [1])
+        return tf.reduce_any(tf.equal(self.applied_windows.sparse_read(slot), ids[0] + 1))
 
-    def _pull(self):
-        """Pull: reads the PS version counter, the central variables and the
-        local optimizer's state (the step counter and learning rate from the
-        PS, the rest from this worker's own variables). Returns a `_Pulled`."""
-        version = self._trainer.strategy.counters.version.read_value()
-        weights = [tf.identity(read(raw(v))) for v in self._trainer.variables]
+    def _pull(self, flats, token):
+        """Pull, from the flat tensors the PS sent (`push.Pull`): the version
+        counter, the replay flag, the central variables and the local
+        optimizer's state (the step counter and learning rate from the PS,
+        the rest from this worker's own variables, read after `token`).
+        Returns `(pulled, replayed)`: a `_Pulled` and a bool scalar."""
+        meta, shared, weights = self._pull_plan.unpack(flats)
         reset = self._trainer.strategy.worker_state == "reset"
-        opt_values, own = [], iter(zip(self.worker_state, self._initial_state))
-        for v in self.local_optimizer.variables:
-            shared = self._shared.get(id(v))
-            if shared is not None:
-                opt_values.append(raw(shared).read_value())
-                continue
-            var, initial = next(own)
+        own = []
+        for var, initial in zip(self.worker_state, self._initial_state):
             if not reset:
-                opt_values.append(var.read_value())
+                with tf.control_dependencies([token]):
+                    own.append(var.read_value())
             elif initial is None:
-                opt_values.append(tf.zeros(var.shape, var.dtype))
+                own.append(tf.zeros(var.shape, var.dtype))
             else:
-                opt_values.append(tf.constant(initial))
-        return _Pulled(version, weights, opt_values)
+                own.append(tf.constant(initial))
+        return _Pulled(meta[2], weights, self._merge(shared, own)), meta[1] > 0
+
+    def _merge(self, shared, own):
+        """The local optimizer's variable values in its order, from the
+        values of its shared variables and of its own (each in order)."""
+        shared, own = list(shared), list(own)
+        return [shared.pop(0) if id(v) in self._shared else own.pop(0)
+                for v in self.local_optimizer.variables]
 
     def _local_steps(self, iterator, num_steps, pulled):
         """Local steps: `num_steps` steps of the local optimizer on the worker's
@@ -237,57 +313,77 @@ class WindowFunction:
         """The entries of `opt_values` kept in `worker_state` (not shared with the PS)."""
         return [o for v, o in zip(self.local_optimizer.variables, opt_values) if id(v) not in self._shared]
 
-    def _push_skip_or_replay(self, outgoing, pulled, num_steps, window_id, slot, replayed):
-        """Push, skip or replay.
+    def _push_skip_or_replay(self, outgoing, ok, meta, has_next):
+        """One round on the PS: push, skip or replay this window, then pull
+        for the next one.
 
-        - push (a finite update, not a replay): `push.push_update` (the
-          ticket is taken only once the whole update is on the PS), then,
-          under the ticket, the step count and the window's id in
-          `applied_windows`;
-        - skip (the update holds NaN/Inf): count it in `dropped_nonfinite`;
+        The update travels with `meta` (`[window_id, num_steps, pulled
+        version, ok, bad, next id, next steps, has_next]`, int64); `ok`
+        (finite, not a replay) decides on the PS (`push.apply_push`):
+
+        - push: the ticket is taken only once the whole update is on the PS;
+          under it, the update, the step count and the window's id in
+          `applied_windows` are written;
+        - skip (`bad`: the update holds NaN/Inf): count it in
+          `dropped_nonfinite`;
         - replay: nothing.
 
-        Returns `(pushed, tau)`: a bool scalar and the staleness (-1 when not
-        pushed), both under control dependencies on the branch's writes.
+        Then, if `has_next`, each PS reads the next window's pull after its
+        writes of this push. Returns `(tau, flats)` on the worker: the push's
+        staleness (-1 when not pushed) and the next pull.
         """
-        counters = self._trainer.strategy.counters
-        finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(u)) for u in outgoing.update if u.dtype.is_floating]
-        )
+        strategy, counters = self._trainer.strategy, self._trainer.strategy.counters
+        free = branch_free(self._trainer.outer_slots)
+        pieces = update_specs(self._trainer.variables, outgoing.update)
+        pull = self._pull_plan
+        others = [d for d in pull.transfer.devices() if d != self._cdev]
+        tensors = [p for _, p in pieces]
+        if free:  # what is not pushed must add exactly 0 (NaN-safe); zeros only then
+            tensors = tf.cond(ok, lambda: tensors, lambda: [tf.zeros_like(p) for p in tensors])
+        tensors = list(tensors) + [meta] + [tf.cast(has_next, tf.uint8) for _ in others]
+        transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces]
+                            + [(self._cdev, [8], tf.int64)] + [(d, [], tf.uint8) for d in others])
+        arrived, landed = transfer.send(tensors)
+        meta = arrived[len(pieces)]
+        with tf.device(self._cdev):  # (a slice made elsewhere would travel)
+            ok_ps, bad, version = meta[3] > 0, meta[4] > 0, meta[2]
+            slot = tf.reshape(meta[0] % APPLIED_RING, [1])
 
-        def push():
-            strategy = self._trainer.strategy
-            ops, tau = push_update(
-                self._trainer.variables, outgoing.update, pulled.version, counters,
-                strategy.staleness, strategy.max_staleness, self._trainer.outer,
-                self._trainer.outer_slots, strategy.num_workers,
-            )
+        def otherwise():
+            counted = counters.dropped_nonfinite.assign_add(tf.cast(bad, tf.int64), read_value=False)
+            with tf.control_dependencies([counted]):
+                return tf.constant(-1, tf.int64)
+
+        def also(tau, push):
             # Like the variables, the step count and the window's id are
             # written only once the whole update has reached the PS.
             iterations = raw(self._trainer.model.optimizer.iterations)
-            with tf.control_dependencies([tau]):
-                ops.append(
-                    iterations.assign_add(tf.cast(num_steps, iterations.dtype), read_value=False)
-                )
-            with tf.device(self.applied_windows.device), tf.control_dependencies([tau]):
-                ops.append(tf.raw_ops.ResourceScatterUpdate(
+            steps, window_id = meta[1], meta[0] + 1
+            with tf.device(self._cdev):
+                if push is not None:  # branch-free: no change unless pushed
+                    steps = steps * tf.cast(push, tf.int64)
+                    window_id = tf.where(push, window_id, self.applied_windows.sparse_read(slot)[0])
+                applied = tf.raw_ops.ResourceScatterUpdate(
                     resource=self.applied_windows.handle, indices=slot,
-                    updates=tf.reshape(window_id + 1, [1]),
-                ))
-            with tf.control_dependencies(ops):
-                return tf.constant(True), tf.identity(tau)
+                    updates=tf.reshape(window_id, [1]))
+            with tf.device(iterations.device):
+                steps = iterations.assign_add(tf.cast(steps, iterations.dtype), read_value=False)
+            return [steps, applied]
 
-        not_pushed = tf.constant(-1, tf.int64)
-
-        def skip():
-            op = counters.dropped_nonfinite.assign_add(1, read_value=False)
-            with tf.control_dependencies([op]):
-                return tf.constant(False), tf.identity(not_pushed)
-
-        def replay():
-            return tf.constant(False), tf.identity(not_pushed)
-
-        return tf.cond(replayed, replay, lambda: tf.cond(finite, push, skip))
+        _, tau = apply_push(
+            self._trainer.variables, arrived[:len(pieces)], landed, version, counters,
+            strategy.staleness, strategy.max_staleness, self._trainer.outer,
+            self._trainer.outer_slots, strategy.num_workers, also=also, ok=ok_ps,
+            otherwise=otherwise)
+        flats = []
+        for d in pull.transfer.devices():
+            # After every write of the push (`tau` waits for them all; the
+            # step counter read here may live on another PS than it is written from).
+            with tf.device(d), tf.control_dependencies([tau.op]):
+                go = meta[7] > 0 if d == self._cdev else arrived[len(pieces) + 1 + others.index(d)] > 0
+                flats += tf.cond(go, lambda d=d: pull.read(meta[5:7], d),
+                                 lambda d=d: pull.transfer.empty(d))
+        return pull.to_worker(flats, tau)
 
     def _write_worker_state(self, pushed, pulled, outgoing):
         """Writes the worker's own state: the data-shift flag, the local
@@ -299,25 +395,27 @@ class WindowFunction:
         the push, under a control dependency on its outcome. Returns the
         write ops.
         """
-        old_state = self._own(pulled.optimizer_values)
-        state_ops = []
+        variables = self.worker_state + [var for var, _ in outgoing.rule_updates]
         with tf.control_dependencies([pushed]):
-            state_ops.append(self.data_shifted.assign(True, read_value=False))
-            for var, new, old in zip(self.worker_state, outgoing.worker_state, old_state):
-                state_ops.append(var.assign(tf.where(pushed, new, old), read_value=False))
-            for var, new in outgoing.rule_updates:
-                state_ops.append(var.assign(tf.where(pushed, new, var.read_value()), read_value=False))
+            old = self._own(pulled.optimizer_values) + [
+                var.read_value() for var, _ in outgoing.rule_updates]
+            new = list(outgoing.worker_state) + [value for _, value in outgoing.rule_updates]
+            # A cond selects without copying (a `where` would copy every tensor).
+            values = tf.cond(pushed, lambda: new, lambda: old) if new else []
+            state_ops = [self.data_shifted.assign(True, read_value=False)]
+            state_ops += [var.assign(value, read_value=False) for var, value in zip(variables, values)]
         return state_ops
 
-    def _pack_result(self, worker, pushed, replayed, tau, metric_values, pi_stats):
-        """The window's result as one tensor (`records.WindowResultLayout`);
-        call under control dependencies on the push and the state writes, so
-        that the timestamp is taken after them."""
+    def _pack_result(self, worker, pushed, replayed, tau, metric_values, pi_stats, started_at):
+        """The window's row (`records.WindowResultLayout`); call under control
+        dependencies on the state writes, so that the timestamp is taken
+        after them (and, through `tau`, after the push)."""
         header = dict(
             worker=worker,
+            started_at=started_at,
             pushed=tf.logical_or(pushed, replayed),  # the update is in the central variables, once
             replayed=replayed,
-            finished_at=tf.timestamp(),  # under the control dependency: after the push
+            finished_at=tf.timestamp(),  # under the control dependency: after the state writes
             staleness=tau,
         )
         deltas = [m - i for m, i in zip(metric_values, self._trainer.metric_init)]

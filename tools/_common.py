@@ -97,3 +97,16 @@ def write_lines(path, lines):
     """Writes `lines` to `path`, one a line, with a final newline."""
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def cluster(workers, num_ps=1, processes="shared"):
+    """A `tf_asgd.LocalCluster` on loopback: every task in one child process
+    (`processes="shared"`, as `local_cluster`) or one process per task
+    (`"separate"`: what a real cluster of machines looks like to TF's
+    runtime, each task with its own threads and gRPC server). Use it as a
+    context manager; leaving the block stops every process."""
+    import tf_asgd
+
+    if processes not in ("shared", "separate"):
+        raise ValueError(f"processes must be 'shared' or 'separate', got {processes!r}.")
+    return tf_asgd.LocalCluster(workers, num_ps, shared_process=processes == "shared")

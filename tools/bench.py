@@ -7,24 +7,28 @@ the machine's load hits all of them alike):
 1. `keras`: plain single-process Keras 3 `model.fit` (this machine's
    compute limit);
 2. `pss`: stock `tf.distribute.experimental.ParameterServerStrategy` with
-   `tf_keras` `model.fit` (default `steps_per_execution=1`; every step reads
-   all variables from the PS and writes the update back);
+   `tf_keras` `model.fit` at each `--pss-spe` (`steps_per_execution`; every
+   step reads all variables from the PS and writes the update back);
 3. `asgd`: `tf_asgd.AsyncParameterServerStrategy` with Keras 3 `model.fit`
-   at each `--n-sync`.
+   at each `--n-sync` (and each `--windows-per-closure`, `auto` by default).
 
-Every PS configuration runs on a `LocalCluster(shared_process=True)` with
-one PS. Each configuration runs in a fresh child process. For each it
-reports the median over rounds of samples/s, the ratio to (1) and to (2) at
-the same worker count (ratios of medians measured in the same run), and
-bytes pulled from / pushed to the PS per sample (tf_asgd: the strategy's
-counters; stock PS: the model's size per step, once each way, which is
-what its `fit` moves).
+Every PS configuration runs on a `LocalCluster` with one PS, for each of
+`--processes`: `shared` (every task in one child process) and/or
+`separate` (one process per task, as on a real cluster). Each configuration
+runs in a fresh child process. For each it reports the median over rounds of
+samples/s, the ratio to (1) and to (2) (stock PS with `steps_per_execution`
+1, same worker count and process mode; `x best pss` takes the faster of the
+stock runs), ratios of medians measured in the same run, and bytes pulled
+from / pushed to the PS per sample (tf_asgd: the strategy's counters; stock
+PS: the model's size per step, once each way, which is what its `fit`
+moves).
 
 Writes `raw.csv` (every measurement), `summary.csv` and `summary.md` to
 `--out`.
 
     python tools/bench.py                       # the full default run
     python tools/bench.py --workers 1 --n-sync 1,10 --rounds 1 --seconds 0.5
+    python tools/bench.py --workers 2 --processes separate --pss-spe 1,10   # issue #10's table
 """
 
 import argparse
@@ -101,7 +105,7 @@ def child_keras(args):
     for _ in range(args.inner):
         steps = _plan_steps(50 / dt, args.seconds, 10)
         dt_run = _timed_fit(model, ds, steps)
-        _emit(mode="keras", workers=0, n_sync=0, steps=steps, seconds=dt_run,
+        _emit(mode="keras", processes="one", workers=0, n_sync=0, steps=steps, seconds=dt_run,
               samples_per_s=steps * args.batch_size / dt_run, bytes_pulled_per_sample=0.0,
               bytes_pushed_per_sample=0.0)
 
@@ -111,12 +115,13 @@ def child_pss(args):
     import tensorflow as tf
     import tf_keras
 
-    with _common.local_cluster(args.workers) as cluster:
+    with _common.cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
-            _common.compile_classifier(model, tf_keras.optimizers.SGD(0.05, momentum=0.9),
-                                       keras_module=tf_keras)
+            model.compile(tf_keras.optimizers.SGD(0.05, momentum=0.9),
+                          tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=args.spe)
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         batch_size = args.batch_size
 
@@ -124,13 +129,15 @@ def child_pss(args):
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
 
         data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+        spe = args.spe
         dt = _timed_fit(model, data, 20)
         dt = _timed_fit(model, data, 40)
         param_bytes = 4.0 * nparams
         for _ in range(args.inner):
-            steps = _plan_steps(40 / dt, args.seconds, 10)
+            steps = _plan_steps(40 / dt, args.seconds, 10 if spe == 1 else spe)
             dt_run = _timed_fit(model, data, steps)
-            _emit(mode="pss", workers=args.workers, n_sync=1, steps=steps, seconds=dt_run,
+            _emit(mode="pss", processes=args.processes, workers=args.workers, n_sync=spe,
+                  steps=steps, seconds=dt_run,
                   samples_per_s=steps * args.batch_size / dt_run,
                   bytes_pulled_per_sample=param_bytes / args.batch_size,
                   bytes_pushed_per_sample=param_bytes / args.batch_size)
@@ -143,7 +150,9 @@ def child_asgd(args):
     import tf_asgd
 
     n_syncs = [int(n) for n in args.n_sync.split(",")]
-    with _common.local_cluster(args.workers) as cluster:
+    # (n_sync, windows per closure) pairs; "auto" leaves the strategy's default.
+    configs = [(n, k) for n in n_syncs for k in args.windows_per_closure.split(",")]
+    with _common.cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness)
         with strategy.scope():
@@ -152,20 +161,32 @@ def child_asgd(args):
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
         rate = {}
-        for n in n_syncs:  # warm-up (traces once) and a first rate estimate
+
+        def use(n, k):
             strategy.n_sync = n
+            if k != "auto":
+                strategy.windows_per_closure = int(k)
+            elif hasattr(strategy, "windows_per_closure"):
+                strategy.windows_per_closure = None
+
+        for n, k in configs:  # warm-up (traces once) and a first rate estimate
+            use(n, k)
             unit = n * args.workers
             _timed_fit(model, ds, unit)
-            rate[n] = unit / _timed_fit(model, ds, unit)
+            rate[n, k] = unit / _timed_fit(model, ds, unit)
+            # A second estimate over more windows (automatic K adapts here).
+            unit = _plan_steps(rate[n, k], min(1.0, args.seconds), n * args.workers)
+            rate[n, k] = unit / _timed_fit(model, ds, unit)
         for _ in range(args.inner):
-            for n in n_syncs:  # alternate the window sizes
-                strategy.n_sync = n
-                steps = _plan_steps(rate[n], args.seconds, n * args.workers)
+            for n, k in configs:  # alternate the window sizes
+                use(n, k)
+                steps = _plan_steps(rate[n, k], args.seconds, n * args.workers)
                 before = strategy.model_stats(model)
                 dt_run = _timed_fit(model, ds, steps)
                 after = strategy.model_stats(model)
                 samples = steps * args.batch_size
-                _emit(mode="asgd", workers=args.workers, n_sync=n, steps=steps, seconds=dt_run,
+                _emit(mode="asgd", processes=args.processes, windows_per_closure=k,
+                      workers=args.workers, n_sync=n, steps=steps, seconds=dt_run,
                       samples_per_s=samples / dt_run,
                       bytes_pulled_per_sample=(after.bytes_pulled - before.bytes_pulled) / samples,
                       bytes_pushed_per_sample=(after.bytes_pushed - before.bytes_pushed) / samples,
@@ -175,10 +196,12 @@ def child_asgd(args):
 # ---- parent side -----------------------------------------------------------
 
 
-def _run_child(args, mode, workers):
+def _run_child(args, mode, workers, processes="shared", spe=1):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--workers", str(workers),
            "--model", args.model, "--batch-size", str(args.batch_size), "--seconds", str(args.seconds),
-           "--n-sync", args.n_sync, "--inner", str(args.inner), "--staleness", args.staleness]
+           "--n-sync", args.n_sync, "--inner", str(args.inner), "--staleness", args.staleness,
+           "--processes", processes, "--spe", str(spe),
+           "--windows-per-closure", args.windows_per_closure]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
     rows = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
@@ -189,26 +212,39 @@ def _run_child(args, mode, workers):
 
 def summarize(raw, batch_size):
     """Medians per configuration and the ratios between them."""
+    def key_of(r):
+        return (r["mode"], r.get("processes", "shared"), r["workers"], r["n_sync"],
+                str(r.get("windows_per_closure", "")))
+
     groups = {}
     for r in raw:
-        groups.setdefault((r["mode"], r["workers"], r["n_sync"]), []).append(r)
+        groups.setdefault(key_of(r), []).append(r)
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in groups.items()}
-    keras_sps = next((v for (m, _, _), v in med.items() if m == "keras"), None)
-    pss = {w: v for (m, w, _), v in med.items() if m == "pss"}
+    keras_sps = next((v for k, v in med.items() if k[0] == "keras"), None)
+    # Stock PS at steps_per_execution 1 (the reference), and the faster of its runs.
+    pss = {(p, w): v for (m, p, w, n, _), v in med.items() if m == "pss" and n == 1}
+    best_pss = {}
+    for (m, p, w, _, _), v in med.items():
+        if m == "pss":
+            best_pss[p, w] = max(v, best_pss.get((p, w), 0.0))
     rows = []
     order = {"keras": 0, "pss": 1, "asgd": 2}
-    for key in sorted(groups, key=lambda k: (order[k[0]], k[1], k[2])):
-        mode, workers, n_sync = key
+    for key in sorted(groups, key=lambda k: (order[k[0]], k[1], k[2], k[3], k[4])):
+        mode, processes, workers, n_sync, wpc = key
         v = groups[key]
         sps = med[key]
-        ref_pss = pss.get(workers) or (statistics.median(pss.values()) if pss else None)
+        same = [x for (p, _), x in pss.items() if p == processes]
+        ref_pss = pss.get((processes, workers)) or (statistics.median(same) if same else None)
+        ref_best = best_pss.get((processes, workers))
         rows.append(dict(
-            mode=mode, workers=workers, n_sync=n_sync, runs=len(v),
+            mode=mode, workers=workers, n_sync=n_sync, processes=processes,
+            windows_per_closure=wpc, runs=len(v),
             samples_per_s=sps, steps_per_s=sps / batch_size,
             min_samples_per_s=min(r["samples_per_s"] for r in v),
             max_samples_per_s=max(r["samples_per_s"] for r in v),
             ratio_to_keras=sps / keras_sps if keras_sps else "",
             ratio_to_pss=sps / ref_pss if ref_pss else "",
+            ratio_to_best_pss=sps / ref_best if ref_best else "",
             bytes_pulled_per_sample=statistics.median(r["bytes_pulled_per_sample"] for r in v),
             bytes_pushed_per_sample=statistics.median(r["bytes_pushed_per_sample"] for r in v),
             mean_staleness=statistics.median(r.get("mean_staleness", 0.0) for r in v),
@@ -220,20 +256,24 @@ def markdown(rows, args):
     def f(v, d=2):
         return f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
-    header = ["mode", "workers", "n_sync", "samples/s", "steps/s", "x keras", "x pss",
-              "pulled B/sample", "pushed B/sample", "mean staleness"]
+    header = ["mode", "workers", "n_sync", "processes", "windows/closure", "samples/s", "steps/s",
+              "x keras", "x pss", "x best pss", "pulled B/sample", "pushed B/sample", "mean staleness"]
     cells = [
-        [r["mode"], r["workers"] or "-", r["n_sync"] or "-", f"{r['samples_per_s']:.0f}",
+        [r["mode"], r["workers"] or "-", r["n_sync"] or "-", r["processes"],
+         r["windows_per_closure"] or "-", f"{r['samples_per_s']:.0f}",
          f"{r['steps_per_s']:.1f}", f(r["ratio_to_keras"]), f(r["ratio_to_pss"]),
+         f(r["ratio_to_best_pss"]),
          f"{r['bytes_pulled_per_sample']:.0f}", f"{r['bytes_pushed_per_sample']:.0f}",
          f(r["mean_staleness"])]
         for r in rows
     ]
     out = [
-        f"Model `{args.model}`, synthetic batches of {args.batch_size}, one PS, "
-        f"`LocalCluster(shared_process=True)`; medians of {args.rounds} round(s) x {args.inner} "
-        f"run(s) of about {args.seconds} s each; {os.cpu_count()} CPU cores. Ratios to `pss` use "
-        "the stock run with the same worker count.",
+        f"Model `{args.model}`, synthetic batches of {args.batch_size}, one PS, `LocalCluster` "
+        "with every task in one process (`shared`) or one process per task (`separate`); "
+        f"medians of {args.rounds} round(s) x {args.inner} run(s) of about {args.seconds} s each; "
+        f"{os.cpu_count()} CPU cores. For `pss` rows n_sync is `steps_per_execution`. `x pss` "
+        "is over stock PS with steps_per_execution 1, same worker count and process mode; "
+        "`x best pss` over the faster stock run.",
         "",
         *_common.markdown_table(header, cells),
     ]
@@ -250,6 +290,12 @@ def main(argv=None):
     p.add_argument("--n-sync", default="1,10,100")
     p.add_argument("--staleness", default="dynsgd")
     p.add_argument("--modes", default="keras,pss,asgd")
+    p.add_argument("--processes", default="shared,separate",
+                   help="cluster process modes: shared (all tasks in one process), separate")
+    p.add_argument("--pss-spe", default="1,10", help="steps_per_execution of the stock PS runs")
+    p.add_argument("--windows-per-closure", default="auto",
+                   help="tf_asgd windows per closure: auto (the strategy's default) and/or integers")
+    p.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--inner", type=int, default=1, help="measurements per configuration per round")
     p.add_argument("--seconds", type=float, default=3.0, help="target length of one measurement")
@@ -258,6 +304,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         args.workers = int(args.workers)
+        args.processes = args.processes.split(",")[0]
         {"keras": child_keras, "pss": child_pss, "asgd": child_asgd}[args.child](args)
         return 0
 
@@ -266,20 +313,24 @@ def main(argv=None):
     workers = [int(w) for w in args.workers.split(",")]
     pss_workers = [int(w) for w in (args.pss_workers or args.workers).split(",")]
     modes = args.modes.split(",")
-    plan = ([("keras", 0)] if "keras" in modes else []) + [("pss", w) for w in pss_workers if "pss" in modes] + [
-        ("asgd", w) for w in workers if "asgd" in modes]
+    spes = _common.int_list(args.pss_spe)
+    plan = [("keras", 0, "one", 1)] if "keras" in modes else []
+    for processes in _common.str_list(args.processes):
+        plan += [("pss", w, processes, spe) for w in pss_workers for spe in spes if "pss" in modes]
+        plan += [("asgd", w, processes, 1) for w in workers if "asgd" in modes]
     raw, failures = [], []
     t0 = time.time()
     for rnd in range(args.rounds):
         # Alternate: each round visits every configuration; odd rounds backwards.
-        for mode, w in plan if rnd % 2 == 0 else plan[::-1]:
+        for mode, w, processes, spe in plan if rnd % 2 == 0 else plan[::-1]:
             try:
-                rows = _run_child(args, mode, w)
+                rows = _run_child(args, mode, w, processes, spe)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 # One failed child (e.g. a server that did not come up) must not
                 # lose the other measurements: report it and go on.
-                print(f"FAILED {mode} x{w} in round {rnd}: {str(e)[-500:]}", file=sys.stderr, flush=True)
-                failures.append(dict(mode=mode, workers=w, round=rnd))
+                print(f"FAILED {mode} x{w} {processes} in round {rnd}: {str(e)[-500:]}",
+                      file=sys.stderr, flush=True)
+                failures.append(dict(mode=mode, workers=w, processes=processes, round=rnd))
                 continue
             for r in rows:
                 r["round"] = rnd
@@ -292,7 +343,8 @@ def main(argv=None):
     text = markdown(rows, args)
     if failures:
         text += "\nFailed runs (not in the medians): " + ", ".join(
-            f"{f['mode']} x{f['workers']} round {f['round']}" for f in failures) + "\n"
+            f"{f['mode']} x{f['workers']} {f['processes']} round {f['round']}"
+            for f in failures) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
     print(text)

@@ -66,21 +66,30 @@ def measure(workers, n_syncs, args):
     with _common.local_cluster(workers, args.ps) as cluster:
         host_pid = list(cluster.pids().values())[0]
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness)
+            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness,
+            windows_per_closure=args.windows_per_closure)
         with strategy.scope():
             model = getattr(tf_asgd.models, args.model)()
             _common.compile_classifier(model, keras.optimizers.SGD(0.01))
         nparams = model.count_params()
+        trainer = None
         for step_ms, ns in ([(args.step_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else [])):
             ds = emulated_dataset(model.input_shape[1:], args.batch_size, step_ms)
             for n in ns:
                 strategy.n_sync = n
-                # Warm-up: one window per worker (traces the window once).
+                # Warm-up: one window per worker (traces the window once), then
+                # a short fit that measures the pace (and sizes closures).
                 model.fit(ds, steps_per_epoch=n * workers, epochs=1, verbose=0)
+                trainer = strategy._trainer_of(model)
                 window_s = max(n * step_ms / 1000.0, 1e-3)
+                probe = max(2 * workers, min(workers * int(round(0.5 / window_s)), 200)) * n
+                t0 = time.perf_counter()
+                model.fit(ds, steps_per_epoch=probe, epochs=1, verbose=0)
+                window_s = max(window_s, (time.perf_counter() - t0) / (probe / n) * workers)
                 windows_per_worker = max(args.min_windows, min(
                     int(round(args.seconds / window_s)), -(-args.max_pushes // workers)))
                 steps = windows_per_worker * workers * n
+                closures = len(trainer.closure_sizes)
                 before = strategy.model_stats(model)
                 c0, h0 = time.process_time(), _cpu_seconds(host_pid)
                 t0 = time.perf_counter()
@@ -89,6 +98,7 @@ def measure(workers, n_syncs, args):
                 chief_cpu, host_cpu = time.process_time() - c0, _cpu_seconds(host_pid) - h0
                 after = strategy.model_stats(model)
                 pushes = after.windows - before.windows
+                sizes = trainer.closure_sizes[closures:]
                 # What the chief pays per scheduled window to read the counters
                 # (the fit hook's logs read them from the PS on every window).
                 t1 = time.perf_counter()
@@ -105,6 +115,7 @@ def measure(workers, n_syncs, args):
                     mb_per_push=(after.bytes_pulled + after.bytes_pushed
                                  - before.bytes_pulled - before.bytes_pushed) / pushes / 1e6,
                     mean_staleness=after.mean_staleness, stats_read_ms=stats_ms,
+                    windows_per_closure=sum(sizes) / len(sizes) if sizes else 1.0,
                     kind="ceiling" if step_ms == 0 else "emulated",
                 )
                 print(row, flush=True)
@@ -124,7 +135,9 @@ def main(argv=None):
     p.add_argument("--staleness", default="dynsgd")
     p.add_argument("--seconds", type=float, default=4.0, help="target length of one measurement")
     p.add_argument("--min-windows", type=int, default=2, help="windows per worker at least")
-    p.add_argument("--max-pushes", type=int, default=300, help="pushes per measurement at most (unless min-windows needs more)")
+    p.add_argument("--max-pushes", type=int, default=3000, help="pushes per measurement at most (unless min-windows needs more)")
+    p.add_argument("--windows-per-closure", type=int, default=None,
+                   help="the strategy's windows_per_closure (default: automatic)")
     p.add_argument("--ceiling", action="store_true", help="also measure the push-rate ceiling")
     p.add_argument("--tag", default="", help="suffix for the output files")
     args = p.parse_args(argv)
@@ -151,10 +164,12 @@ def main(argv=None):
         return f"{r[key]:.2f}" if key in r else "-"
 
     header = ["kind", "workers", "n_sync", "samples/s", "speed-up", "efficiency", "of ideal", "pushes/s",
-              "MB/push", "chief CPU ms/push", "host CPU ms/push", "mean staleness", "stats read ms"]
+              "windows/closure", "MB/push", "chief CPU ms/push", "host CPU ms/push", "mean staleness",
+              "stats read ms"]
     cells = [
         [r["kind"], r["workers"], r["n_sync"], f"{r['samples_per_s']:.1f}", opt(r, "speedup"),
-         opt(r, "efficiency"), opt(r, "of_ideal"), f"{r['pushes_per_s']:.1f}", f"{r['mb_per_push']:.1f}",
+         opt(r, "efficiency"), opt(r, "of_ideal"), f"{r['pushes_per_s']:.1f}",
+         f"{r['windows_per_closure']:.1f}", f"{r['mb_per_push']:.1f}",
          f"{r['chief_cpu_ms_per_push']:.1f}", f"{r['host_cpu_ms_per_push']:.1f}",
          f"{r['mean_staleness']:.2f}", f"{r['stats_read_ms']:.1f}"]
         for r in sorted(rows, key=lambda r: (r["kind"], r["n_sync"], r["workers"]))

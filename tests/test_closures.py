@@ -1,0 +1,236 @@
+"""Closures of K windows (issue #10): each window of a closure keeps its own
+pull, ticket, staleness, exactly-once id, GEM state and record; epochs stay
+exact; a bad `windows_per_closure` is rejected; a worker killed in the middle
+of a closure leaves every window applied exactly once; a slow worker's closure
+hands back the windows it did not start."""
+
+import signal
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+from tf_asgd import scheduling, update_rules
+from tf_asgd.cluster import make_resolver
+from tf_asgd.window import APPLIED_RING
+
+from conftest import compile_digits
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "4", scheduling.MAX_WINDOWS_PER_CLOSURE + 1])
+def test_bad_windows_per_closure_is_rejected(value):
+    # Validated before connecting: these addresses are never dialled.
+    resolver = make_resolver({"worker": ["localhost:1"], "ps": ["localhost:2"]})
+    with pytest.raises(ValueError, match="windows_per_closure must be None .* or an integer from 1 to"):
+        tf_asgd.AsyncParameterServerStrategy(resolver, windows_per_closure=value)
+
+
+def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluster, digits):
+    (x, y), _ = digits
+    n_sync, k, steps, epochs = 2, 4, 47, 2  # 24 windows an epoch, the last of 1 step
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=n_sync, windows_per_closure=k, staleness="dynsgd")
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    history = model.fit(x, y, batch_size=32, epochs=epochs, steps_per_epoch=steps, verbose=0)
+    trainer = strategy._trainer_of(model)
+    log = strategy.window_log(model)
+    stats = strategy.model_stats(model)
+    windows = epochs * -(-steps // n_sync)
+
+    # Several windows per closure, never more than K; closures shrink at an
+    # epoch's end but every window was scheduled exactly once.
+    assert max(trainer.closure_sizes) == k and sum(trainer.closure_sizes) == windows
+    assert any(run > 1 for _, _, run, _ in trainer.closure_log)
+    # Each window: its own id, its own ticket.
+    assert len(log) == windows and len({r.window_id for r in log}) == windows
+    assert stats.windows == windows == sum(r.pushed for r in log) == history.history["windows"][-1]
+    # Exact epochs: every step counted once (the last window of each epoch is 1 step).
+    assert int(model.optimizer.iterations.numpy()) == epochs * steps
+    # Staleness recorded per window: the chief's records are the PS's histogram.
+    taus = np.array([r.staleness for r in log])
+    assert (taus >= 0).all() and taus.max() >= 1  # 2 workers: some pushes were stale
+    hist = np.bincount(taus, minlength=len(stats.staleness_histogram))
+    np.testing.assert_array_equal(hist, stats.staleness_histogram)
+    assert stats.mean_staleness == pytest.approx(taus.mean())
+    # Each window's timing is its own, in order within its closure.
+    for r in log:
+        assert r.started_at <= r.finished_at
+
+
+def test_windows_per_closure_is_automatic_by_default(cluster, digits):
+    (x, y), _ = digits
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=200, verbose=0)
+    trainer = strategy._trainer_of(model)
+    pace = trainer._pace()
+    # About TARGET_CLOSURE_S of windows per closure, from the measured pace.
+    assert trainer.windows_per_closure() == min(
+        scheduling.MAX_WINDOWS_PER_CLOSURE, max(1, round(scheduling.TARGET_CLOSURE_S / pace)))
+    assert trainer.windows_per_closure() > 1 and max(trainer.closure_sizes) > 1
+    assert int(model.optimizer.iterations.numpy()) == 400
+    assert strategy.stats().windows == 400
+
+
+@pytest.mark.parametrize("outer", [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
+                         ids=["add", "outer_nesterov"])
+def test_gem_is_exact_with_several_windows_per_closure(cluster1, outer):
+    """One worker runs a closure of 4 GEM windows an epoch: each window pulls
+    what the previous one pushed and carries GEM's state to the next, as the
+    NumPy reference does window by window (with outer state, the push is a
+    `tf.cond` on the PS; without, branch-free)."""
+    from test_gem import LR, MU, KAPPA, N_SYNC, RecordWeights, ReferenceGEM, _tiny_model, _tiny_problem
+
+    x, t = _tiny_problem()
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster1.resolver, n_sync=N_SYNC, staleness="dynsgd", outer_optimizer=outer,
+        windows_per_closure=4)
+    with strategy.scope():
+        model = _tiny_model()
+        model.compile(tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse")
+    ref = ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
+    recorder = RecordWeights()
+    epochs = 3
+    model.fit(x, t, batch_size=8, epochs=epochs, steps_per_epoch=4 * N_SYNC, shuffle=False,
+              verbose=0, callbacks=[recorder])
+    trainer = strategy._trainer_of(model)
+    assert trainer.closure_sizes == [4] * epochs
+    assert [run for _, _, run, _ in trainer.closure_log] == [4] * epochs
+    log = strategy.window_log(model)
+    assert len(log) == 4 * epochs and all(r.pushed and r.staleness == 0 for r in log)
+    for weights in recorder.weights:
+        for _ in range(4):
+            ref.window(0, x, t)
+        for got, want in zip(weights, ref.central):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_nonfinite_windows_inside_a_closure_are_counted_not_pushed(cluster, digits):
+    (x, y), _ = digits
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2, windows_per_closure=5)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    before = [v.numpy() for v in model.trainable_variables]
+    bad = np.full_like(x[:64], np.nan)
+    with pytest.raises(FloatingPointError, match="NaN or Inf; none was pushed"):
+        model.fit(bad, y[:64], batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy())
+    stats = strategy.model_stats(model)
+    assert stats.dropped_nonfinite == 10 and stats.windows == 0
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster, digits):
+    """Worker 1 is 10x slower. Its closures stop starting windows once they
+    have run `BUDGET_FACTOR` times as long as K windows take on a typical
+    worker; the chief schedules the rest again. Every window still runs
+    exactly once."""
+    (x, y), _ = digits
+    k, steps = 8, 160
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=1, windows_per_closure=k,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(10, {1: 10.0}))
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    # A first fit measures the workers' paces (until then closures have no budget).
+    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4 * k, verbose=0)
+    trainer = strategy._trainer_of(model)
+    seen, windows_before = len(trainer.closure_log), len(strategy.window_log(model))
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
+    seconds = time.perf_counter() - t0
+    closures = trainer.closure_log[seen:]
+    log = strategy.window_log(model)[windows_before:]
+    slow = [(asked, run) for w, asked, run, _ in closures if w == 1]
+    fast = [(asked, run) for w, asked, run, _ in closures if w == 0]
+    print(f"fit {seconds:.2f} s; slow worker closures (asked, run): {slow}; fast: {fast}")
+    assert slow and fast
+    # No closure started a window after its budget (BUDGET_FACTOR x K windows
+    # at the typical, fast, pace) had passed: the straggler ran a few of its
+    # 100 ms windows per closure and handed back the rest.
+    at = 0
+    for worker, asked, run, budget in closures:
+        records = log[at:at + run]
+        at += run
+        assert all(r.worker == worker for r in records)
+        assert records[-1].started_at - records[0].started_at < budget
+    assert any(run < asked for asked, run in slow), slow
+    assert sum(run for _, run in fast) > 4 * sum(run for _, run in slow)
+    assert len(log) == steps == len({r.window_id for r in log})
+    assert strategy.stats().windows == steps + 4 * k
+    assert int(model.optimizer.iterations.numpy()) == steps + 4 * k
+
+
+@pytest.mark.cluster
+def test_worker_killed_mid_closure_every_window_applied_exactly_once(digits):
+    """A closure of 8 windows (60 ms of emulated device time a step) runs on
+    the only worker; once some of its windows have pushed (their ids are in
+    the PS's ring of applied windows) and before it returns, the worker is
+    SIGKILLed, then restarted. TF's coordinator runs the closure again: the
+    windows that had pushed are replays (no steps, no push), the others run.
+    Every window is applied once: tickets, steps and records agree."""
+    (x, y), _ = digits
+    k, n_sync, steps = 8, 1, 48
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=n_sync, windows_per_closure=k,
+            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60))
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet())
+        events = {}
+
+        def partly_applied():
+            trainer = strategy._trainer_of(model)
+            if trainer is None:
+                return None
+            applied = trainer.window.applied_windows.numpy()
+            for _, windows, _ in list(trainer._pending):
+                ids = [i for _, i in windows]
+                done = [applied[i % APPLIED_RING] == i + 1 for i in ids]
+                if any(done) and not all(done):
+                    return ids, sum(done)
+            return None
+
+        def inject():
+            try:
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    found = partly_applied()
+                    if found:
+                        cluster.kill_task("worker:0", signal.SIGKILL)
+                        events["killed"] = found
+                        break
+                    time.sleep(0.01)
+                time.sleep(1.0)
+                cluster.restart_task("worker:0")
+                events["restarted"] = True
+            except BaseException as e:  # reported by the main thread
+                events["error"] = e
+
+        helper = threading.Thread(target=inject, daemon=True)
+        helper.start()
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
+        helper.join(120)
+        assert "error" not in events, events.get("error")
+        assert "killed" in events and events.get("restarted"), events
+        ids, pushed_before_kill = events["killed"]
+        trainer = strategy._trainer_of(model)
+        log = strategy.window_log(model)
+        stats = strategy.model_stats(model)
+        replays = [r for r in log if r.replayed]
+        print(f"killed with {pushed_before_kill} of {len(ids)} windows of a closure pushed; "
+              f"{len(replays)} replays; closures {trainer.closure_log}")
+        # The windows that had pushed before the kill were replayed, not re-applied.
+        assert len(replays) >= pushed_before_kill >= 1
+        assert {r.window_id for r in replays} <= set(ids)
+        # Every window once: one record each, one ticket and n_sync steps per window.
+        assert len(log) == steps and len({r.window_id for r in log}) == steps
+        assert stats.windows == steps == sum(r.pushed for r in log)
+        assert int(model.optimizer.iterations.numpy()) == steps * n_sync
