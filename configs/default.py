@@ -38,6 +38,12 @@ def get_config():
     c.n_sync = 10
     c.staleness = "dynsgd"
     c.max_staleness = config_dict.placeholder(int)  # None: keep every push
+    c.worker_state = "keep"
+    c.windows_per_closure = 0  # automatic
+    c.outer = config_dict.ConfigDict()  # the PS's outer optimizer
+    c.outer.name = "default"
+    c.outer.learning_rate = 0.0
+    c.outer.momentum = 0.9
     # Optimizer; with gem.enabled it is wrapped in tf_asgd.optimizers.GEM.
     c.optimizer = config_dict.ConfigDict()
     c.optimizer.name = "sgd"

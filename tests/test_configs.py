@@ -35,7 +35,7 @@ def test_the_issue_configs_exist():
 def test_config_has_every_field_of_default(name):
     default, config = load("default"), load(name)
     assert set(config.keys()) == set(default.keys())
-    for sub in ("optimizer", "gem"):
+    for sub in ("optimizer", "gem", "outer"):
         assert set(config[sub].keys()) == set(default[sub].keys())
     assert config.model in train_lib.MODELS
     assert config.dataset in input_pipeline.DATASETS
@@ -91,6 +91,21 @@ def test_make_optimizer_wraps_gem_when_enabled():
     opt = train_lib.make_optimizer(c)
     assert isinstance(opt, keras.optimizers.SGD)
     assert float(opt.learning_rate) == pytest.approx(0.2) and opt.momentum == 0.9
+
+
+def test_outer_optimizer_fields_build_the_strategys_outer_optimizer():
+    from tf_asgd import update_rules
+
+    assert train_lib.make_outer_optimizer(load("default")) is None  # the strategy's default
+    c = load("default", "--config.outer.name=nesterov")
+    assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True)
+    c = load("default", "--config.outer.name=sgd", "--config.outer.momentum=0.0")
+    assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD()
+    c = load("default", "--config.outer.name=delayed_nesterov", "--config.outer.learning_rate=0.5")
+    assert train_lib.make_outer_optimizer(c) == update_rules.DelayedNesterov(0.5, momentum=0.9)
+    c = load("default", "--config.outer.name=adamw")
+    with pytest.raises(ValueError, match="Unknown outer optimizer 'adamw'; expected one of default, sgd"):
+        train_lib.make_outer_optimizer(c)
 
 
 @pytest.mark.parametrize("name", NAMES)

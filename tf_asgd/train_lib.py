@@ -29,7 +29,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_asgd import internals, models, optimizers
+from tf_asgd import internals, models, optimizers, update_rules
 from tf_asgd.input_pipeline import DATASETS
 
 MODELS = (
@@ -64,6 +64,13 @@ CONFIG_FIELDS = {
     "optimizer.name": "sgd | adam",
     "optimizer.learning_rate": "learning rate of every worker's optimizer",
     "optimizer.momentum": "SGD momentum (sgd only)",
+    "outer.name": "the PS's outer optimizer: default (each push scaled by max(1, sqrt(N/2))/N; "
+                  "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
+    "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
+                           "delayed_nesterov 0.7)",
+    "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",
+    "worker_state": "keep | reset: a worker's own optimizer state (momentum, Adam moments) at each pull",
+    "windows_per_closure": "windows a worker runs per coordinator closure (0 = automatic, about 100 ms)",
     "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
     "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
     "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",
@@ -121,6 +128,27 @@ def make_optimizer(config):
     if config.gem.enabled:
         opt = optimizers.GEM(opt, kappa=config.gem.kappa)
     return opt
+
+
+OUTER_OPTIMIZERS = ("default", "sgd", "nesterov", "delayed_nesterov")
+
+
+def make_outer_optimizer(config):
+    """`config.outer` as an outer optimizer for the strategy (None: its default).
+
+    Raises:
+        ValueError: for an unknown `outer.name`.
+    """
+    o = config.outer
+    if o.name == "default":
+        return None
+    if o.name == "sgd":
+        return update_rules.OuterSGD(o.learning_rate or 1.0, momentum=o.momentum)
+    if o.name == "nesterov":
+        return update_rules.OuterSGD(o.learning_rate or 0.7, momentum=o.momentum, nesterov=True)
+    if o.name == "delayed_nesterov":
+        return update_rules.DelayedNesterov(o.learning_rate or 0.7, momentum=o.momentum)
+    raise ValueError(f"Unknown outer optimizer {o.name!r}; expected one of {', '.join(OUTER_OPTIMIZERS)}.")
 
 
 def compile_model(model, config):

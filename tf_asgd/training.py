@@ -56,6 +56,7 @@ from tf_asgd.train_lib import (
     make_checkpoint,
     make_checkpoint_callback,
     make_model,
+    make_outer_optimizer,
     make_progress_callback,
     task_lost_error,
     tensorboard_available,
@@ -133,6 +134,9 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         n_sync=config.n_sync,
         staleness=config.staleness,
         max_staleness=config.max_staleness,
+        outer_optimizer=make_outer_optimizer(config),
+        worker_state=config.worker_state,
+        windows_per_closure=config.windows_per_closure or None,
     )
     with strategy.scope():
         model = make_model(config)
