@@ -22,7 +22,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tf_asgd import cluster, data, internals, network, train_lib, training
+from tf_asgd import cluster, data, internals, lost_tasks, network, train_lib, training
 
 config_flags.DEFINE_config_file(
     "config", None,
@@ -119,7 +119,7 @@ def main(argv):
     try:
         training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir),
                      resume=FLAGS.resume, stop=stop)
-    except train_lib.ClusterTaskLostError as e:
+    except lost_tasks.ClusterTaskLostError as e:
         logging.error("%s", e)
         sys.exit(f"tf_asgd.launch: {e}")
     except KeyboardInterrupt:

@@ -3,15 +3,14 @@
 - `CONFIG_FIELDS`: every config field and its meaning, the one place they
   are written (`python -m tf_asgd.launch --help` prints them; configs/*.py
   set their values);
-- builders: `make_model`, `make_optimizer`, `compile_model`;
+- builders: `make_model`, `make_optimizer`, `make_outer_optimizer`, `compile_model`;
 - callbacks: `make_progress_callback` (throughput log lines),
   `make_checkpoint_callback` (a checkpoint per epoch), `save_checkpoint`,
   `make_checkpoint`;
 - stopping: `StopSignals` (Ctrl-C / SIGTERM as a KeyboardInterrupt that is
   never lost, with a bound on how long stopping takes), `InterruptCallback`,
-  `checkpoint_on_interrupt` (a checkpoint on Ctrl-C / SIGTERM),
-  `ClusterTaskLostError`, `unreachable_tasks` and `task_lost_error` (which
-  task is gone, and which checkpoint to `--resume` from);
+  `checkpoint_on_interrupt` (a checkpoint on Ctrl-C / SIGTERM); a lost task
+  is named by `lost_tasks`;
 - `configure_tf_python_logging`: TF's Python log records once, at WARNING.
 """
 
@@ -20,7 +19,6 @@ import importlib.util
 import logging as py_logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -88,12 +86,6 @@ def config_help():
     lines = [f"{field}: {meaning};" for field, meaning in CONFIG_FIELDS.items()]
     lines[-1] = lines[-1][:-1] + "."
     return "Config fields (override with --config.<field>=<value>):\n" + "\n".join(lines) + "\n"
-
-
-class ClusterTaskLostError(RuntimeError):
-    """Training stopped because a cluster task (a parameter server, or every
-    worker) could not be reached. The message names the unreachable tasks and
-    the checkpoint to `--resume` from."""
 
 
 # ---------------------------------------------------------------------------
@@ -411,40 +403,3 @@ def checkpoint_on_interrupt(manager, step_fn):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def unreachable_tasks(cluster, timeout=2.0):
-    """`["ps:0 (localhost:1234)", ...]`: tasks of `cluster` (a dict) whose port
-    refuses a TCP connection (the chief's own entry is skipped)."""
-    down = []
-    for job, addresses in sorted(cluster.items()):
-        if job in ("chief", "evaluator"):
-            continue
-        for i, address in enumerate(addresses):
-            host, port = address.rsplit(":", 1)
-            try:
-                socket.create_connection((host, int(port)), timeout=timeout).close()
-            except OSError:
-                down.append(f"{job}:{i} ({address})")
-    return down
-
-
-def task_lost_error(error, cluster, manager, epoch_var):
-    """A `ClusterTaskLostError` for `error` (a `tf.errors.UnavailableError`):
-    which tasks of `cluster` are unreachable, and the checkpoint to resume from."""
-    down = unreachable_tasks(cluster)
-    latest = manager.latest_checkpoint
-    where = (
-        f"The newest checkpoint is {latest} (epoch {int(epoch_var.numpy())}); rerun "
-        "with --resume to continue from it."
-        if latest else "No checkpoint was written yet; rerun to start again."
-    )
-    what = (
-        f"unreachable: {', '.join(down)}" if down
-        else "every task still accepts connections, so the link failed"
-    )
-    return ClusterTaskLostError(
-        f"Training stopped: lost contact with the cluster ({what}). The parameter "
-        "servers hold the central variables, so training cannot go on without "
-        f"one. {where} (TensorFlow said: {str(error).splitlines()[0][:300]})"
-    )

@@ -44,6 +44,7 @@ from absl import logging
 from tf_asgd import cluster as cluster_lib
 from tf_asgd import task_server
 from tf_asgd.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
+from tf_asgd.lost_tasks import task_lost_error
 from tf_asgd.strategy import AsyncParameterServerStrategy
 from tf_asgd.train_lib import (
     CHECKPOINT_DIR,
@@ -58,7 +59,6 @@ from tf_asgd.train_lib import (
     make_model,
     make_outer_optimizer,
     make_progress_callback,
-    task_lost_error,
     tensorboard_available,
 )
 
