@@ -1,0 +1,154 @@
+"""Evaluation on the workers (issue #11 item 5): `evaluate` and `fit`'s
+validation sharded over the workers give the chief's metrics, exactly."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+
+from conftest import compile_digits
+
+pytestmark = pytest.mark.cluster  # every test here starts TF servers
+
+TOL = 1e-6
+
+
+def _model(strategy, digits, epochs=1):
+    """A fixed model: the digits convnet, seeded, trained briefly (so that
+    its predictions are neither uniform nor perfect)."""
+    (x, y), _ = digits
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    model.fit(x, y, batch_size=32, epochs=epochs, steps_per_epoch=20, verbose=0)
+    return model
+
+
+def _both(strategy, model, *args, **kwargs):
+    """`model.evaluate(...)` as a dict, on the workers and on the chief."""
+    strategy.evaluation = "workers"
+    evaluator = strategy._evaluator_for(model)
+    evaluator.last_shards = []
+    on_workers = model.evaluate(*args, verbose=0, return_dict=True, **kwargs)
+    shards = evaluator.last_shards
+    strategy.evaluation = "chief"
+    try:
+        on_chief = model.evaluate(*args, verbose=0, return_dict=True, **kwargs)
+    finally:
+        strategy.evaluation = "workers"
+    return on_workers, on_chief, shards
+
+
+def _assert_same(on_workers, on_chief):
+    assert set(on_workers) == set(on_chief) >= {"loss", "accuracy"}
+    for key in on_chief:
+        assert abs(on_workers[key] - on_chief[key]) <= TOL, (key, on_workers, on_chief)
+
+
+def _assert_exact_cover(shards, num_batches, num_workers):
+    """Every batch in exactly one shard, in more shards than workers."""
+    assert shards, "evaluate ran on the chief, not on the workers"
+    covered = [b for start, count in shards for b in range(start, start + count)]
+    assert sorted(covered) == list(range(num_batches))
+    assert len(shards) > num_workers
+
+
+def test_arrays_on_the_workers_equal_the_chief(cluster, digits, caplog):
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    model = _model(strategy, digits)
+    _, (xt, yt) = digits
+    x, y = xt[:357], yt[:357]  # 357 = 11 * 32 + 5: odd, and a last partial batch
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        on_workers, on_chief, shards = _both(strategy, model, x, y, batch_size=32)
+    assert "evaluating on the chief" not in caplog.text
+    _assert_same(on_workers, on_chief)
+    _assert_exact_cover(shards, 12, strategy.num_workers)
+    assert 0.2 < on_chief["accuracy"] < 1.0  # a model whose metrics say something
+
+    # Sample-weighted, another batch size; and the list form of the result.
+    weights = np.random.default_rng(0).uniform(0.0, 2.0, len(x)).astype("float32")
+    on_workers, on_chief, shards = _both(strategy, model, x, y, sample_weight=weights,
+                                         batch_size=50)
+    _assert_same(on_workers, on_chief)
+    _assert_exact_cover(shards, 8, strategy.num_workers)
+    listed = model.evaluate(x, y, batch_size=50, sample_weight=weights, verbose=0)
+    np.testing.assert_allclose(listed, [on_chief["loss"], on_chief["accuracy"]], atol=TOL)
+
+    # `steps` stops after that many batches, as Keras does.
+    on_workers, on_chief, shards = _both(strategy, model, x, y, batch_size=32, steps=5)
+    _assert_same(on_workers, on_chief)
+    assert sum(c for _, c in shards) == 5
+
+
+def test_finite_dataset_on_the_workers_equals_the_chief(cluster, digits):
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    model = _model(strategy, digits)
+    _, (xt, yt) = digits
+    ds = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(24)  # 360 = 15 * 24
+    on_workers, on_chief, shards = _both(strategy, model, ds)
+    _assert_same(on_workers, on_chief)
+    _assert_exact_cover(shards, 15, strategy.num_workers)
+
+    # Sample weights in the dataset, a last partial batch, and a map on the worker.
+    weights = np.linspace(0.0, 1.0, len(xt)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((xt, yt, weights)).map(
+        lambda a, b, w: (a * 1.0, b, w)).batch(32)  # 11 batches of 32 and one of 8
+    on_workers, on_chief, shards = _both(strategy, model, ds)
+    _assert_same(on_workers, on_chief)
+    _assert_exact_cover(shards, 12, strategy.num_workers)
+
+
+def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    assert strategy.evaluation == "workers"  # the default
+    (x, y), (xt, yt) = digits
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=20, verbose=0,
+                        validation_data=(xt[:357], yt[:357]))
+    assert len(strategy._evaluator_for(model).last_shards) > strategy.num_workers
+    strategy.evaluation = "chief"
+    on_chief = model.evaluate(xt[:357], yt[:357], batch_size=32, verbose=0, return_dict=True)
+    assert abs(history.history["val_loss"][-1] - on_chief["loss"]) <= TOL
+    assert abs(history.history["val_accuracy"][-1] - on_chief["accuracy"]) <= TOL
+    # The training metrics of the epoch are the windows', not the validation's.
+    assert history.history["loss"][-1] != history.history["val_loss"][-1]
+
+    # validation_split: the last 20% of the arrays, evaluated with fit's batch size.
+    strategy.evaluation = "workers"
+    history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=10, verbose=0,
+                        validation_split=0.2)
+    split = int(len(x) * 0.8)
+    strategy.evaluation = "chief"
+    on_chief = model.evaluate(x[split:], y[split:], batch_size=32, verbose=0, return_dict=True)
+    assert abs(history.history["val_loss"][-1] - on_chief["loss"]) <= TOL
+    assert abs(history.history["val_accuracy"][-1] - on_chief["accuracy"]) <= TOL
+
+
+def test_a_models_own_test_step_runs_on_the_chief_with_a_log_line(cluster, digits, caplog):
+    class HalfLoss(keras.Sequential):
+        def test_step(self, data):
+            logs = super().test_step(data)
+            return {"half_loss": logs["loss"] / 2}
+
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    with strategy.scope():
+        model = compile_digits(HalfLoss(tf_asgd.models.digits_convnet().layers))
+    _, (xt, yt) = digits
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        logs = model.evaluate(xt, yt, verbose=0, return_dict=True)
+        model.evaluate(xt, yt, verbose=0, return_dict=True)
+    assert set(logs) == {"half_loss"}
+    assert caplog.text.count("overrides test_step") == 1
+
+
+def test_bad_evaluation_argument_is_refused(cluster):
+    with pytest.raises(ValueError, match="evaluation must be 'workers'.*or 'chief'.*'gpu'"):
+        tf_asgd.AsyncParameterServerStrategy(cluster.resolver, evaluation="gpu")
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver)
+    with pytest.raises(ValueError, match="evaluation must be"):
+        strategy.evaluation = None
+    assert strategy.evaluation == "workers"
