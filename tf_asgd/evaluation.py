@@ -291,8 +291,14 @@ class Evaluator:
         spec = dataset.element_spec
 
         def shard(start, count):
+            # The graph is a constant of the function (sent to a worker once),
+            # joined with an empty string made from `start`: a dataset built
+            # from a constant alone is constant-folded into a variant tensor,
+            # which cannot travel to the worker ("Cannot parse tensor from proto").
+            empty = tf.strings.substr(tf.strings.as_string(start), 0, 0)
+            graph_def = tf.strings.join([empty, tf.constant(graph)])
             source = tf.data.experimental.from_variant(
-                tf.raw_ops.DatasetFromGraph(graph_def=tf.constant(graph)), spec)
+                tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec)
             iterator = iter(source.skip(start).take(count))
             return self._states(tf.cast(count, tf.int32), lambda i: iterator.get_next(), init)
 
