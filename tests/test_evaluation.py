@@ -145,6 +145,35 @@ def test_a_models_own_test_step_runs_on_the_chief_with_a_log_line(cluster, digit
     assert caplog.text.count("overrides test_step") == 1
 
 
+class MaxLogit(keras.metrics.Metric):
+    """A metric whose state (a running max) does not merge by addition; it
+    says so with `aggregation="none"`."""
+
+    def __init__(self):
+        super().__init__(name="max_logit")
+        self.top = self.add_variable(shape=(), initializer="zeros", aggregation="none", name="top")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.top.assign(keras.ops.maximum(self.top, keras.ops.max(y_pred)))
+
+    def result(self):
+        return self.top
+
+
+def test_a_metric_that_does_not_add_runs_on_the_chief_with_a_log_line(cluster, digits, caplog):
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy", MaxLogit()])
+    _, (xt, yt) = digits
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        logs = model.evaluate(xt, yt, verbose=0, return_dict=True)
+    assert "metric variable 'max_logit/top' has aggregation 'none'" in caplog.text
+    logits = model.predict(xt, verbose=0)
+    assert logs["max_logit"] == pytest.approx(float(logits.max()), abs=1e-5)
+
+
 def test_bad_evaluation_argument_is_refused(cluster):
     with pytest.raises(ValueError, match="evaluation must be 'workers'.*or 'chief'.*'gpu'"):
         tf_asgd.AsyncParameterServerStrategy(cluster.resolver, evaluation="gpu")

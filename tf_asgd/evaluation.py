@@ -75,6 +75,7 @@ class Evaluator:
         self._functions = {}  # (kind, key) -> tf.function
         self._dataset = None  # (weakref to the last dataset, its function)
         self._said = set()  # reasons already logged
+        self._built = None  # weakref to the loss tracker of the compile last built for
         self.last_shards = []  # (first batch, batches) of the last evaluation's shards
 
     @property
@@ -127,7 +128,8 @@ class Evaluator:
         if isinstance(x, tf.data.Dataset):
             if y is not None or sample_weight is not None:
                 return None, "a dataset with separate y or sample_weight (Keras refuses it)"
-            what = keras_hook._python_ops_in(x)
+            seen = self._dataset is not None and self._dataset[0]() is x
+            what = None if seen else keras_hook._python_ops_in(x)  # (serializes the dataset)
             if what is not None:
                 return None, f"the evaluation data is {what}"
             n = int(x.cardinality())
@@ -167,12 +169,15 @@ class Evaluator:
             return "the model runs eagerly (run_eagerly=True)"
         if plan["num_batches"] == 0:
             return "no batch to evaluate"
-        model._maybe_symbolic_build(data_batch=self._first_batch(plan))  # noqa: SLF001 (Keras's own build)
-        for metric in model.metrics:
-            for v in metric.variables:
-                if getattr(v, "aggregation", "sum") != "sum":
-                    return (f"metric {metric.name!r} has a variable {v.path!r} with aggregation "
-                            f"{v.aggregation!r}: only 'sum' states merge by addition")
+        tracker = internals.loss_tracker(model)  # compile makes a new one
+        if self._built is None or self._built() is not tracker or not model.built:
+            # First use, or compiled again: build the model and its metrics as Keras would.
+            model._maybe_symbolic_build(data_batch=self._first_batch(plan))  # noqa: SLF001
+            self._built = weakref.ref(internals.loss_tracker(model))
+        for v in model.metrics_variables:
+            if getattr(v, "aggregation", "sum") != "sum":
+                return (f"the metric variable {v.path!r} has aggregation {v.aggregation!r}: only "
+                        "'sum' states merge by addition over shards")
         return None
 
     def _first_batch(self, plan):
