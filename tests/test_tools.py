@@ -159,4 +159,4 @@ def test_evaluation_tool(tmp_path):
     _positive(rows, "seconds")
     assert all(float(r["max_metric_diff"]) <= 1e-6 for r in rows)
     md = (tmp_path / "evaluation.md").read_text()
-    assert "speed-up" in md and "max metric diff" in md
+    assert "speed-up" in md and "max metric diff" in md and "ms/batch" in md
