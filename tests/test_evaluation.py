@@ -2,6 +2,9 @@
 validation sharded over the workers give the chief's metrics, exactly."""
 
 import logging
+import signal
+import threading
+import time
 
 import keras
 import numpy as np
@@ -181,3 +184,39 @@ def test_bad_evaluation_argument_is_refused(cluster):
     with pytest.raises(ValueError, match="evaluation must be"):
         strategy.evaluation = None
     assert strategy.evaluation == "workers"
+
+
+# TF's executor of the killed worker's connection complains when it is freed.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_worker_killed_during_evaluation_changes_nothing(digits):
+    """Shards are read-only closures: the coordinator re-runs a dead
+    worker's shard on a live one, and each shard still counts once."""
+    _, (xt, yt) = digits
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet())
+        # 100 ms per batch (tf.data sleep, on whichever task reads the data):
+        # 23 batches in 4 shards take a few seconds on the workers.
+        slow = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(16).apply(
+            tf_asgd.data.sleep_transformation(100_000))
+        fast = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(16)
+        model.evaluate(fast, verbose=0)  # traced, the model built
+        events = {}
+
+        def kill():
+            time.sleep(0.8)
+            events["killed"] = time.perf_counter()
+            cluster.kill_task("worker:1", signal.SIGKILL)
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        on_workers = model.evaluate(slow, verbose=0, return_dict=True)
+        events["done"] = time.perf_counter()
+        killer.join(10)
+        assert events["killed"] < events["done"], "the worker was killed after evaluate returned"
+        _assert_exact_cover(strategy._evaluator_for(model).last_shards, 23, 2)
+        cluster.restart_task("worker:1")
+        strategy.evaluation = "chief"
+        on_chief = model.evaluate(fast, verbose=0, return_dict=True)
+        _assert_same(on_workers, on_chief)
