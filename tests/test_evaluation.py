@@ -85,6 +85,12 @@ def test_arrays_on_the_workers_equal_the_chief(cluster, digits, caplog):
     _assert_same(on_workers, on_chief)
     assert sum(c for _, c in shards) == 5
 
+    # One trace per batch size serves every shard, the last partial batch
+    # included, and every later evaluate (fit's validation each epoch).
+    functions = strategy._evaluator_for(model)._functions
+    assert len(functions) == 2  # batch sizes 32 and 50
+    assert all(f.experimental_get_tracing_count() == 1 for f in functions.values())
+
 
 def test_finite_dataset_on_the_workers_equals_the_chief(cluster, digits):
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)

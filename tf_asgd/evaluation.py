@@ -62,6 +62,20 @@ def validate_evaluation(value):
         )
 
 
+def _as_array(value):
+    """A dense NumPy array of numbers or booleans for an array input, with
+    floats in Keras's `floatx` as Keras's array adapter makes them, or None."""
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 (ragged and other inputs NumPy cannot take)
+        return None
+    if array.dtype.kind not in "biuf" or array.ndim == 0:
+        return None
+    if array.dtype.kind == "f" and array.dtype != np.dtype(keras.backend.floatx()):
+        array = array.astype(keras.backend.floatx())
+    return array
+
+
 class Evaluator:
     """Evaluates one model on the workers (built by the strategy, per model).
 
@@ -142,13 +156,15 @@ class Evaluator:
             return dict(kind="dataset", dataset=x, num_batches=n), None
         if x is None or not internals.is_array_input(x, y, sample_weight):
             return None, f"the evaluation data is a {type(x).__name__} (read by Python on the chief)"
-        data = tuple(None if d is None else tf.nest.map_structure(np.asarray, d)
+        data = tuple(None if d is None else tf.nest.map_structure(_as_array, d)
                      for d in (x, y, sample_weight))
         while data and data[-1] is None:
             data = data[:-1]
         if any(d is None for d in data):
             return None, "sample_weight without y"
         flat = tf.nest.flatten(data)
+        if any(a is None for a in flat):
+            return None, "arrays that are not dense numbers (sparse, ragged, strings, objects)"
         rows = {len(a) for a in flat}
         if len(rows) != 1:
             return None, "arrays of different lengths (Keras will say which)"
