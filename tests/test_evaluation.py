@@ -109,6 +109,14 @@ def test_finite_dataset_on_the_workers_equals_the_chief(cluster, digits):
     _assert_same(on_workers, on_chief)
     _assert_exact_cover(shards, 12, strategy.num_workers)
 
+    # Unknown length (a filter) with `steps`: fewer than the data, or more
+    # (the shards past the end read nothing, as Keras stops at the end).
+    unknown = ds.filter(lambda a, b, w: True)
+    assert int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    for steps in (5, 100):
+        on_workers, on_chief, _ = _both(strategy, model, unknown, steps=steps)
+        _assert_same(on_workers, on_chief)
+
 
 def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)

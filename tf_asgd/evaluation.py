@@ -21,7 +21,8 @@ trace serves every shard (the last partial batch included).
   closure's arguments.
 - A finite `tf.data.Dataset` (already batched, as Keras expects): its graph
   is serialized once and rebuilt on the worker; shard `k` of `S` batches is
-  `dataset.skip(k * S).take(S)`. Skipping runs the pipeline for the skipped
+  `dataset.skip(k * S).take(S)` (a dataset of infinite or unknown length
+  needs `steps`; a shard stops at the data's end). Skipping runs the pipeline for the skipped
   batches (tf.data has no random access): a pipeline whose per-batch work is
   heavy (decoding) is better evaluated from arrays or on the chief.
 
@@ -31,7 +32,7 @@ workers cannot do exactly: a model that overrides `test_step` (its logs need
 not come from merged metrics), a metric variable whose `aggregation` is not
 "sum" (its state does not merge by addition), `run_eagerly`, Python-side
 inputs (generators, PyDataset, `py_function` in a dataset) and datasets of
-unknown length.
+infinite or unknown length without `steps`.
 """
 
 import logging
@@ -120,10 +121,11 @@ class Evaluator:
         total = [np.zeros(np.shape(v), np.float64) for v in init]
         done = 0
         for delta, count in self._run_shards(plan, init):
-            callbacks.on_test_batch_begin(done)
-            done += count
             total = [t + d for t, d in zip(total, delta)]
-            callbacks.on_test_batch_end(done - 1, self._results(model, init, total))
+            if count:  # (0: a shard past the end of a dataset of unknown length)
+                callbacks.on_test_batch_begin(done)
+                done += count
+                callbacks.on_test_batch_end(done - 1, self._results(model, init, total))
         for var, value, t in zip(model.metrics_variables, init, total):
             var.assign((value + t).astype(var.dtype))
         logs = internals.pythonify_logs(model.get_metrics_result())
@@ -147,12 +149,14 @@ class Evaluator:
             if what is not None:
                 return None, f"the evaluation data is {what}"
             n = int(x.cardinality())
-            if n == tf.data.INFINITE_CARDINALITY and steps is not None:
-                n = steps
-            elif n >= 0 and steps is not None:
+            if n >= 0 and steps is not None:
                 n = min(n, steps)
+            elif n < 0 and steps is not None:  # infinite, or unknown: shards stop at its end
+                n = steps
             if n < 0:
-                return None, "the evaluation dataset's length is infinite or unknown (pass `steps=`)"
+                return None, ("the evaluation dataset's length is " + (
+                    "infinite" if n == tf.data.INFINITE_CARDINALITY else "unknown")
+                    + " and no `steps` was given")
             return dict(kind="dataset", dataset=x, num_batches=n), None
         if x is None or not internals.is_array_input(x, y, sample_weight):
             return None, f"the evaluation data is a {type(x).__name__} (read by Python on the chief)"
@@ -247,7 +251,7 @@ class Evaluator:
                     continue
                 for item in ready:
                     pending.remove(item)
-                    yield self._unpack(item[0].fetch(), init), item[1]
+                    yield self._unpack(item[0].fetch(), init)
         finally:
             if pending:  # an error: nothing may be left running
                 try:
@@ -257,12 +261,13 @@ class Evaluator:
 
     @staticmethod
     def _unpack(flat, init):
+        """`(state deltas, batches read)` of a shard's result."""
         flat, out, at = np.asarray(flat), [], 0
         for value in init:
             size = int(np.prod(np.shape(value)))
             out.append(flat[at:at + size].reshape(np.shape(value)))
             at += size
-        return out
+        return out, int(flat[at])
 
     # ---- the worker's side --------------------------------------------------
 
@@ -281,7 +286,7 @@ class Evaluator:
             return function
         specs = tuple(tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype))
                       for a in plan["flat"])
-        key = ("arrays", tf.nest.map_structure(lambda _: 0, plan["data"]), specs,
+        key = ("arrays", repr(tf.nest.map_structure(lambda _: 0, plan["data"])), specs,
                plan["batch_size"], metrics_key)
         if key not in self._functions:
             self._functions[key] = self._array_function(plan, specs, init)
@@ -321,29 +326,39 @@ class Evaluator:
             source = tf.data.experimental.from_variant(
                 tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec)
             iterator = iter(source.skip(start).take(count))
-            return self._states(tf.cast(count, tf.int32), lambda i: iterator.get_next(), init)
+            return self._states(tf.cast(count, tf.int32), lambda i: iterator.get_next_as_optional(),
+                                init, optional=True)
 
         return tf.function(shard, autograph=False)
 
-    def _states(self, num_batches, batch, init):
+    def _states(self, num_batches, batch, init, optional=False):
         """On the worker: the model's `test_step` over `num_batches` batches
-        (`batch(i)`), from the central variables read once; returns the
-        metric-variable states minus `init`, flat, float64."""
+        (`batch(i)`; with `optional`, a `tf.experimental.Optional` of one,
+        and the loop stops early at the data's end), from the central
+        variables read once. Returns the metric-variable states minus
+        `init`, flat, float64, then the number of batches read."""
         model = self.model
         variables = list(model.trainable_variables) + list(model.non_trainable_variables)
         weights = [read(raw(v)) for v in variables]
         metric_vars = model.metrics_variables
         states = [tf.constant(v.astype(m.dtype)) for v, m in zip(init, metric_vars)]
 
-        def body(i, *states):
+        def step(data, states):
             mapping = list(zip(variables, weights)) + list(zip(metric_vars, states))
             with StatelessScope(state_mapping=mapping) as scope:
-                model.test_step(batch(i))
+                model.test_step(data)
             new = [scope.get_current_value(v) for v in metric_vars]
-            return (i + 1,) + tuple(s if n is None else tf.cast(n, s.dtype)
-                                    for s, n in zip(states, new))
+            return [s if n is None else tf.cast(n, s.dtype) for s, n in zip(states, new)]
 
-        out = tf.while_loop(lambda i, *_: i < num_batches, body, (tf.constant(0), *states),
-                            parallel_iterations=1)
+        def body(i, more, *states):
+            if not optional:
+                return (i + 1, more, *step(batch(i), states))
+            value = batch(i)
+            more = value.has_value()
+            states = tf.cond(more, lambda: step(value.get_value(), states), lambda: list(states))
+            return (i + tf.cast(more, i.dtype), more, *states)
+
+        out = tf.while_loop(lambda i, more, *_: tf.logical_and(more, i < num_batches), body,
+                            (tf.constant(0), tf.constant(True), *states), parallel_iterations=1)
         return tf.concat([tf.reshape(tf.cast(s, tf.float64) - v, [-1])
-                          for s, v in zip(out[1:], init)], axis=0)
+                          for s, v in zip(out[2:], init)] + [tf.cast(out[:1], tf.float64)], axis=0)
