@@ -144,6 +144,15 @@ def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
     assert abs(history.history["val_loss"][-1] - on_chief["loss"]) <= TOL
     assert abs(history.history["val_accuracy"][-1] - on_chief["accuracy"]) <= TOL
 
+    # Compiled again with other metrics: nothing traced for the old compile is reused.
+    with strategy.scope():
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)])
+    on_workers, on_chief, shards = _both(strategy, model, xt, yt, batch_size=32)
+    assert "sparse_top_k_categorical_accuracy" in on_chief
+    _assert_same(on_workers, on_chief)
+    _assert_exact_cover(shards, 12, strategy.num_workers)
+
 
 def test_a_models_own_test_step_runs_on_the_chief_with_a_log_line(cluster, digits, caplog):
     class HalfLoss(keras.Sequential):

@@ -87,8 +87,9 @@ class Evaluator:
     def __init__(self, model, strategy):
         self._model = weakref.ref(model)
         self.strategy = strategy
-        self._functions = {}  # (kind, key) -> tf.function
-        self._dataset = None  # (weakref to the last dataset, its function)
+        # Traced shard functions, for the model as compiled when `_built` was set:
+        self._functions = {}  # arrays: (structure, specs, batch size) -> tf.function
+        self._dataset = None  # (weakref to the last dataset, its tf.function)
         self._said = set()  # reasons already logged
         self._built = None  # weakref to the loss tracker of the compile last built for
         self.last_shards = []  # (first batch, batches) of the last evaluation's shards
@@ -191,7 +192,9 @@ class Evaluator:
             return "no batch to evaluate"
         tracker = internals.loss_tracker(model)  # compile makes a new one
         if self._built is None or self._built() is not tracker or not model.built:
-            # First use, or compiled again: build the model and its metrics as Keras would.
+            # First use, or compiled again: build the model and its metrics as
+            # Keras would; functions traced for another compile are stale.
+            self._functions, self._dataset = {}, None
             model._maybe_symbolic_build(data_batch=self._first_batch(plan))  # noqa: SLF001
             self._built = weakref.ref(internals.loss_tracker(model))
         for v in model.metrics_variables:
@@ -274,20 +277,16 @@ class Evaluator:
     def _function_for(self, plan, init):
         """The traced shard function for `plan` (made once per array structure
         and batch size, or per dataset)."""
-        model = self.model
-        metrics_key = tuple(id(v) for v in model.metrics_variables)
         if plan["kind"] == "dataset":
             dataset = plan["dataset"]
-            if self._dataset is not None and self._dataset[0]() is dataset and \
-                    self._dataset[2] == metrics_key:
+            if self._dataset is not None and self._dataset[0]() is dataset:
                 return self._dataset[1]
             function = self._dataset_function(dataset, init)
-            self._dataset = (weakref.ref(dataset), function, metrics_key)
+            self._dataset = (weakref.ref(dataset), function)
             return function
         specs = tuple(tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype))
                       for a in plan["flat"])
-        key = ("arrays", repr(tf.nest.map_structure(lambda _: 0, plan["data"])), specs,
-               plan["batch_size"], metrics_key)
+        key = (repr(tf.nest.map_structure(lambda _: 0, plan["data"])), specs, plan["batch_size"])
         if key not in self._functions:
             self._functions[key] = self._array_function(plan, specs, init)
         return self._functions[key]
