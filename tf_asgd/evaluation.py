@@ -22,9 +22,13 @@ trace serves every shard (the last partial batch included).
 - A finite `tf.data.Dataset` (already batched, as Keras expects): its graph
   is serialized once and rebuilt on the worker; shard `k` of `S` batches is
   `dataset.skip(k * S).take(S)` (a dataset of infinite or unknown length
-  needs `steps`; a shard stops at the data's end). Skipping runs the pipeline for the skipped
-  batches (tf.data has no random access): a pipeline whose per-batch work is
-  heavy (decoding) is better evaluated from arrays or on the chief.
+  needs `steps`; a shard stops at the data's end). Skipping runs the
+  pipeline for the skipped batches (tf.data has no random access): a
+  pipeline whose per-batch work is heavy (decoding) is better evaluated from
+  arrays or on the chief.
+
+A shard only reads: when a worker dies, the coordinator re-runs its shard on
+another worker and the chief counts the shard's one result.
 
 The chief path (`evaluation="chief"`: Keras's own loop on the chief against
 the central variables) is taken, with one log line saying why, for what the
@@ -160,7 +164,8 @@ class Evaluator:
                     + " and no `steps` was given")
             return dict(kind="dataset", dataset=x, num_batches=n), None
         if x is None or not internals.is_array_input(x, y, sample_weight):
-            return None, f"the evaluation data is a {type(x).__name__} (read by Python on the chief)"
+            return None, (f"the evaluation data is a {type(x).__name__} (read by Python on "
+                          "the chief)")
         data = tuple(None if d is None else tf.nest.map_structure(_as_array, d)
                      for d in (x, y, sample_weight))
         while data and data[-1] is None:
@@ -220,7 +225,8 @@ class Evaluator:
     @staticmethod
     def _results(model, init, total):
         values = [i + t for i, t in zip(init, total)]
-        mapping = [(v, tf.constant(x.astype(v.dtype))) for v, x in zip(model.metrics_variables, values)]
+        mapping = [(v, tf.constant(x.astype(v.dtype)))
+                   for v, x in zip(model.metrics_variables, values)]
         with StatelessScope(state_mapping=mapping):
             return internals.pythonify_logs(model.get_metrics_result())
 

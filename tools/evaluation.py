@@ -127,7 +127,8 @@ def main(argv=None):
     table = []
     for step_ms in args.step_ms:
         for workers in args.workers:
-            chief, on_workers = median(workers, step_ms, "chief"), median(workers, step_ms, "workers")
+            chief = median(workers, step_ms, "chief")
+            on_workers = median(workers, step_ms, "workers")
             diff = next(r["max_metric_diff"] for r in rows
                         if r["workers"] == workers and r["step_ms"] == step_ms)
             table.append([f"{step_ms:g}", workers, f"{chief:.2f}", f"{on_workers:.2f}",
