@@ -149,3 +149,14 @@ def test_straggler_tool(tmp_path):
     md = (tmp_path / "straggler.md").read_text()
     assert "windows/s per fast worker" in md and "ideal" in md
     _png(tmp_path / "straggler.png")
+
+
+def test_evaluation_tool(tmp_path):
+    _run("evaluation.py", "--out", str(tmp_path), "--workers", "2", "--step-ms", "2",
+         "--examples", "100", "--rounds", "1")
+    rows = _csv(tmp_path / "evaluation.csv", ["workers", "mode", "seconds", "max_metric_diff"])
+    assert sorted(r["mode"] for r in rows) == ["chief", "workers"]
+    _positive(rows, "seconds")
+    assert all(float(r["max_metric_diff"]) <= 1e-6 for r in rows)
+    md = (tmp_path / "evaluation.md").read_text()
+    assert "speed-up" in md and "max metric diff" in md and "ms/batch" in md

@@ -333,3 +333,20 @@ def concrete_function_for(function, args):
         cluster_coordinator._select_worker_slice(0, args),  # noqa: SLF001
     )
     return function.get_concrete_function(*spec_args)
+
+
+# ---- evaluation on the workers (issue #11) ---------------------------------------
+
+
+def pythonify_logs(logs):
+    """Keras's conversion of metric results to Python numbers, as `evaluate`
+    returns them (no public API)."""
+    from keras.src.utils.python_utils import pythonify_logs as keras_pythonify_logs
+
+    return keras_pythonify_logs(logs)
+
+
+def flatten_metrics_in_order(model, logs):
+    """`evaluate`'s list (or single value) of metric results, in Keras's order
+    (`Trainer._flatten_metrics_in_order`, no public API)."""
+    return model._flatten_metrics_in_order(logs)

@@ -14,8 +14,11 @@ For models of ours:
   (`scheduling.WindowTrainer`) per `n_sync` steps and returns at once;
 - `_get_metrics_result_or_logs` (called by `fit` at each epoch's end) joins
   the windows and returns the epoch's metrics and push counters;
-- `evaluate`, `predict` and `_maybe_symbolic_build` run on the chief against
-  the central variables, with datasets handed out as local iterators;
+- `evaluate` (and so `fit`'s validation) runs on the workers, sharded
+  (`strategy._evaluator_for(model)`, see `evaluation`), or on the chief with
+  `evaluation="chief"` and for what the workers cannot evaluate exactly;
+- `predict`, chief evaluation and `_maybe_symbolic_build` run on the chief
+  against the central variables, with datasets handed out as local iterators;
 - `train_on_batch` is refused (windows need an iterator per worker).
 
 The hook never imports the strategy: it recognises one by its marker
@@ -180,6 +183,9 @@ def _steps_and_repeated_data(original, model, args, kwargs):
             batch_size=kw["batch_size"], shuffle=kw["shuffle"],
             class_weight=kw["class_weight"],
         )
+        # Keras validates with fit's batch size unless told otherwise; the
+        # hook hands Keras a batched dataset (batch_size None) below.
+        kw["validation_batch_size"] = kw["validation_batch_size"] or kw["batch_size"]
         # Shuffled by the adapter already: Keras must not warn about `shuffle`.
         kw.update(y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False)
     if kw["steps_per_epoch"] is None:
@@ -202,8 +208,8 @@ PYTHON_INPUT_FIX = (
     "Feed the workers tensors instead: NumPy arrays (`fit(x, y, batch_size=...)`), a "
     "tf.data pipeline of TF ops (`tf.data.Dataset.from_tensor_slices(...)`, `.map` "
     "with TF ops), or write the data to TFRecord files (`tf.io.TFRecordWriter`) and read "
-    "them with `tf.data.TFRecordDataset`. (validation_data may be any input: it is "
-    "evaluated on the chief.)"
+    "them with `tf.data.TFRecordDataset`. (validation_data may be any input: Python-side "
+    "validation data is evaluated on the chief.)"
 )
 
 # Ops that call back into the Python interpreter that created them.
@@ -297,6 +303,26 @@ def _reset_metrics(original, model):
         trainer.reset_metrics()
 
 
+def _evaluate(original, model, *args, **kwargs):
+    """`evaluate` on the workers when the strategy says so and they can, else
+    Keras's own on the chief. (`fit` calls it for validation, with
+    `_use_cached_eval_dataset=True`: the workers read the validation data
+    given to `fit`, not Keras's cached chief iterator.)"""
+    evaluator = _strategy_of(model)._evaluator_for(model)
+    if evaluator is not None and model.compiled:
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+        bound.apply_defaults()
+        kw = dict(bound.arguments)
+        kw.pop("self")
+        extra = dict(kw.pop("kwargs", {}))
+        extra.pop("_use_cached_eval_dataset", None)
+        if not extra:
+            done, result = evaluator.evaluate(**kw)
+            if done:
+                return result
+    return _on_chief(original, model, *args, **kwargs)
+
+
 def _on_chief(original, model, *args, **kwargs):
     with local_mode():
         return original(model, *args, **kwargs)
@@ -350,7 +376,7 @@ def install():
     _wrap("make_train_function", _make_train_function)
     _wrap("_get_metrics_result_or_logs", _get_metrics_result_or_logs)
     _wrap("reset_metrics", _reset_metrics)
-    _wrap("evaluate", _on_chief)
+    _wrap("evaluate", _evaluate)
     _wrap("predict", _on_chief)
     _wrap("_maybe_symbolic_build", _symbolic_build)
     _wrap("train_on_batch", _train_on_batch)

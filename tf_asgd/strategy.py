@@ -23,6 +23,7 @@ import tensorflow as tf
 from tf_asgd import cluster as cluster_lib
 from tf_asgd import internals, keras_hook, update_rules
 from tf_asgd.counters import PushCounters
+from tf_asgd.evaluation import Evaluator, validate_evaluation
 from tf_asgd.scheduling import WindowTrainer, validate_windows_per_closure
 
 # ExternalStatePolicy.WARN of DatasetToGraphV2, as TF's coordinator serializes
@@ -164,10 +165,18 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             work; an integer from 1 to 256 fixes it. Closures shrink near an
             epoch's end, and a slow worker's closure hands back the windows
             it did not start (see `scheduling`).
+        evaluation: where `model.evaluate` and `fit`'s validation run:
+            `"workers"` (sharded over the workers, exact: each example once,
+            metric states added on the chief; see `evaluation`) or `"chief"`
+            (Keras's own loop on the chief). What the workers cannot do
+            exactly (a model's own `test_step`, a metric whose state does not
+            merge by addition, Python-side inputs) runs on the chief, with a
+            log line.
 
     Attributes:
         n_sync, staleness, max_staleness, per_worker_dataset_fn,
-            outer_optimizer, worker_state, windows_per_closure: as given.
+            outer_optimizer, worker_state, windows_per_closure, evaluation:
+            as given (`evaluation` may be set again later).
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
@@ -189,6 +198,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         outer_optimizer=None,
         worker_state="keep",
         windows_per_closure=None,
+        evaluation="workers",
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -203,6 +213,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             update_rules.validate_outer_optimizer(outer_optimizer)
         update_rules.validate_worker_state(worker_state)
         validate_windows_per_closure(windows_per_closure)
+        validate_evaluation(evaluation)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         keras_hook.install()
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
@@ -213,6 +224,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.outer_optimizer = outer_optimizer
         self.worker_state = worker_state
         self.windows_per_closure = windows_per_closure
+        self.evaluation = evaluation
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
@@ -224,6 +236,17 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
         self._fitting = weakref.WeakKeyDictionary()  # model -> its fit's steps per epoch
         self._batch_sharded = weakref.WeakSet()  # datasets sharded by batch over the workers
+        self._evaluators = weakref.WeakKeyDictionary()  # model -> its Evaluator
+
+    @property
+    def evaluation(self):
+        """Where `evaluate` and `fit`'s validation run: "workers" or "chief"."""
+        return self._evaluation
+
+    @evaluation.setter
+    def evaluation(self, value):
+        validate_evaluation(value)
+        self._evaluation = value
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """What Keras's `fit`, `evaluate` and `predict` iterate over.
@@ -312,6 +335,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             trainer = WindowTrainer(model, self)
             self._trainers[model] = trainer
         return trainer
+
+    def _evaluator_for(self, model):
+        """The model's `evaluation.Evaluator` (built on first use), or None
+        when evaluation runs on the chief."""
+        if self.evaluation != "workers":
+            return None
+        evaluator = self._evaluators.get(model)
+        if evaluator is None:
+            evaluator = self._evaluators[model] = Evaluator(model, self)
+        return evaluator
 
     def _is_fitting(self, model):
         """Whether `model.fit` is running."""

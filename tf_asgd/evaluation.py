@@ -1,0 +1,369 @@
+"""Distributed evaluation: `evaluate` and `fit`'s validation sharded over the workers.
+
+With `AsyncParameterServerStrategy(evaluation="workers")` (the default),
+`model.evaluate(...)` (and so `fit`'s `validation_data` / `validation_split`)
+is split into shards of whole batches, one `ClusterCoordinator` closure per
+shard, run by whichever worker is free. A closure reads the central variables
+once, runs the model's `test_step` on each of its batches statelessly (a
+`keras.StatelessScope` maps the model's variables to the values read and its
+metric variables to loop tensors that start from the reset state) and returns
+its metric-variable states. The chief adds the shards' states, as Keras
+itself merges metric variables across replicas (`aggregation="sum"`), writes
+them to the model's metric variables and returns the usual dict or list.
+
+Exact: the batches are the ones Keras would make on the chief (arrays:
+`batch_size` rows each, the last one partial; a dataset: its own batches),
+each in exactly one shard. Shards are fixed-size runs of batches, and a
+shard's data has an unknown batch dimension in the traced function, so one
+trace serves every shard (the last partial batch included).
+
+- Arrays (NumPy, tensors; Keras's array inputs): a shard's rows travel as the
+  closure's arguments.
+- A finite `tf.data.Dataset` (already batched, as Keras expects): its graph
+  is serialized once and rebuilt on the worker; shard `k` of `S` batches is
+  `dataset.skip(k * S).take(S)` (a dataset of infinite or unknown length
+  needs `steps`; a shard stops at the data's end). Skipping runs the
+  pipeline for the skipped batches (tf.data has no random access): a
+  pipeline whose per-batch work is heavy (decoding) is better evaluated from
+  arrays or on the chief.
+
+A shard only reads: when a worker dies, the coordinator re-runs its shard on
+another worker and the chief counts the shard's one result.
+
+The chief path (`evaluation="chief"`: Keras's own loop on the chief against
+the central variables) is taken, with one log line saying why, for what the
+workers cannot do exactly: a model that overrides `test_step` (its logs need
+not come from merged metrics), a metric variable whose `aggregation` is not
+"sum" (its state does not merge by addition), `run_eagerly`, Python-side
+inputs (generators, PyDataset, `py_function` in a dataset) and datasets of
+infinite or unknown length without `steps`.
+"""
+
+import logging
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import StatelessScope
+
+from tf_asgd import internals, keras_hook
+from tf_asgd.push import raw, read
+
+EVALUATION_MODES = ("workers", "chief")
+SHARDS_PER_WORKER = 4  # array shards per worker: a slow worker holds back a quarter of its share
+DATASET_SHARDS_PER_WORKER = 2  # fewer for datasets: each shard skips the batches before it
+_EXTERNAL_STATE_WARN = 0  # DatasetToGraphV2's ExternalStatePolicy.WARN
+
+log = logging.getLogger("tf_asgd")
+
+
+def validate_evaluation(value):
+    """Raises `ValueError` unless `value` is one of `EVALUATION_MODES`."""
+    if value not in EVALUATION_MODES:
+        raise ValueError(
+            f"evaluation must be 'workers' (evaluate and fit's validation sharded over "
+            f"the workers) or 'chief' (Keras's loop on the chief), got {value!r}."
+        )
+
+
+def _as_array(value):
+    """A dense NumPy array of numbers or booleans for an array input, with
+    floats in Keras's `floatx` as Keras's array adapter makes them, or None."""
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 (ragged and other inputs NumPy cannot take)
+        return None
+    if array.dtype.kind not in "biuf" or array.ndim == 0:
+        return None
+    if array.dtype.kind == "f" and array.dtype != np.dtype(keras.backend.floatx()):
+        array = array.astype(keras.backend.floatx())
+    return array
+
+
+class Evaluator:
+    """Evaluates one model on the workers (built by the strategy, per model).
+
+    Holds the model weakly and the traced shard functions it made (one per
+    array structure and batch size, and one for the last dataset evaluated).
+    """
+
+    def __init__(self, model, strategy):
+        self._model = weakref.ref(model)
+        self.strategy = strategy
+        # Traced shard functions, for the model as compiled when `_built` was set:
+        self._functions = {}  # arrays: (structure, specs, batch size) -> tf.function
+        self._dataset = None  # (weakref to the last dataset, its tf.function)
+        self._said = set()  # reasons already logged
+        self._built = None  # weakref to the loss tracker of the compile last built for
+        self.last_shards = []  # (first batch, batches) of the last evaluation's shards
+
+    @property
+    def model(self):
+        return self._model()
+
+    # ---- the chief's side ---------------------------------------------------
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False):
+        """Keras's `evaluate` on the workers. Returns `(True, result)`, or
+        `(False, None)` when the chief must evaluate (the reason is logged)."""
+        model = self.model
+        plan, why = self._plan(x, y, sample_weight, batch_size, steps)
+        if why is None:
+            why = self._model_reason(model, plan)
+        if why is not None:
+            self._say(why)
+            return False, None
+        init = self._reset_metrics(model)
+        num_batches = plan["num_batches"]
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = keras.callbacks.CallbackList(
+                callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+                steps=num_batches, model=model)
+        model.stop_evaluating = False
+        callbacks.on_test_begin()
+        total = [np.zeros(np.shape(v), np.float64) for v in init]
+        done = 0
+        for delta, count in self._run_shards(plan, init):
+            total = [t + d for t, d in zip(total, delta)]
+            if count:  # (0: a shard past the end of a dataset of unknown length)
+                callbacks.on_test_batch_begin(done)
+                done += count
+                callbacks.on_test_batch_end(done - 1, self._results(model, init, total))
+        for var, value, t in zip(model.metrics_variables, init, total):
+            var.assign((value + t).astype(var.dtype))
+        logs = internals.pythonify_logs(model.get_metrics_result())
+        callbacks.on_test_end(logs)
+        if return_dict:
+            return True, logs
+        return True, internals.flatten_metrics_in_order(model, logs)
+
+    def _say(self, why):
+        if why not in self._said:
+            self._said.add(why)
+            log.warning("tf_asgd: evaluating on the chief: %s", why)
+
+    def _plan(self, x, y, sample_weight, batch_size, steps):
+        """What to evaluate: `(plan, None)`, or `(None, why the chief must)`."""
+        if isinstance(x, tf.data.Dataset):
+            if y is not None or sample_weight is not None:
+                return None, "a dataset with separate y or sample_weight (Keras refuses it)"
+            seen = self._dataset is not None and self._dataset[0]() is x
+            what = None if seen else keras_hook._python_ops_in(x)  # (serializes the dataset)
+            if what is not None:
+                return None, f"the evaluation data is {what}"
+            n = int(x.cardinality())
+            if n >= 0 and steps is not None:
+                n = min(n, steps)
+            elif n < 0 and steps is not None:  # infinite, or unknown: shards stop at its end
+                n = steps
+            if n < 0:
+                return None, ("the evaluation dataset's length is " + (
+                    "infinite" if n == tf.data.INFINITE_CARDINALITY else "unknown")
+                    + " and no `steps` was given")
+            return dict(kind="dataset", dataset=x, num_batches=n), None
+        if x is None or not internals.is_array_input(x, y, sample_weight):
+            return None, (f"the evaluation data is a {type(x).__name__} (read by Python on "
+                          "the chief)")
+        data = tuple(None if d is None else tf.nest.map_structure(_as_array, d)
+                     for d in (x, y, sample_weight))
+        while data and data[-1] is None:
+            data = data[:-1]
+        if any(d is None for d in data):
+            return None, "sample_weight without y"
+        flat = tf.nest.flatten(data)
+        if any(a is None for a in flat):
+            return None, "arrays that are not dense numbers (sparse, ragged, strings, objects)"
+        rows = {len(a) for a in flat}
+        if len(rows) != 1:
+            return None, "arrays of different lengths (Keras will say which)"
+        n, batch_size = rows.pop(), batch_size or 32
+        num_batches = -(-n // batch_size)
+        if steps is not None:
+            num_batches = min(num_batches, steps)
+        return dict(kind="arrays", data=data, flat=flat, rows=n, batch_size=batch_size,
+                    num_batches=num_batches), None
+
+    def _model_reason(self, model, plan):
+        """Why the chief must evaluate `model` (None: the workers can). Builds
+        the model and its compiled metrics from a first batch, as Keras does."""
+        if type(model).test_step is not internals.TensorFlowTrainer.test_step:
+            return (f"model {model.name!r} overrides test_step (its logs need not come from "
+                    "metrics that merge over shards)")
+        if model.run_eagerly:
+            return "the model runs eagerly (run_eagerly=True)"
+        if plan["num_batches"] == 0:
+            return "no batch to evaluate"
+        tracker = internals.loss_tracker(model)  # compile makes a new one
+        if self._built is None or self._built() is not tracker or not model.built:
+            # First use, or compiled again: build the model and its metrics as
+            # Keras would; functions traced for another compile are stale.
+            self._functions, self._dataset = {}, None
+            model._maybe_symbolic_build(data_batch=self._first_batch(plan))  # noqa: SLF001
+            self._built = weakref.ref(internals.loss_tracker(model))
+        for v in model.metrics_variables:
+            if getattr(v, "aggregation", "sum") != "sum":
+                return (f"the metric variable {v.path!r} has aggregation {v.aggregation!r}: only "
+                        "'sum' states merge by addition over shards")
+        return None
+
+    def _first_batch(self, plan):
+        if plan["kind"] == "dataset":
+            return next(iter(plan["dataset"]))
+        first = tf.nest.map_structure(lambda a: a[:plan["batch_size"]], plan["data"])
+        return first if len(first) > 1 else first[0]
+
+    def _reset_metrics(self, model):
+        """Resets the model's metrics (as evaluate does, not the window
+        trainer's epoch) and returns their values, the state every shard
+        starts from."""
+        with keras_hook.local_mode():
+            model.reset_metrics()
+        return [np.asarray(v.numpy(), np.float64) for v in model.metrics_variables]
+
+    @staticmethod
+    def _results(model, init, total):
+        values = [i + t for i, t in zip(init, total)]
+        mapping = [(v, tf.constant(x.astype(v.dtype)))
+                   for v, x in zip(model.metrics_variables, values)]
+        with StatelessScope(state_mapping=mapping):
+            return internals.pythonify_logs(model.get_metrics_result())
+
+    def _shards(self, plan):
+        """`(first batch, batches)` of each shard: fixed-size runs of batches."""
+        per_worker = DATASET_SHARDS_PER_WORKER if plan["kind"] == "dataset" else SHARDS_PER_WORKER
+        n = plan["num_batches"]
+        size = max(1, -(-n // (per_worker * self.strategy.num_workers)))
+        return [(start, min(size, n - start)) for start in range(0, n, size)]
+
+    def _run_shards(self, plan, init):
+        """Schedules a closure per shard; yields `(state deltas, batches)` of
+        each as it finishes (in the order they finish)."""
+        function = self._function_for(plan, init)
+        self.last_shards = shards = self._shards(plan)
+        coordinator = self.strategy.coordinator
+        pending = []
+        try:
+            for start, count in shards:
+                if plan["kind"] == "dataset":
+                    args = (tf.constant(start, tf.int64), tf.constant(count, tf.int64))
+                else:
+                    b = plan["batch_size"]
+                    lo, hi = start * b, min((start + count) * b, plan["rows"])
+                    args = (tuple(a[lo:hi] for a in plan["flat"]),)
+                pending.append((coordinator.schedule(function, args=args), count))
+            while pending:
+                ready = [p for p in pending if internals.remote_value_ready(p[0])]
+                if not ready:
+                    internals.wait_briefly(pending[0][0], 0.005)
+                    continue
+                for item in ready:
+                    pending.remove(item)
+                    yield self._unpack(item[0].fetch(), init)
+        finally:
+            if pending:  # an error: nothing may be left running
+                try:
+                    coordinator.join()
+                except Exception:  # noqa: BLE001 (the first error is on its way)
+                    pass
+
+    @staticmethod
+    def _unpack(flat, init):
+        """`(state deltas, batches read)` of a shard's result."""
+        flat, out, at = np.asarray(flat), [], 0
+        for value in init:
+            size = int(np.prod(np.shape(value)))
+            out.append(flat[at:at + size].reshape(np.shape(value)))
+            at += size
+        return out, int(flat[at])
+
+    # ---- the worker's side --------------------------------------------------
+
+    def _function_for(self, plan, init):
+        """The traced shard function for `plan` (made once per array structure
+        and batch size, or per dataset)."""
+        if plan["kind"] == "dataset":
+            dataset = plan["dataset"]
+            if self._dataset is not None and self._dataset[0]() is dataset:
+                return self._dataset[1]
+            function = self._dataset_function(dataset, init)
+            self._dataset = (weakref.ref(dataset), function)
+            return function
+        specs = tuple(tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype))
+                      for a in plan["flat"])
+        key = (repr(tf.nest.map_structure(lambda _: 0, plan["data"])), specs, plan["batch_size"])
+        if key not in self._functions:
+            self._functions[key] = self._array_function(plan, specs, init)
+        return self._functions[key]
+
+    def _array_function(self, plan, specs, init):
+        structure, b = plan["data"], plan["batch_size"]
+
+        def shard(flat):
+            data = tf.nest.pack_sequence_as(structure, list(flat))
+            rows = tf.shape(flat[0])[0]
+            batches = (rows + b - 1) // b
+
+            def batch(i):
+                lo = i * b
+                part = tf.nest.map_structure(lambda t: t[lo:tf.minimum(lo + b, rows)], data)
+                return part if len(part) > 1 else part[0]
+
+            return self._states(batches, batch, init)
+
+        return tf.function(shard, input_signature=[specs], autograph=False)
+
+    def _dataset_function(self, dataset, init):
+        graph = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            external_state_policy=_EXTERNAL_STATE_WARN, strip_device_assignment=True,
+        ).numpy()
+        spec = dataset.element_spec
+
+        def shard(start, count):
+            # The graph is a constant of the function (sent to a worker once),
+            # joined with an empty string made from `start`: a dataset built
+            # from a constant alone is constant-folded into a variant tensor,
+            # which cannot travel to the worker ("Cannot parse tensor from proto").
+            empty = tf.strings.substr(tf.strings.as_string(start), 0, 0)
+            graph_def = tf.strings.join([empty, tf.constant(graph)])
+            source = tf.data.experimental.from_variant(
+                tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec)
+            iterator = iter(source.skip(start).take(count))
+            return self._states(tf.cast(count, tf.int32), lambda i: iterator.get_next_as_optional(),
+                                init, optional=True)
+
+        return tf.function(shard, autograph=False)
+
+    def _states(self, num_batches, batch, init, optional=False):
+        """On the worker: the model's `test_step` over `num_batches` batches
+        (`batch(i)`; with `optional`, a `tf.experimental.Optional` of one,
+        and the loop stops early at the data's end), from the central
+        variables read once. Returns the metric-variable states minus
+        `init`, flat, float64, then the number of batches read."""
+        model = self.model
+        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+        weights = [read(raw(v)) for v in variables]
+        metric_vars = model.metrics_variables
+        states = [tf.constant(v.astype(m.dtype)) for v, m in zip(init, metric_vars)]
+
+        def step(data, states):
+            mapping = list(zip(variables, weights)) + list(zip(metric_vars, states))
+            with StatelessScope(state_mapping=mapping) as scope:
+                model.test_step(data)
+            new = [scope.get_current_value(v) for v in metric_vars]
+            return [s if n is None else tf.cast(n, s.dtype) for s, n in zip(states, new)]
+
+        def body(i, more, *states):
+            if not optional:
+                return (i + 1, more, *step(batch(i), states))
+            value = batch(i)
+            more = value.has_value()
+            states = tf.cond(more, lambda: step(value.get_value(), states), lambda: list(states))
+            return (i + tf.cast(more, i.dtype), more, *states)
+
+        out = tf.while_loop(lambda i, more, *_: tf.logical_and(more, i < num_batches), body,
+                            (tf.constant(0), tf.constant(True), *states), parallel_iterations=1)
+        return tf.concat([tf.reshape(tf.cast(s, tf.float64) - v, [-1])
+                          for s, v in zip(out[2:], init)] + [tf.cast(out[:1], tf.float64)], axis=0)

@@ -1,0 +1,157 @@
+"""Evaluation on the workers against evaluation on the chief, side by side.
+
+For each worker count of `--workers`, one `LocalCluster` (all tasks in one
+process) and one seeded model: the digits convnet behind a layer that costs
+`--step-ms` of emulated device time per batch wherever the model runs
+(tf.data's per-element sleep, no CPU: `tf_asgd.data.sleep_transformation`,
+inside the model's forward pass, so the chief pays it per batch in
+`evaluation="chief"` exactly as a worker does per batch of its shard in
+`evaluation="workers"`). The data are `--examples` digits images (all 1,797
+by default, repeated if more are asked for), evaluated with `--batch-size`.
+
+In alternating rounds (the first call of each mode, which traces, is not
+timed), `model.evaluate` runs with `strategy.evaluation = "chief"` and
+`"workers"`. Reported: the median wall seconds of each (and per batch),
+the speed-up (chief / workers), and the largest difference between the two
+modes' metrics (exactness: float rounding, ~1e-7). `--step-ms 0` measures
+the paths' own costs (the chief reads the PS variables for every batch; a
+worker reads them once per shard).
+
+Writes `evaluation.csv` (one row per timed call) and `evaluation.md` to `--out`.
+
+    python tools/evaluation.py                        # the default run
+    python tools/evaluation.py --workers 1,2 --step-ms 20 --examples 200 --rounds 1
+"""
+
+import os
+import statistics
+import time
+
+import _common
+
+MODES = ("chief", "workers")
+
+
+def device_time_model(step_ms):
+    """The digits convnet behind a layer that sleeps `step_ms` per batch."""
+    import keras
+    import tensorflow as tf
+
+    import tf_asgd
+
+    micros = int(round(step_ms * 1000))
+
+    class DeviceTime(keras.layers.Layer):
+        def call(self, x):
+            # One `get_next` (`get_single_element` would ask twice, and the
+            # sleep op sleeps before each ask: twice the time).
+            ds = tf.data.Dataset.from_tensors(x).apply(tf_asgd.data.sleep_transformation(micros))
+            return iter(ds).get_next()
+
+        def compute_output_spec(self, x):
+            return keras.KerasTensor(x.shape, x.dtype)
+
+    inputs = keras.Input((8, 8, 1))
+    return keras.Model(inputs, tf_asgd.models.digits_convnet()(DeviceTime()(inputs)))
+
+
+def run_workers(workers, data, args):
+    """Rows of the timed calls on a cluster of `workers` workers, for each
+    `--step-ms` (one seeded model each)."""
+    import keras
+
+    import tf_asgd
+
+    x, y = data
+    rows = []
+    with _common.local_cluster(workers) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+        for step_ms in args.step_ms:
+            keras.utils.set_random_seed(args.seed)
+            with strategy.scope():
+                model = _common.compile_classifier(device_time_model(step_ms),
+                                                   keras.optimizers.SGD(0.05), metrics=["accuracy"])
+            results = {}
+            for mode in MODES:  # trace each path once, untimed
+                strategy.evaluation = mode
+                results[mode] = model.evaluate(x, y, batch_size=args.batch_size, verbose=0,
+                                               return_dict=True)
+            diff = max(abs(results["chief"][k] - results["workers"][k]) for k in results["chief"])
+            for k in range(args.rounds):
+                for mode in MODES if k % 2 == 0 else MODES[::-1]:
+                    strategy.evaluation = mode
+                    t0 = time.perf_counter()
+                    out = model.evaluate(x, y, batch_size=args.batch_size, verbose=0,
+                                         return_dict=True)
+                    seconds = time.perf_counter() - t0
+                    row = dict(workers=workers, step_ms=step_ms, mode=mode, round=k,
+                               seconds=seconds, batches=-(-len(x) // args.batch_size),
+                               loss=out["loss"], accuracy=out["accuracy"], max_metric_diff=diff)
+                    print(row, flush=True)
+                    rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    p = _common.parser(__doc__)
+    p.add_argument("--out", default="results/evaluation")
+    p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4])
+    p.add_argument("--step-ms", type=_common.float_list, default=[0.0, 20.0],
+                   help="emulated device time per batch (a list: each is measured)")
+    p.add_argument("--examples", type=int, default=1797)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    import numpy as np
+
+    import tf_asgd
+    from tf_asgd import plots
+
+    (x, y), (xt, yt) = tf_asgd.data.load_digits()
+    x, y = np.concatenate([x, xt]), np.concatenate([y, yt])
+    reps = -(-args.examples // len(x))
+    data = (np.tile(x, (reps, 1, 1, 1))[:args.examples], np.tile(y, reps)[:args.examples])
+    rows = []
+    for workers in args.workers:
+        rows += run_workers(workers, data, args)
+
+    os.makedirs(args.out, exist_ok=True)
+    plots.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
+
+    def median(workers, step_ms, mode):
+        return statistics.median(r["seconds"] for r in rows if r["workers"] == workers
+                                 and r["step_ms"] == step_ms and r["mode"] == mode)
+
+    batches = rows[0]["batches"]
+    table = []
+    for step_ms in args.step_ms:
+        for workers in args.workers:
+            chief = median(workers, step_ms, "chief")
+            on_workers = median(workers, step_ms, "workers")
+            diff = next(r["max_metric_diff"] for r in rows
+                        if r["workers"] == workers and r["step_ms"] == step_ms)
+            table.append([f"{step_ms:g}", workers, f"{chief:.2f}", f"{on_workers:.2f}",
+                          f"{1000 * chief / batches:.1f}", f"{1000 * on_workers / batches:.1f}",
+                          f"{chief / on_workers:.2f}", f"{diff:.1e}"])
+    lines = [
+        "# Evaluation on the workers vs on the chief",
+        "",
+        f"`python tools/evaluation.py --workers {','.join(map(str, args.workers))} "
+        f"--step-ms {','.join(f'{v:g}' for v in args.step_ms)} --examples {args.examples} "
+        f"--batch-size {args.batch_size} --rounds {args.rounds}`: {batches} batches of the "
+        "digits convnet, each costing `step ms` of emulated device time in the model's forward "
+        "pass, on whichever task runs it (the chief in `chief` mode, a worker in `workers` "
+        f"mode). Median of {args.rounds} timed `evaluate` calls per mode, alternating; "
+        "speed-up = chief s / workers s. `max metric diff`: the largest difference between "
+        "the two modes' loss and accuracy.",
+        "",
+    ] + _common.markdown_table(
+        ["step ms", "workers", "chief s", "workers s", "chief ms/batch", "workers ms/batch",
+         "speed-up", "max metric diff"], table)
+    _common.write_lines(os.path.join(args.out, "evaluation.md"), lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
