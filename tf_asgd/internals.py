@@ -11,6 +11,7 @@ unsupported Keras, `import tf_asgd` fails with a message naming the versions
 it supports, not with an `ImportError` from deep inside Keras.
 """
 
+import contextlib
 import inspect
 import os
 import time
@@ -113,14 +114,29 @@ def stateless_apply(optimizer, optimizer_values, grads, trainable_values):
     implementation is used, with the TF optimizer's methods swapped for the
     base ones while it runs.
     """
-    patched = {name: types.MethodType(getattr(BaseOptimizer, name), optimizer) for name in _BASE_METHODS}
-    patched["_var_key"] = types.MethodType(_var_key, optimizer)
-    optimizer.__dict__.update(patched)
-    try:
+    with stateless_optimizers([optimizer]):
         return BaseOptimizer.stateless_apply(optimizer, optimizer_values, grads, trainable_values)
+
+
+@contextlib.contextmanager
+def stateless_optimizers(optimizers):
+    """While open, `apply` of each of `optimizers` (Keras TF optimizers) runs
+    Keras's backend-neutral implementation, as `stateless_apply` does: inside a
+    `keras.StatelessScope` its assigns are recorded in the scope instead of
+    being written to the (PS) variables through `tf.distribute`."""
+    patched = []
+    for optimizer in optimizers:
+        methods = {name: types.MethodType(getattr(BaseOptimizer, name), optimizer)
+                   for name in _BASE_METHODS}
+        methods["_var_key"] = types.MethodType(_var_key, optimizer)
+        optimizer.__dict__.update(methods)
+        patched.append((optimizer, methods))
+    try:
+        yield
     finally:
-        for name in patched:
-            optimizer.__dict__.pop(name, None)
+        for optimizer, methods in patched:
+            for name in methods:
+                optimizer.__dict__.pop(name, None)
 
 
 def learning_rate_variable(optimizer):
@@ -130,6 +146,53 @@ def learning_rate_variable(optimizer):
     """
     lr = getattr(optimizer, "_learning_rate", None)
     return lr if isinstance(lr, keras.Variable) else None
+
+
+# ---- A model's own train_step on loop tensors (window.py, steps.py) ------------
+# Keras's TF variable: inside a StatelessScope its value is the mapped tensor,
+# but `handle` (what `tf.GradientTape` watches and differentiates against)
+# still asks that tensor for a resource handle, and a read of it notifies no
+# tape. Keras runs no TF `train_step` statelessly, so it has no public way.
+from keras.src.backend.common.stateless_scope import get_stateless_scope  # noqa: E402
+from keras.src.backend.tensorflow.core import Variable as _TFVariable  # noqa: E402
+from tensorflow.python.eager import tape as _tape  # noqa: E402
+
+
+def _mapped(variable):
+    scope = get_stateless_scope()
+    value = scope.get_current_value(variable) if scope is not None else None
+    return value if value is not None and not hasattr(value, "handle") else None
+
+
+@contextlib.contextmanager
+def differentiable_stateless_variables():
+    """While open, a Keras variable mapped to a tensor by the current
+    `keras.StatelessScope` behaves, for `tf.GradientTape`, as a TF variable
+    does: reading a trainable one makes every active tape watch the tensor
+    (unless the tape was made with `watch_accessed_variables=False`), and its
+    `handle` is that tensor, so `tape.gradient(loss, variables)` and
+    `tape.watch(variable)` reach the values the computation used. Outside a
+    scope, or for an unmapped variable, nothing changes. Trace-time only:
+    the class's properties are swapped while open (on the tracing thread)."""
+    base_value = _TFVariable.value  # Keras's property, inherited
+    base_handle = _TFVariable.__dict__["handle"]
+
+    def value(self):
+        result = base_value.fget(self)
+        if self.trainable and _mapped(self) is not None:
+            _tape.variable_accessed(self)
+        return result
+
+    def handle(self):
+        mapped = _mapped(self)
+        return mapped if mapped is not None else base_handle.fget(self)
+
+    _TFVariable.value, _TFVariable.handle = property(value), property(handle)
+    try:
+        yield
+    finally:
+        del _TFVariable.value
+        _TFVariable.handle = base_handle
 
 
 # ---- TF distribute ------------------------------------------------------------
@@ -333,6 +396,15 @@ def concrete_function_for(function, args):
         cluster_coordinator._select_worker_slice(0, args),  # noqa: SLF001
     )
     return function.get_concrete_function(*spec_args)
+
+
+def per_worker_element_spec(iterator):
+    """The element spec of a per-worker dataset iterator (the type spec the
+    coordinator traces with, as `concrete_function_for`)."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    return cluster_coordinator._maybe_as_type_spec(  # noqa: SLF001
+        cluster_coordinator._select_worker_slice(0, iterator))._element_spec  # noqa: SLF001
 
 
 # ---- evaluation on the workers (issue #11) ---------------------------------------

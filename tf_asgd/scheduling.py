@@ -124,8 +124,12 @@ class WindowTrainer:
         self.closure_log = []
         self._max_in_flight = MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers
         self._logs, self._logs_at = None, 0.0
+        # The loss tracker's (total, count); a model whose `metrics` leave it
+        # out (e.g. its own `train_step` with its own loss metrics) has none.
         ids = [id(v) for v in model.metrics_variables]
-        self._loss_index = [ids.index(id(v)) for v in internals.loss_tracker(model).variables]
+        tracker = internals.loss_tracker(model)
+        tracked = tracker is not None and all(id(v) in ids for v in tracker.variables)
+        self._loss_index = [ids.index(id(v)) for v in tracker.variables] if tracked else None
         self.bytes_per_pull = nbytes(self.variables)
         self.bytes_per_push = self.bytes_per_pull
         # One trace for every closure size: the window vectors are padded to
@@ -229,6 +233,7 @@ class WindowTrainer:
         budget = self._budget(len(windows))
         args = (self._iterator, tf.constant(plan), tf.constant([len(windows), budget], tf.float64))
         if self._concrete is None or self._concrete[0] is not self._iterator:
+            self.window.prepare(self._iterator)  # errors before anything is traced
             self._concrete = (self._iterator, internals.concrete_function_for(self._window, args))
         rv = self.coordinator.schedule(self._concrete[1], args=args)
         self._pending.append((rv, windows, budget))
@@ -263,7 +268,7 @@ class WindowTrainer:
         its metric deltas to the epoch's sums and its duration to its
         worker's pace."""
         header, values, pi = self.layout.unpack(packed)
-        total, count = (values[i] for i in self._loss_index)
+        total, count = (values[i] for i in self._loss_index) if self._loss_index else (0.0, 0)
         record = WindowRecord(
             worker=int(header["worker"]),
             pushed=bool(header["pushed"]),

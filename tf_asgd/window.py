@@ -11,7 +11,8 @@ window's phases, each a method:
 1. `_shift_data_once`: before its first window, worker `i` skips `i` batches;
 2. `_already_pushed`: a re-run of a window that already pushed is a replay;
 3. `_pull`: the central variables, the version counter, the optimizer state;
-4. `_local_steps`: `n_sync` steps on loop tensors (`_step` is one);
+4. `_local_steps`: `n_sync` steps on loop tensors (`_step` is one: Keras's
+   step, or the model's own `train_step`, see `steps.py`);
 5. `_outgoing`: the update to push, through the push rule (GEM) if any;
 6. `_push_skip_or_replay`: push it (`push.push_update`), or count a NaN/Inf
    update as skipped, or do nothing for a replay;
@@ -45,11 +46,9 @@ import typing
 
 import numpy as np
 import tensorflow as tf
-from keras import StatelessScope
-from keras.utils import unpack_x_y_sample_weight
-
-from tf_asgd import internals
-from tf_asgd.push import Pull, Transfer, apply_push, branch_free, raw, read, update_specs
+from tf_asgd import internals, steps
+from tf_asgd.push import (Pull, Transfer, apply_push, branch_free, device_of, raw, read,
+                          update_specs)
 
 APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 
@@ -88,37 +87,60 @@ class WindowFunction:
     def __init__(self, trainer):
         self._trainer = trainer
         model, strategy, push_rule = trainer.model, trainer.strategy, trainer.push_rule
-        opt = model.optimizer
+        # A model with its own train_step: its optimizers are built (and
+        # this state made) when the window is first traced (`run`).
+        self._model_step = (steps.ModelStep(model, trainer.variables, push_rule)
+                            if steps.overrides_train_step(model) else None)
         with strategy.scope():
             self.local_optimizer = (
-                push_rule.local_optimizer(model.trainable_variables) if push_rule else opt
+                push_rule.local_optimizer(model.trainable_variables) if push_rule
+                else model.optimizer
             )
-            lo = self.local_optimizer
-            # Shared optimizer state: the step counter (the compiled optimizer's,
-            # so that `model.optimizer.iterations` counts every step applied) and
-            # the learning rate are read from the PS each window, so schedules
-            # and callbacks such as ReduceLROnPlateau see the global values. The
-            # rest (momentum, Adam's moments) is the worker's own, kept in
-            # per-worker variables.
-            self._shared = {id(lo.iterations): opt.iterations}
-            lr = internals.learning_rate_variable(lo)
-            if lr is not None:
-                self._shared[id(lr)] = lr
-            initial = [read(raw(v)) for v in lo.variables if id(v) not in self._shared]
+            if push_rule:
+                push_rule.create_worker_state(model.trainable_variables)
+            self.data_shifted = internals.per_worker_variable(False)
+        if self._model_step is None:
+            self._create_optimizer_state([self.local_optimizer], self.local_optimizer.variables)
+        with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
+            # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
+            self.applied_windows = tf.Variable(
+                tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
+            )
+
+    def _create_optimizer_state(self, optimizers, variables):
+        """The window's optimizer state: `variables` (of `optimizers`, the
+        local one first) are carried in that order. Shared: the local
+        optimizer's step counter (the compiled optimizer's, so that
+        `model.optimizer.iterations` counts every step applied) and each
+        optimizer's learning rate on a PS, read from the PS each window, so
+        schedules and callbacks such as ReduceLROnPlateau see the global
+        values. The rest (momentum, Adam's moments, other optimizers' step
+        counters) is the worker's own, kept in per-worker variables."""
+        lo, strategy = self.local_optimizer, self._trainer.strategy
+        with strategy.scope():
+            self._opt_variables = list(variables)
+            self._shared = {id(lo.iterations): self._trainer.model.optimizer.iterations}
+            for o in optimizers:
+                lr = internals.learning_rate_variable(o)
+                if lr is not None and (o is lo or "/job:ps" in device_of(raw(lr))):
+                    self._shared[id(lr)] = lr
+            initial = [read(raw(v)) for v in variables if id(v) not in self._shared]
             self.worker_state = [internals.per_worker_variable(v) for v in initial]
             # What `worker_state="reset"` restores at each pull: zeros for
             # the usual zero-initialised slots, else the initial values.
             self._initial_state = [
                 None if not np.any(v.numpy()) else v.numpy() for v in initial
             ]
-            if push_rule:
-                push_rule.create_worker_state(model.trainable_variables)
-            self.data_shifted = internals.per_worker_variable(False)
-        with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
-            # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
-            self.applied_windows = tf.Variable(
-                tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
-            )
+
+    def prepare(self, iterator):
+        """Before the window is first traced, on the chief: for a model with
+        its own `train_step`, builds its optimizers, checks that it can run
+        in a window (`steps.ModelStep.prepare`) and makes the optimizer state."""
+        if self._model_step is not None and not self._model_step.prepared:
+            self._model_step.prepare(internals.per_worker_element_spec(iterator),
+                                     self._trainer.strategy)
+            self._create_optimizer_state(self._model_step.optimizers,
+                                         self._model_step.optimizer_variables)
 
     def run(self, iterator, plan, limits):
         """A closure of windows on a worker (traced into the function the
@@ -155,7 +177,7 @@ class WindowFunction:
         with tf.control_dependencies([shifted]):
             start = tf.timestamp()
         self._pull_plan = pull = Pull(
-            self._trainer.variables, [self._shared[id(v)] for v in self.local_optimizer.variables
+            self._trainer.variables, [self._shared[id(v)] for v in self._opt_variables
                                       if id(v) in self._shared],
             self._trainer.strategy.counters, self._already_pushed)
         self._cdev = pull.cdev
@@ -196,7 +218,8 @@ class WindowFunction:
         with tf.control_dependencies([finite]):  # once the local steps are done
             has_next = tf.logical_and(k + 1 < count, tf.timestamp() - start < budget)
         following = tf.minimum(k + 1, num_steps.shape[0] - 1)
-        meta = tf.stack([window_ids[k], num_steps[k], pulled.version, tf.cast(ok, tf.int64),
+        meta = tf.stack([window_ids[k], self._applied(num_steps[k], pulled, opt_values),
+                         pulled.version, tf.cast(ok, tf.int64),
                          tf.cast(tf.logical_not(tf.logical_or(finite, replayed)), tf.int64),
                          window_ids[following], num_steps[following], tf.cast(has_next, tf.int64)])
         tau, flats = self._push_skip_or_replay(outgoing, ok, meta, has_next)
@@ -205,6 +228,14 @@ class WindowFunction:
             row = self._pack_result(worker, ok, replayed, tau, metric_values, outgoing.pi_stats,
                                     started_at)
         return row, has_next, flats
+
+    def _applied(self, num_steps, pulled, opt_values):
+        """How far the window advances `model.optimizer.iterations`: its steps,
+        or, for a model's own `train_step`, how often that applied it."""
+        if self._model_step is None:
+            return num_steps
+        i = [id(v) for v in self._opt_variables].index(id(self.local_optimizer.iterations))
+        return tf.cast(opt_values[i] - pulled.optimizer_values[i], tf.int64)
 
     def _shift_data_once(self, iterator, worker):
         """Before its first window, worker `i` skips `i` batches (see
@@ -248,7 +279,7 @@ class WindowFunction:
         values of its shared variables and of its own (each in order)."""
         shared, own = list(shared), list(own)
         return [shared.pop(0) if id(v) in self._shared else own.pop(0)
-                for v in self.local_optimizer.variables]
+                for v in self._opt_variables]
 
     def _local_steps(self, iterator, num_steps, pulled):
         """Local steps: `num_steps` steps of the local optimizer on the worker's
@@ -264,34 +295,12 @@ class WindowFunction:
         return weights, opt_values, metric_values
 
     def _step(self, batch, weights, opt_values, metric_values):
-        """One training step on loop tensors (Keras's `stateless_*` API)."""
-        model, n_train = self._trainer.model, len(self._trainer.model.trainable_variables)
-        x, y, sample_weight = unpack_x_y_sample_weight(batch)
-        trainable, non_trainable = weights[:n_train], weights[n_train:]
-        with tf.GradientTape() as tape:
-            tape.watch(trainable)
-            y_pred, non_trainable = model.stateless_call(
-                trainable, non_trainable, x, training=True
-            )
-            loss, (_, _, metric_values) = model.stateless_compute_loss(
-                trainable, non_trainable, metric_values, x=x, y=y,
-                y_pred=y_pred, sample_weight=sample_weight, training=True,
-            )
-        grads = tape.gradient(loss, trainable)
-        trainable, opt_values = internals.stateless_apply(
-            self.local_optimizer, opt_values, grads, trainable
-        )
-        mapping = list(zip(model.metrics_variables, metric_values))
-        with StatelessScope(state_mapping=mapping) as scope:
-            internals.loss_tracker(model).update_state(
-                loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0]
-            )
-            model.compute_metrics(x, y, y_pred, sample_weight)
-        metric_values = [
-            scope.get_current_value(v) if scope.get_current_value(v) is not None else m
-            for v, m in zip(model.metrics_variables, metric_values)
-        ]
-        return list(trainable) + list(non_trainable), opt_values, metric_values
+        """One training step on loop tensors (`steps.py`): the model's own
+        `train_step` if its class has one, else Keras's step."""
+        if self._model_step is not None:
+            return self._model_step.step(batch, weights, opt_values, metric_values)
+        return steps.keras_step(self._trainer.model, self.local_optimizer, batch,
+                                weights, opt_values, metric_values)
 
     def _outgoing(self, pulled, weights, opt_values):
         """The update to push (`weights - pulled`, the trainable part passed
@@ -311,7 +320,7 @@ class WindowFunction:
 
     def _own(self, opt_values):
         """The entries of `opt_values` kept in `worker_state` (not shared with the PS)."""
-        return [o for v, o in zip(self.local_optimizer.variables, opt_values) if id(v) not in self._shared]
+        return [o for v, o in zip(self._opt_variables, opt_values) if id(v) not in self._shared]
 
     def _push_skip_or_replay(self, outgoing, ok, meta, has_next):
         """One round on the PS: push, skip or replay this window, then pull
