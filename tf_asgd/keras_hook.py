@@ -332,7 +332,19 @@ def _symbolic_build(original, model, iterator=None, data_batch=None):
     if iterator is not None:
         _check_input_shapes(model, internals.epoch_iterator_element_spec(iterator))
     with local_mode():
-        return original(model, iterator=iterator, data_batch=data_batch)
+        try:
+            return original(model, iterator=iterator, data_batch=data_batch)
+        except RuntimeError:
+            # Under any strategy Keras builds the model by calling it, which a
+            # model that only overrides `train_step` (a GAN without `call`)
+            # cannot take; plain Keras (no strategy) defers to the first trace
+            # of `train_step`, as the window does (`steps.ModelStep.prepare`).
+            if type(model).train_step is keras.Model.train_step or not all(
+                    layer.built for layer in model.layers):
+                raise
+    if model.optimizer is not None and not model.optimizer.built:
+        with _strategy_of(model).scope():
+            model.optimizer.build(model.trainable_variables)
 
 
 def _check_input_shapes(model, element_spec):
