@@ -196,6 +196,45 @@ def test_gan_two_workers_trains_both_sub_models(cluster, digits):
     assert {r.worker for r in log} == {0, 1} and all(r.pushed for r in log)
 
 
+# ---- Keras's own step through the model's train_step ----------------------------
+
+
+class Super(keras.Sequential):
+    """Overrides `train_step` only to call Keras's: the window runs it through
+    `steps.ModelStep`, which must give Keras's step exactly."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _bn_net(cls):
+    model = cls([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                 keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse", metrics=["mae"])
+    return model
+
+
+def test_train_step_calling_keras_step_equals_plain_keras(cluster1):
+    """One worker, windows of 3 steps: a model whose `train_step` is Keras's
+    (through `super()`), with momentum, a metric and BatchNormalization's
+    moving statistics, ends where plain Keras ends, weights and metrics."""
+    rng = np.random.default_rng(5)
+    x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
+    strategy = _strategy(cluster1, n_sync=3)
+    with strategy.scope():
+        model = _bn_net(Super)
+    init = model.get_weights()
+    history = model.fit(x, t, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    local = _bn_net(Super)
+    local.set_weights(init)
+    expected = local.fit(x, t, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), local.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-5)
+    assert int(model.optimizer.iterations.numpy()) == 4 * 3
+
+
 # ---- compute_loss and test_step overrides ---------------------------------------
 
 
