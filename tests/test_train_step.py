@@ -335,6 +335,9 @@ class Counting(HeadOnly):
             print(data[0].numpy())
         elif self.variant == "tf_variable":
             self.calls.assign_add(1)
+        elif self.variant == "tf_variable_in_cond":
+            if tf.reduce_sum(data[0]) > 0:
+                self.calls.assign_add(1)
         elif self.variant == "uncarried_metric":
             self.hidden.update_state(1.0)
         elif self.variant == "py_function":
@@ -345,6 +348,7 @@ class Counting(HeadOnly):
 @pytest.mark.parametrize("variant,match", [
     ("numpy", "numpy"),
     ("tf_variable", "writes a TF variable directly"),
+    ("tf_variable_in_cond", "writes a TF variable directly"),
     ("uncarried_metric", "does not carry: hidden"),
     ("py_function", "calls Python"),
     ("run_eagerly", "run_eagerly=True"),

@@ -23,6 +23,7 @@ from tf_asgd import data, gem, models, network, optimizers, update_rules
 from tf_asgd.cluster import LocalCluster, parse_tf_config
 from tf_asgd.counters import AsyncStats
 from tf_asgd.records import WindowRecord
+from tf_asgd.steps import TrainStepError
 from tf_asgd.strategy import AsyncParameterServerStrategy
 from tf_asgd.update_rules import DelayedNesterov, OuterSGD
 
@@ -34,6 +35,7 @@ __all__ = [
     "DelayedNesterov",
     "LocalCluster",
     "OuterSGD",
+    "TrainStepError",
     "WindowRecord",
     "data",
     "gem",

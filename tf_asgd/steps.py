@@ -50,6 +50,8 @@ from tf_asgd import internals
 _READS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
           "VarIsInitializedOp", "Identity", "NoOp"}
 _PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
+_WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+           "ResourceStridedSliceAssign", "RngReadAndSkip", "RngSkip"}
 FIX = ("Write `train_step` as for `model.fit` without `run_eagerly`: TF and Keras ops "
        "only, with every variable it updates held by the model (its layers, its "
        "`metrics`, an optimizer attribute), and build the model before `fit`.")
@@ -278,9 +280,30 @@ class ModelStep:
                     "from a worker."))
             if op.type in _READS:
                 continue
-            if any(t.dtype == tf.resource for t in op.inputs) and op.type not in (
-                    "If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
-                    "StatefulPartitionedCall", "Case", "StatelessCase"):
+            functions = [a.func.name for a in op.node_def.attr.values() if a.HasField("func")]
+            functions += [f.name for a in op.node_def.attr.values() for f in a.list.func]
+            nested = self._nested_writes(op.graph, functions) if functions else None
+            if nested or (not functions and any(t.dtype == tf.resource for t in op.inputs)):
                 raise _refuse(self.model, (
-                    f"it writes a TF variable directly (op {op.name!r}, {op.type}), "
+                    f"it writes a TF variable directly (op {op.name!r}, {nested or op.type}), "
                     "not through a Keras variable the window carries."))
+
+    @staticmethod
+    def _nested_writes(graph, names):
+        """The first variable-writing or Python-calling op type in the
+        functions `names` of `graph` (cond branches, loop bodies, calls) and
+        the functions they call, or None."""
+        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+        seen, todo = set(), list(names)
+        while todo:
+            fdef = library.get(todo.pop())
+            if fdef is None or fdef.signature.name in seen:
+                continue
+            seen.add(fdef.signature.name)
+            for node in fdef.node_def:
+                if node.op in _PYTHON_OPS or node.op in _WRITES or node.op.startswith(
+                        ("ResourceApply", "ResourceSparseApply", "ResourceScatter")):
+                    return node.op
+                todo += [a.func.name for a in node.attr.values() if a.HasField("func")]
+                todo += [f.name for a in node.attr.values() for f in a.list.func]
+        return None
