@@ -352,13 +352,15 @@ class Counting(HeadOnly):
     ("uncarried_metric", "does not carry: hidden"),
     ("py_function", "calls Python"),
     ("run_eagerly", "run_eagerly=True"),
+    ("gem", "push rule"),
 ])
 def test_train_step_that_cannot_run_in_a_window_is_refused(cluster, digits, variant, match):
     (x, y), _ = _flat(digits)
     strategy = _strategy(cluster, n_sync=5)
     with strategy.scope():
         model = Counting(variant)
-        model.compile(keras.optimizers.SGD(0.1),
+        sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+        model.compile(tf_asgd.optimizers.GEM(sgd) if variant == "gem" else sgd,
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       run_eagerly=variant == "run_eagerly")
     model(x[:1])

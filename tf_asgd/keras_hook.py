@@ -18,7 +18,9 @@ For models of ours:
   (`strategy._evaluator_for(model)`, see `evaluation`), or on the chief with
   `evaluation="chief"` and for what the workers cannot evaluate exactly;
 - `predict`, chief evaluation and `_maybe_symbolic_build` run on the chief
-  against the central variables, with datasets handed out as local iterators;
+  against the central variables, with datasets handed out as local iterators
+  (a model that only overrides `train_step`, without `call`, is left for its
+  first trace to build, as plain Keras without a strategy does);
 - `train_on_batch` is refused (windows need an iterator per worker).
 
 The hook never imports the strategy: it recognises one by its marker
@@ -342,7 +344,7 @@ def _symbolic_build(original, model, iterator=None, data_batch=None):
             if type(model).train_step is keras.Model.train_step or not all(
                     layer.built for layer in model.layers):
                 raise
-    if model.optimizer is not None and not model.optimizer.built:
+    if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
         with _strategy_of(model).scope():
             model.optimizer.build(model.trainable_variables)
 
