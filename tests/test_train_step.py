@@ -177,8 +177,12 @@ def test_gan_one_worker_equals_plain_keras(cluster1, digits):
     assert max(np.abs(g - w).max() for g, w in zip(_weights(gan), init)) > 1e-3  # it trained
     for key in ("d_loss", "g_loss"):
         np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-5)
-    # The compiled optimizer (unused by train_step) did not move, as in Keras.
+    # The compiled optimizer (unused by train_step) did not move, as in Keras;
+    # the other two counted every step, on the PS.
     assert int(gan.optimizer.iterations.numpy()) == int(local.optimizer.iterations.numpy()) == 0
+    for name in ("d_optimizer", "g_optimizer"):
+        assert int(getattr(gan, name).iterations.numpy()) == 12
+        assert int(getattr(local, name).iterations.numpy()) == 12
 
 
 def test_gan_two_workers_trains_both_sub_models(cluster, digits):
@@ -194,6 +198,9 @@ def test_gan_two_workers_trains_both_sub_models(cluster, digits):
     assert all(np.isfinite(history.history[k]).all() for k in ("d_loss", "g_loss"))
     log = strategy.window_log(gan)
     assert {r.worker for r in log} == {0, 1} and all(r.pushed for r in log)
+    steps = 2 * int(np.ceil(len(x) / 32))  # both workers' steps, counted on the PS
+    assert int(gan.d_optimizer.iterations.numpy()) == int(gan.g_optimizer.iterations.numpy()) == steps
+    assert int(gan.optimizer.iterations.numpy()) == 0
 
 
 # ---- Keras's own step through the model's train_step ----------------------------

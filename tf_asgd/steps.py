@@ -22,14 +22,15 @@ local step:
 
 What is shared and what is per worker, for a model with its own
 `train_step`: the model's variables are central (pulled, updated by
-pushes), as for any model; the compiled optimizer's step counter and
-learning rate, and the learning rate of every other optimizer whose variable
-is on a PS, are read from the PS at each pull; the compiled optimizer's step
-counter advances on the PS by the number of times `train_step` applied it;
-every other optimizer variable (slots, the other optimizers' step counters)
-is the worker's own, as the compiled optimizer's slots are (the PS copies of
-the other optimizers' variables are not updated). Metrics are carried per
-window and summed on the chief, as for any model.
+pushes), as for any model; every optimizer's step counter and learning rate
+(the compiled optimizer's, and any other's whose variables are on a PS) are
+read from the PS at each pull, so schedules see global steps, and a push
+advances each step counter by the number of times the window's
+`train_step` calls applied that optimizer (so `model.optimizer.iterations`
+stays 0 for a GAN that never applies it, as in Keras); every other
+optimizer variable (momentum, Adam's moments) is the worker's own, as the
+compiled optimizer's is (the PS copies are not updated). Metrics are
+carried per window and summed on the chief, as for any model.
 
 `ModelStep` refuses, before anything is scheduled, a `train_step` that
 cannot run inside a window: a model compiled with `run_eagerly=True` (a

@@ -120,10 +120,14 @@ class WindowFunction:
         with strategy.scope():
             self._opt_variables = list(variables)
             self._shared = {id(lo.iterations): self._trainer.model.optimizer.iterations}
+            self._counters = [lo.iterations]  # step counters advanced on the PS by a push
             for o in optimizers:
                 lr = internals.learning_rate_variable(o)
                 if lr is not None and (o is lo or "/job:ps" in device_of(raw(lr))):
                     self._shared[id(lr)] = lr
+                if o is not lo and "/job:ps" in device_of(raw(o.iterations)):
+                    self._shared[id(o.iterations)] = o.iterations
+                    self._counters.append(o.iterations)
             initial = [read(raw(v)) for v in variables if id(v) not in self._shared]
             self.worker_state = [internals.per_worker_variable(v) for v in initial]
             # What `worker_state="reset"` restores at each pull: zeros for
@@ -218,10 +222,11 @@ class WindowFunction:
         with tf.control_dependencies([finite]):  # once the local steps are done
             has_next = tf.logical_and(k + 1 < count, tf.timestamp() - start < budget)
         following = tf.minimum(k + 1, num_steps.shape[0] - 1)
-        meta = tf.stack([window_ids[k], self._applied(num_steps[k], pulled, opt_values),
-                         pulled.version, tf.cast(ok, tf.int64),
+        advanced = self._advanced(num_steps[k], pulled, opt_values)
+        meta = tf.stack([window_ids[k], advanced[0], pulled.version, tf.cast(ok, tf.int64),
                          tf.cast(tf.logical_not(tf.logical_or(finite, replayed)), tf.int64),
-                         window_ids[following], num_steps[following], tf.cast(has_next, tf.int64)])
+                         window_ids[following], num_steps[following], tf.cast(has_next, tf.int64)]
+                        + advanced[1:])
         tau, flats = self._push_skip_or_replay(outgoing, ok, meta, has_next)
         state_ops = self._write_worker_state(ok, pulled, outgoing)
         with tf.control_dependencies(state_ops):
@@ -229,13 +234,16 @@ class WindowFunction:
                                     started_at)
         return row, has_next, flats
 
-    def _applied(self, num_steps, pulled, opt_values):
-        """How far the window advances `model.optimizer.iterations`: its steps,
-        or, for a model's own `train_step`, how often that applied it."""
-        if self._model_step is None:
-            return num_steps
-        i = [id(v) for v in self._opt_variables].index(id(self.local_optimizer.iterations))
-        return tf.cast(opt_values[i] - pulled.optimizer_values[i], tf.int64)
+    def _advanced(self, num_steps, pulled, opt_values):
+        """How far the window advances each of `_counters` (int64): its steps
+        for `model.optimizer.iterations`, or, for a model's own `train_step`,
+        how often that applied each optimizer."""
+        ids = [id(v) for v in self._opt_variables]
+        out = [num_steps] if self._model_step is None else []
+        for counter in self._counters[len(out):]:
+            i = ids.index(id(counter))
+            out.append(tf.cast(opt_values[i] - pulled.optimizer_values[i], tf.int64))
+        return out
 
     def _shift_data_once(self, iterator, worker):
         """Before its first window, worker `i` skips `i` batches (see
@@ -351,7 +359,7 @@ class WindowFunction:
             tensors = tf.cond(ok, lambda: tensors, lambda: [tf.zeros_like(p) for p in tensors])
         tensors = list(tensors) + [meta] + [tf.cast(has_next, tf.uint8) for _ in others]
         transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces]
-                            + [(self._cdev, [8], tf.int64)] + [(d, [], tf.uint8) for d in others])
+                            + [(self._cdev, meta.shape, tf.int64)] + [(d, [], tf.uint8) for d in others])
         arrived, landed = transfer.send(tensors)
         meta = arrived[len(pieces)]
         with tf.device(self._cdev):  # (a slice made elsewhere would travel)
@@ -367,17 +375,20 @@ class WindowFunction:
             # Like the variables, the step count and the window's id are
             # written only once the whole update has reached the PS.
             iterations = raw(self._trainer.model.optimizer.iterations)
-            steps, window_id = meta[1], meta[0] + 1
+            steps, window_id = meta[1:2], meta[0] + 1  # the counters' advances: meta[1], meta[8:]
             with tf.device(self._cdev):
+                steps = tf.concat([steps, meta[8:]], 0)
                 if push is not None:  # branch-free: no change unless pushed
                     steps = steps * tf.cast(push, tf.int64)
                     window_id = tf.where(push, window_id, self.applied_windows.sparse_read(slot)[0])
                 applied = tf.raw_ops.ResourceScatterUpdate(
                     resource=self.applied_windows.handle, indices=slot,
                     updates=tf.reshape(window_id, [1]))
-            with tf.device(iterations.device):
-                steps = iterations.assign_add(tf.cast(steps, iterations.dtype), read_value=False)
-            return [steps, applied]
+            ops = [applied]
+            for i, counter in enumerate([iterations] + [raw(c) for c in self._counters[1:]]):
+                with tf.device(counter.device):
+                    ops.append(counter.assign_add(tf.cast(steps[i], counter.dtype), read_value=False))
+            return ops
 
         _, tau = apply_push(
             self._trainer.variables, arrived[:len(pieces)], landed, version, counters,
