@@ -14,19 +14,21 @@ setup(
     packages=find_packages(include=["tf_asgd", "tf_asgd.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "tensorflow>=2.21,<2.22",
-        # The Keras trainer hook (tf_asgd/keras_hook.py) is pinned to these.
-        "keras>=3.15,<3.16",
+        "tensorflow>=2.19,<2.22",
+        # The Keras trainer hook (tf_asgd/keras_hook.py) and tf_asgd/internals.py
+        # support these (internals.SUPPORTED_KERAS / SUPPORTED_TF; tested by
+        # tools/compat.py, docs/compat.md).
+        "keras>=3.13,<3.16",
         "numpy",
         "absl-py",
         "ml-collections",
         # TensorBoard summaries (launcher logs, GEM's PiMonitor); TF 2.21 does not pull it in.
-        "tensorboard>=2.21,<2.22",
+        "tensorboard>=2.19,<2.22",
     ],
     extras_require={
-        "and-cuda": ["tensorflow[and-cuda]>=2.21,<2.22"],
+        "and-cuda": ["tensorflow[and-cuda]>=2.19,<2.22"],
         # Stock ParameterServerStrategy baseline for tools/bench.py.
-        "bench": ["tf-keras>=2.21,<2.22", "matplotlib"],
-        "test": ["pytest", "scikit-learn", "matplotlib", "tf-keras>=2.21,<2.22"],
+        "bench": ["tf-keras>=2.19,<2.22", "matplotlib"],
+        "test": ["pytest", "scikit-learn", "matplotlib", "tf-keras>=2.19,<2.22"],
     },
 )

@@ -172,6 +172,36 @@ def load_mnist(path="", download=True):
     return (x[..., None], y.astype("int64")), (xt[..., None], yt.astype("int64"))
 
 
+# Only what rebuilds a NumPy array may be unpickled from a CIFAR batch file
+# (numpy < 2 and >= 2 spellings): a tampered file cannot run code. Keras 3.15
+# reads batches this way; Keras 3.13 and 3.14 use a plain `pickle.load`.
+_CIFAR_PICKLE_GLOBALS = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+})
+
+
+def load_cifar_batch(path):
+    """One batch file of CIFAR-10's python version as `(data, labels)`,
+    data `(n, 3, 32, 32)` uint8, with a restricted unpickler (NumPy arrays
+    only: anything else raises `pickle.UnpicklingError`)."""
+    import pickle
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _CIFAR_PICKLE_GLOBALS:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(
+                f"Refusing to unpickle {module}.{name} from CIFAR batch {path!r}: "
+                "the file may be corrupt or malicious.")
+
+    with open(path, "rb") as f:
+        batch = {k.decode("utf8") if isinstance(k, bytes) else k: v
+                 for k, v in Unpickler(f, encoding="bytes").load().items()}
+    data = batch["data"]
+    return data.reshape(data.shape[0], 3, 32, 32), batch["labels"]
+
+
 def load_cifar10(data_dir="", download=True):
     """CIFAR-10 as `((x_train, y_train), (x_test, y_test))`, 32x32x3 uint8, labels (n,).
 
@@ -181,11 +211,9 @@ def load_cifar10(data_dir="", download=True):
     """
     tried = _cifar10_dir(data_dir)
     if os.path.isfile(os.path.join(tried, "data_batch_1")):
-        from tf_asgd.internals import load_cifar_batch as load_batch
-
-        xs, ys = zip(*(load_batch(os.path.join(tried, f"data_batch_{i}")) for i in range(1, 6)))
+        xs, ys = zip(*(load_cifar_batch(os.path.join(tried, f"data_batch_{i}")) for i in range(1, 6)))
         x, y = np.concatenate(xs), np.concatenate(ys)
-        xt, yt = load_batch(os.path.join(tried, "test_batch"))
+        xt, yt = load_cifar_batch(os.path.join(tried, "test_batch"))
         x, xt = x.transpose(0, 2, 3, 1), np.asarray(xt).transpose(0, 2, 3, 1)
     elif data_dir or not download:
         raise MissingDataError(

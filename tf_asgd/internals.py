@@ -1,14 +1,14 @@
 """Every private TensorFlow and Keras API that tf_asgd uses, in one place.
 
-Keras 3.15 has no parameter-server path and TF exposes no public way to poll
+Keras 3 (3.13 to 3.15) has no parameter-server path and TF exposes no public way to poll
 a `RemoteValue` or to apply a TF optimizer statelessly, so tf_asgd needs a
 few internals. They are all here, each with a line saying why no public API
 serves, so that a new TF or Keras release is checked against this one module
 (and `keras_hook.py`, which patches the Keras trainer through it).
 
-The Keras version check runs first, before any private import: on an
-unsupported Keras, `import tf_asgd` fails with a message naming the versions
-it supports, not with an `ImportError` from deep inside Keras.
+The version check runs first, before any private import: on an unsupported
+Keras or TensorFlow, `import tf_asgd` fails with a `RuntimeError` naming the
+versions it supports, not with an `ImportError` from deep inside Keras.
 """
 
 import contextlib
@@ -20,16 +20,40 @@ import types
 import keras
 import tensorflow as tf
 
-SUPPORTED_KERAS = ("3.15",)
+# The minor versions tools/compat.py installed and tested (docs/compat.md).
+# Every private API below is the same in all of them.
+SUPPORTED_KERAS = ("3.13", "3.14", "3.15")
+SUPPORTED_TF = ("2.19", "2.20", "2.21")
+
+
+def _minor(version):
+    """`"3.15.1"` -> `"3.15"`."""
+    return ".".join(version.split(".")[:2])
 
 
 def check_keras_version():
-    """Raises `RuntimeError` unless the installed Keras is one of `SUPPORTED_KERAS`."""
-    if not keras.__version__.startswith(SUPPORTED_KERAS):
+    """Raises `RuntimeError` unless the installed Keras and TensorFlow are of
+    `SUPPORTED_KERAS` and `SUPPORTED_TF`: the hook patches Keras's trainer
+    and uses TF internals, so other versions are refused, not guessed at."""
+    found = [(name, version) for name, version, supported in (
+        ("Keras", keras.__version__, SUPPORTED_KERAS),
+        ("TensorFlow", tf.__version__, SUPPORTED_TF),
+    ) if _minor(version) not in supported]
+    if found:
+        keras_pin = f"keras>={SUPPORTED_KERAS[0]},<{_next_minor(SUPPORTED_KERAS[-1])}"
+        tf_pin = f"tensorflow>={SUPPORTED_TF[0]},<{_next_minor(SUPPORTED_TF[-1])}"
         raise RuntimeError(
-            f"tf_asgd's Keras hook supports Keras {', '.join(SUPPORTED_KERAS)}.x; "
-            f"found {keras.__version__}."
+            f"tf_asgd supports Keras {SUPPORTED_KERAS[0]} to {SUPPORTED_KERAS[-1]} and "
+            f"TensorFlow {SUPPORTED_TF[0]} to {SUPPORTED_TF[-1]}; found "
+            + " and ".join(f"{name} {version}" for name, version in found)
+            + f'. Install supported versions: pip install "{keras_pin}" "{tf_pin}".'
         )
+
+
+def _next_minor(minor):
+    """`"3.15"` -> `"3.16"`."""
+    major, m = minor.split(".")
+    return f"{major}.{int(m) + 1}"
 
 
 check_keras_version()
@@ -45,8 +69,6 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
 # on arrays must give the same batches Keras would, repeated (no public API).
 from keras.src.trainers import data_adapters  # noqa: E402
 from keras.src.trainers.data_adapters import array_slicing  # noqa: E402
-# Keras's CIFAR batch reader, with its restricted (numpy-only) unpickler.
-from keras.src.datasets.cifar import load_batch as load_cifar_batch  # noqa: E402,F401
 # Whether a RemoteValue is ready without blocking: TF has no public poll and
 # no wait-for-any over several RemoteValues.
 from tensorflow.python.distribute.coordinator import remote_value  # noqa: E402
@@ -207,8 +229,8 @@ def allow_run_without_coordinator(strategy):
 def per_worker_variable(initial_value, **kwargs):
     """A non-trainable variable with one copy on each worker.
 
-    `per_worker_variable=True` is a TF 2.21 `tf.Variable` argument with no
-    public documentation; create under the strategy's scope.
+    `per_worker_variable=True` is a `tf.Variable` argument (TF 2.19 to 2.21)
+    with no public documentation; create under the strategy's scope.
     """
     return tf.Variable(initial_value, per_worker_variable=True, trainable=False, **kwargs)
 

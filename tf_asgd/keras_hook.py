@@ -1,6 +1,6 @@
 """The narrow hook into Keras 3's TensorFlow trainer.
 
-Keras 3.15 has no parameter-server path: under TF's `ParameterServerStrategy`
+Keras 3 (3.13 to 3.15) has no parameter-server path: under TF's `ParameterServerStrategy`
 its `fit` raises `ValueError: To use this dataset, you need to pass this
 dataset to ClusterCoordinator.create_per_worker_dataset`. `install()` wraps a
 few methods of `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`; each
