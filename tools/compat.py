@@ -31,6 +31,7 @@ Each TF venv takes about 2 GB. Run it niced on a shared machine:
 import csv
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_pair(venv, tf_version, keras_version, args, expect_refusal=False):
         with open(os.path.join(args.out, f"fast_tf{tf_version}_keras{keras_version}.log"), "w") as f:
             f.write(out)
     if args.smoke:
-        code, out = run([venv.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", args.smoke],
+        code, out = run([venv.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shlex.split(args.smoke)],
                         args.timeout, env=env)
         row["smoke"] = pytest_summary(code, out)
         ok = ok and code == 0
@@ -194,7 +195,8 @@ def main():
                    help="Keras versions, comma-separated")
     p.add_argument("--unsupported-keras", default="3.12",
                    help="a Keras out of range, checked to be refused at import ('' to skip)")
-    p.add_argument("--smoke", default=SMOKE, help="one cluster test to run per pair")
+    p.add_argument("--smoke", default=SMOKE,
+                   help="cluster tests to run per pair (pytest node ids, space-separated; 'tests': all)")
     p.add_argument("--no-smoke", dest="smoke", action="store_const", const="")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "compat"))
