@@ -38,6 +38,23 @@ ROLES = ("chief", "worker", "ps", "evaluator")
 # launcher's --verbose_tf sets it); otherwise they start quietly.
 VERBOSE_TF_ENV = "TF_ASGD_VERBOSE_TF"
 
+# Per cluster (its worker and ps addresses): what to stop before its tasks stop.
+_BEFORE_STOP = {}
+
+
+def before_stop(cluster_spec, fn):
+    """Registers `fn()` to run when the `LocalCluster` serving `cluster_spec`
+    (a dict) closes, before its tasks stop. A strategy registers the stop of
+    its coordinator: TF's coordinator keeps polling a cluster that is gone,
+    and its failure handler then reconnects this process's eager context to
+    it (`update_server_def`), which breaks the strategy of the next cluster
+    ("unknown device")."""
+    _BEFORE_STOP.setdefault(_tasks_key(cluster_spec), []).append(fn)
+
+
+def _tasks_key(cluster_spec):
+    return frozenset(a for job in ("worker", "ps") for a in cluster_spec.get(job, []))
+
 # What every TF 2.21 process writes to stderr while it starts (absl's
 # pre-initialisation notice, the CPU-feature note), and, on a machine without
 # a CUDA driver, the failed GPU probe. Nothing else is dropped.
@@ -365,6 +382,8 @@ class LocalCluster:
         freed later is not removed from them), then they are stopped. Tasks
         that died before (killed, crashed) are marked gone first.
         """
+        for fn in _BEFORE_STOP.pop(_tasks_key(self.cluster_spec), []):
+            fn()
         with self._lock:
             procs, self._procs = dict(self._procs), {}
         dead = [t for t, proc in procs.items() if proc.poll() is not None]  # killed, crashed

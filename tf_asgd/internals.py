@@ -429,9 +429,6 @@ def per_worker_element_spec(iterator):
         cluster_coordinator._select_worker_slice(0, iterator))._element_spec  # noqa: SLF001
 
 
-# ---- evaluation on the workers (issue #11) ---------------------------------------
-
-
 def pythonify_logs(logs):
     """Keras's conversion of metric results to Python numbers, as `evaluate`
     returns them (no public API)."""
@@ -444,3 +441,9 @@ def flatten_metrics_in_order(model, logs):
     """`evaluate`'s list (or single value) of metric results, in Keras's order
     (`Trainer._flatten_metrics_in_order`, no public API)."""
     return model._flatten_metrics_in_order(logs)
+
+
+def stop_coordinator(coordinator):
+    """Stops a `ClusterCoordinator`'s threads, as only its destructor does."""
+    if coordinator is not None:
+        coordinator._cluster.stop()  # noqa: SLF001

@@ -231,6 +231,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        coordinator = weakref.ref(self.coordinator)
+        cluster_lib.before_stop(cluster_resolver.cluster_spec().as_dict(),
+                                lambda: internals.stop_coordinator(coordinator()))
         with self.scope():
             self.counters = PushCounters()
         self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
