@@ -136,3 +136,44 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
         for name in opt.slots:
             got = np.concatenate([s[name].numpy() for s in var_slots], axis=0)
             np.testing.assert_allclose(got, st[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cluster
+def test_outer_state_round_trips_through_a_checkpoint(sharded_cluster, tmp_path):
+    """The outer momentum is saved beside the model, and a checkpoint restored
+    before `fit` fills a fresh strategy's slots when `fit` creates them."""
+    import keras
+    import tf_asgd
+
+    (x, y), _ = tf_asgd.data.load_digits()
+    opt = update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True)
+
+    def build():
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            sharded_cluster.resolver, n_sync=5, outer_optimizer=opt)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Flatten(),
+                                      keras.layers.Dense(10)])
+            model.compile(keras.optimizers.SGD(0.05),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return strategy, model
+
+    strategy, model = build()
+    assert strategy.outer_state(model) is strategy.outer_state(model)
+    assert not strategy.outer_state(model).variables  # created by the first fit
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    saved = [v.numpy() for v in strategy.outer_state(model).variables]
+    # A momentum slot per trainable variable (kernel, bias), and it moved.
+    assert len(saved) == 2 and all(np.abs(v).max() > 0 for v in saved)
+    path = tf.train.Checkpoint(model=model, outer=strategy.outer_state(model)).save(
+        str(tmp_path / "ckpt"))
+
+    strategy, model = build()
+    state = strategy.outer_state(model)
+    tf.train.Checkpoint(model=model, outer=state).restore(path).assert_existing_objects_matched()
+    model.fit(x, y, batch_size=32, epochs=1, initial_epoch=1, verbose=0)  # builds, trains nothing
+    assert strategy.model_stats(model).windows == 0
+    got = [v.numpy() for v in state.variables]
+    assert len(got) == len(saved)
+    for g, w in zip(got, saved):
+        np.testing.assert_array_equal(g, w)

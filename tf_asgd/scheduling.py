@@ -102,6 +102,8 @@ class WindowTrainer:
                  for shard in shard_variables(raw(v))]
                 for i, v in enumerate(self.variables)
             ]
+        # Tracked there, so a checkpoint of the model can hold them.
+        strategy.outer_state(model).slots = self.outer_slots
         self.window = WindowFunction(self)  # creates the worker-side state
         self.window_log = []  # a WindowRecord per finished window, in order seen
         self._ticketed = 0  # windows of window_log that took a version ticket

@@ -240,6 +240,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self._fitting = weakref.WeakKeyDictionary()  # model -> its fit's steps per epoch
         self._batch_sharded = weakref.WeakSet()  # datasets sharded by batch over the workers
         self._evaluators = weakref.WeakKeyDictionary()  # model -> its Evaluator
+        self._outer_states = weakref.WeakKeyDictionary()  # model -> its outer_state
 
     @property
     def evaluation(self):
@@ -323,6 +324,34 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             An `AsyncStats`.
         """
         return self.stats(self._trainer_of(model))
+
+    def outer_state(self, model):
+        """The PS's outer-optimizer state of `model`, to checkpoint.
+
+        A `tf.Module` whose variables are the outer optimizer's slots (e.g.
+        the outer momentum beside each PS variable). They are created by the
+        model's first `fit`; a checkpoint restored before then restores them
+        when they are created (TF's deferred restoration).
+
+        Args:
+            model: a Keras model created under this strategy's scope.
+
+        Returns:
+            A `tf.Module`, the same one on every call for `model`.
+
+        Example:
+
+        ```python
+        ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                                   outer=strategy.outer_state(model))
+        ckpt.restore(path)  # before fit: the outer slots follow on creation
+        model.fit(...)
+        ```
+        """
+        state = self._outer_states.get(model)
+        if state is None:
+            state = self._outer_states[model] = tf.Module(name="outer_state")
+        return state
 
     # ---- per-model state, for keras_hook and gem (not public) ----------------
 

@@ -232,7 +232,8 @@ def make_checkpoint_callback(manager, epoch_var, step_fn):
 
 def make_checkpoint(model, strategy, epoch_var):
     """A `tf.train.Checkpoint` of the model (central variables), the epoch
-    count, the optimizer once built, and the strategy's push counters.
+    count, the optimizer once built, the strategy's push counters and its
+    outer optimizer's state (restored when `fit` creates it).
 
     Its writes run one traced function (`internals.trace_checkpoint_writes`):
     TF would trace a new one per checkpoint, registering it on every task of
@@ -243,6 +244,7 @@ def make_checkpoint(model, strategy, epoch_var):
         parts["optimizer"] = model.optimizer
     if strategy is not None:
         parts["counters"] = strategy.counters
+        parts["outer"] = strategy.outer_state(model)
     return internals.trace_checkpoint_writes(tf.train.Checkpoint(**parts))
 
 
