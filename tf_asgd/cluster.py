@@ -40,6 +40,7 @@ VERBOSE_TF_ENV = "TF_ASGD_VERBOSE_TF"
 
 # Per cluster (its worker and ps addresses): what to stop before its tasks stop.
 _BEFORE_STOP = {}
+_SERVING = set()  # the task sets of this process's open LocalClusters
 
 
 def before_stop(cluster_spec, fn):
@@ -48,8 +49,11 @@ def before_stop(cluster_spec, fn):
     its coordinator: TF's coordinator keeps polling a cluster that is gone,
     and its failure handler then reconnects this process's eager context to
     it (`update_server_def`), which breaks the strategy of the next cluster
-    ("unknown device")."""
-    _BEFORE_STOP.setdefault(_tasks_key(cluster_spec), []).append(fn)
+    ("unknown device"). A cluster no `LocalCluster` here serves (one from
+    `TF_CONFIG`) never closes here, so nothing is kept for it."""
+    key = _tasks_key(cluster_spec)
+    if key in _SERVING:
+        _BEFORE_STOP.setdefault(key, []).append(fn)
 
 
 def _tasks_key(cluster_spec):
@@ -273,6 +277,7 @@ class LocalCluster:
             "worker": [f"localhost:{p}" for p in ports[1 : 1 + num_workers]],
             "ps": [f"localhost:{p}" for p in ports[1 + num_workers :]],
         }
+        _SERVING.add(_tasks_key(self.cluster_spec))
         atexit.register(self.close)
         try:
             self._start(start_timeout)
@@ -382,6 +387,7 @@ class LocalCluster:
         freed later is not removed from them), then they are stopped. Tasks
         that died before (killed, crashed) are marked gone first.
         """
+        _SERVING.discard(_tasks_key(self.cluster_spec))
         for fn in _BEFORE_STOP.pop(_tasks_key(self.cluster_spec), []):
             fn()
         with self._lock:
