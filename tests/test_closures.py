@@ -111,9 +111,13 @@ def test_gem_is_exact_with_several_windows_per_closure(cluster1, outer):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_nonfinite_windows_inside_a_closure_are_counted_not_pushed(cluster, digits):
+@pytest.mark.parametrize("n_sync,windows_per_closure", [(5, None), (2, 5)])
+def test_nonfinite_windows_are_counted_never_pushed(cluster, digits, n_sync, windows_per_closure):
+    """Automatic closures, and 5 windows a closure: every NaN window of the
+    20 steps is dropped on its own, and none reaches the PS."""
     (x, y), _ = digits
-    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2, windows_per_closure=5)
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=n_sync, windows_per_closure=windows_per_closure)
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
     before = [v.numpy() for v in model.trainable_variables]
@@ -123,7 +127,7 @@ def test_nonfinite_windows_inside_a_closure_are_counted_not_pushed(cluster, digi
     for b, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(b, v.numpy())
     stats = strategy.model_stats(model)
-    assert stats.dropped_nonfinite == 10 and stats.windows == 0
+    assert stats.dropped_nonfinite == 20 // n_sync and stats.windows == 0
     assert int(model.optimizer.iterations.numpy()) == 0
 
 

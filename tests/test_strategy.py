@@ -251,21 +251,6 @@ def test_local_cluster_stops_every_process_also_on_error():
     assert not pids & _task_servers()
 
 
-def test_nonfinite_updates_are_never_pushed(cluster, digits):
-    (x, y), _ = digits
-    strategy = _strategy(cluster, n_sync=5)
-    with strategy.scope():
-        model = compile_digits(tf_asgd.models.digits_convnet())
-    before = [v.numpy() for v in model.trainable_variables]
-    bad = np.full_like(x[:64], np.nan)
-    with pytest.raises(FloatingPointError, match="NaN or Inf; none was pushed"):
-        model.fit(bad, y[:64], batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
-    for b, v in zip(before, model.trainable_variables):
-        np.testing.assert_array_equal(b, v.numpy())
-    stats = strategy.model_stats(model)
-    assert stats.dropped_nonfinite == 4 and stats.windows == 0
-
-
 @pytest.mark.parametrize("partitioned", [False, True])
 def test_variables_sharded_over_two_ps(digits, partitioned):
     """Two PS: whole variables round-robin, or split by a partitioner; pushes
