@@ -38,7 +38,7 @@ flags.DEFINE_string(
 flags.DEFINE_bool(
     "resume", False,
     "Continue from the newest checkpoint in --workdir (central variables, optimizer step, "
-    "version counter, epoch count).",
+    "version counter, outer optimizer state, epoch count).",
 )
 flags.DEFINE_integer(
     "gpus_per_worker", None,
