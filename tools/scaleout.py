@@ -10,9 +10,9 @@ All tasks share one child process (`LocalCluster(shared_process=True)`), so
 32 workers fit in memory. To keep the real per-step CPU work small next to
 the emulated device time, the minibatch is `--batch-size` (default 1), the
 local optimizer plain SGD and the default model the small digits convnet
-(38k parameters): a step of the GEM MNIST convnet (2.47M parameters) costs
-about 7 ms of real CPU even at batch 1 (its gradient and SGD update touch
-every parameter), so 2 cores cannot emulate more than a few such workers.
+(38k parameters): the GEM MNIST convnet costs more real CPU a step (about
+7 ms at batch 1, measured when it lacked the paper's pooling and had 2.47M
+parameters; 164k now), and 2 cores cannot emulate many such workers.
 
 For each worker count and `n_sync` it reports samples/s, the speed-up over
 1 worker at the same `n_sync`, the ideal (workers), and per push (window):
