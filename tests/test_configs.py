@@ -108,6 +108,12 @@ def test_outer_optimizer_fields_build_the_strategys_outer_optimizer():
         train_lib.make_outer_optimizer(c)
 
 
+def test_gem_convnet_on_digits_is_refused_with_the_fix():
+    c = load("default", "--config.model=gem_mnist_convnet")
+    with pytest.raises(ValueError, match="needs MNIST's 28x28 images; dataset 'digits'.*digits_convnet"):
+        train_lib.make_model(c)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_model_matches_its_data(name):
     c = load(name)

@@ -103,8 +103,11 @@ def make_model(config):
     if config.model == "paine2013_imagenet_convnet":
         crop = config.crop_size or 224
         return builder(input_shape=(crop, crop, 3))
-    if config.model == "gem_mnist_convnet" and config.dataset == "digits":
-        return builder(input_shape=(8, 8, 1))
+    if config.model == "gem_mnist_convnet" and config.dataset != "mnist":
+        raise ValueError(
+            f"Model gem_mnist_convnet needs MNIST's 28x28 images; dataset {config.dataset!r} "
+            "does not have them. Use --config.dataset=mnist, or --config.model=digits_convnet "
+            "for the 8x8 digits.")
     return builder()
 
 
