@@ -193,8 +193,16 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see StopSignals)
         checkpoint_on_interrupt(manager, step_fn)
         raise
-    except tf.errors.UnavailableError as e:  # includes the coordinator's PSUnavailableError
-        raise task_lost_error(e, cluster, manager, epoch_var) from e
+    except Exception as e:
+        if stop is not None and stop.requested.is_set():
+            # The signal's KeyboardInterrupt, raised inside TF's C++ bindings,
+            # can come out as another error (pybind11: "ORIGINAL
+            # InvalidArgumentError REPLACED BY KeyboardInterrupt").
+            checkpoint_on_interrupt(manager, step_fn)
+            raise KeyboardInterrupt(f"signal {stop.signum}") from e
+        if isinstance(e, tf.errors.UnavailableError):  # includes the coordinator's PSUnavailableError
+            raise task_lost_error(e, cluster, manager, epoch_var) from e
+        raise
     results = {f"test_{k}": float(v) for k, v in test.items()}
     if data.test_images is not None:
         results.update(
