@@ -67,7 +67,7 @@ def _tf_keras_model(name):
     import tf_keras
 
     ref = _keras3_model(name)
-    keys = ("filters", "kernel_size", "strides", "padding", "activation", "units", "pool_size", "rate")
+    keys = ("filters", "kernel_size", "strides", "padding", "activation", "units", "pool_size")
     layers = [tf_keras.Input(ref.input_shape[1:])]
     for layer in ref.layers:
         cfg = layer.get_config()
