@@ -11,6 +11,8 @@ OPTIMIZERS = [
     update_rules.OuterSGD(0.5),
     update_rules.OuterSGD(0.7, momentum=0.9),
     update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True),
+    update_rules.OuterSGD(0.5, warmup_pushes=6, warmup_learning_rate=0.25),
+    update_rules.OuterSGD(0.5, momentum=0.5, warmup_pushes=4, warmup_learning_rate=0.1),
     update_rules.DelayedNesterov(0.7, 0.9),
     update_rules.DelayedNesterov(1.0, 0.5, delay=3),
 ]
@@ -54,6 +56,20 @@ def test_default_outer_learning_rate():
     np.testing.assert_allclose(got, [1.0, 0.5, 2**0.5 / 4, 0.25, 0.125])
 
 
+def test_default_outer_optimizer_warms_up_from_the_average():
+    # 8 workers: 1/8 at ticket 0, halfway at ticket 16, sqrt(8/2)/8 from ticket 32 on.
+    opt = update_rules.default_outer_optimizer(8)
+    got = [update_rules.outer_learning_rate(opt, t) for t in (0, 16, 32, 1000)]
+    np.testing.assert_allclose(got, [0.125, 0.1875, 0.25, 0.25])
+    # 2 workers: the default already is the average, so nothing to warm up.
+    assert update_rules.default_outer_optimizer(2) == update_rules.OuterSGD(0.5)
+    # The ramp is applied to the pseudo-gradient push by push.
+    theta, _ = update_rules.outer_step(opt, np.zeros(2, np.float32), np.ones(2, np.float32),
+                                       {}, 16, 8)
+    assert theta.dtype == np.float32
+    np.testing.assert_allclose(theta, [-0.1875, -0.1875])
+
+
 def test_delayed_nesterov_is_diloco_over_each_group():
     # Over `delay` pushes: theta -= lr * (mean(g) + mu * v), v = mu * v + mean(g) (Nesterov).
     opt = update_rules.DelayedNesterov(0.7, 0.9, delay=2)
@@ -74,6 +90,10 @@ def test_delayed_nesterov_is_diloco_over_each_group():
     (lambda: update_rules.OuterSGD(1.0, momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
     (lambda: update_rules.OuterSGD(1.0, nesterov=True), ValueError, "needs momentum > 0"),
     (lambda: update_rules.DelayedNesterov(delay=0), ValueError, "delay must be a positive integer"),
+    (lambda: update_rules.OuterSGD(1.0, warmup_pushes=-1), ValueError, "warmup_pushes must be a non-negative"),
+    (lambda: update_rules.OuterSGD(1.0, warmup_pushes=8), ValueError, "needs warmup_learning_rate"),
+    (lambda: update_rules.OuterSGD(1.0, warmup_pushes=8, warmup_learning_rate=0.0), ValueError,
+     "warmup_learning_rate must be a number > 0"),
     (lambda: update_rules.validate_outer_optimizer("adam"), TypeError, "outer_optimizer must be"),
     (lambda: update_rules.validate_worker_state("zero"), ValueError, "Unknown worker_state 'zero'"),
 ])

@@ -56,6 +56,8 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     dtype = piece.dtype
     g = -tf.cast(scale, dtype) * piece
     lr = effective_learning_rate(opt, num_workers)
+    if getattr(opt, "warmup_pushes", 0):
+        lr = tf.cast(update_rules.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy), dtype)
     if not slots:
         return [shard.assign_add(-lr * g, read_value=False)]
     mu = tf.constant(opt.momentum, dtype)
@@ -64,7 +66,7 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
         # velocity = mu * velocity - lr * g; shard += velocity
         # (Nesterov: shard += mu * velocity - lr * g), atomically.
         return [tf.raw_ops.ResourceApplyKerasMomentum(
-            var=shard.handle, accum=velocity.handle, lr=tf.constant(lr, dtype), grad=g,
+            var=shard.handle, accum=velocity.handle, lr=tf.cast(lr, dtype), grad=g,
             momentum=mu, use_locking=True, use_nesterov=opt.nesterov,
         )]
     # Delayed Nesterov, written without branches: `due` is 1 for the pushes

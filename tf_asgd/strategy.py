@@ -405,4 +405,4 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             return self.outer_optimizer
         if push_rule is not None:
             return update_rules.OuterSGD()  # GEM: the paper's PS adds pushes as is
-        return update_rules.OuterSGD(update_rules.default_outer_learning_rate(self.num_workers))
+        return update_rules.default_outer_optimizer(self.num_workers)

@@ -154,16 +154,30 @@ class OuterSGD:
         learning_rate: outer learning rate, > 0.
         momentum: outer momentum in [0, 1).
         nesterov: Nesterov momentum (needs `momentum > 0`).
+        warmup_pushes: the outer rate ramps linearly over this many pushes
+            (by version ticket) from `warmup_learning_rate` to
+            `learning_rate`; 0 (no warm-up) by default.
+        warmup_learning_rate: the outer rate of the first push (ticket 0),
+            > 0; needed with `warmup_pushes`.
     """
 
     learning_rate: float = 1.0
     momentum: float = 0.0
     nesterov: bool = False
+    warmup_pushes: int = 0
+    warmup_learning_rate: typing.Optional[float] = None
 
     def __post_init__(self):
         _check_lr_momentum(self.learning_rate, self.momentum)
         if self.nesterov and not self.momentum:
             raise ValueError("OuterSGD(nesterov=True) needs momentum > 0.")
+        w = self.warmup_pushes
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
+            raise ValueError(f"OuterSGD warmup_pushes must be a non-negative integer, got {w!r}.")
+        if w and self.warmup_learning_rate is None:
+            raise ValueError("OuterSGD(warmup_pushes=...) needs warmup_learning_rate.")
+        if self.warmup_learning_rate is not None:
+            _check_lr_momentum(self.warmup_learning_rate, 0.0, "warmup_learning_rate")
 
     @property
     def slots(self):
@@ -202,9 +216,9 @@ class DelayedNesterov:
     slots = ("velocity", "buffer")
 
 
-def _check_lr_momentum(learning_rate, momentum):
+def _check_lr_momentum(learning_rate, momentum, name="learning_rate"):
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
-        raise ValueError(f"Outer learning_rate must be a number > 0, got {learning_rate!r}.")
+        raise ValueError(f"Outer {name} must be a number > 0, got {learning_rate!r}.")
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise ValueError(f"Outer momentum must be in [0, 1), got {momentum!r}.")
 
@@ -222,6 +236,31 @@ def default_outer_learning_rate(num_workers):
     README ("Convergence") and results/convergence.
     """
     return max(1.0, (num_workers / 2.0) ** 0.5) / num_workers
+
+
+def default_outer_optimizer(num_workers):
+    """The strategy's default outer optimizer for `num_workers` workers.
+
+    `OuterSGD(default_outer_learning_rate(N))`, warmed up from the plain
+    average `1 / N` over the first `4 * N` pushes: the first windows all start
+    from the same weights, so their pushes point the same way and their sum
+    overshoots; later pushes decorrelate and the square-root rate applies.
+    """
+    lr = default_outer_learning_rate(num_workers)
+    if lr <= 1.0 / num_workers:
+        return OuterSGD(lr)
+    return OuterSGD(lr, warmup_pushes=4 * num_workers, warmup_learning_rate=1.0 / num_workers)
+
+
+def outer_learning_rate(opt, ticket, xp=np):
+    """`opt`'s learning rate for the push with version ticket `ticket` (its warm-up)."""
+    if not getattr(opt, "warmup_pushes", 0):
+        return opt.learning_rate
+    if xp is np:  # a Python float, so that float32 arrays stay float32
+        frac = min(float(ticket) / opt.warmup_pushes, 1.0)
+    else:
+        frac = xp.minimum(xp.asarray(ticket, dtype=xp.float64) / opt.warmup_pushes, 1.0)
+    return opt.warmup_learning_rate + (opt.learning_rate - opt.warmup_learning_rate) * frac
 
 
 def validate_outer_optimizer(opt):
@@ -277,7 +316,8 @@ def outer_step(opt, theta, g, state, ticket, num_workers, xp=np):
     """
     state = {name: state.get(name, xp.zeros_like(theta)) for name in opt.slots}
     if isinstance(opt, OuterSGD):
-        theta, v = outer_sgd(theta, g, state.get("velocity"), opt.learning_rate,
+        lr = outer_learning_rate(opt, ticket, xp=xp)
+        theta, v = outer_sgd(theta, g, state.get("velocity"), lr,
                              opt.momentum, opt.nesterov, xp=xp)
         if opt.momentum:
             state["velocity"] = v

@@ -9,7 +9,7 @@ plain Keras `fit` given the same samples and seed:
   at least `--min-windows` of them, so every worker pushes that many windows;
 - `setups` name strategy configurations: `default` (only `n_sync` given),
   `average` (`OuterSGD(1 / workers)`), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`,
-  the default since issue #13),
+  the default from issue #13 until its warm-up from `1 / workers` was added),
   `dynsgd` (the defaults before issue #13: DynSGD, every push added as is),
   `none` (Downpour), `diloco` (`OuterSGD(0.7 / workers, 0.9, nesterov)`),
   `delayed_nesterov` (`DelayedNesterov(0.7, 0.9)`), `reset` (the default with
