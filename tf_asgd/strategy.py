@@ -124,10 +124,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     `tau` counts the pushes committed between this window's pull and its push.
 
     Defaults: each push counts `max(1, sqrt(N / 2)) / N` for N workers
-    (`OuterSGD(update_rules.default_outer_learning_rate(N))`, no staleness
-    scaling): N workers that each carry their own momentum (or Adam moments)
-    add up to about one step of a sqrt(N/2)-times larger learning rate, which
-    keeps the user's optimizer stable unchanged; see README, "Convergence".
+    (`update_rules.default_outer_optimizer(N)`, no staleness scaling): N
+    workers that each carry their own momentum (or Adam moments) add up to
+    about one step of a sqrt(N/2)-times larger learning rate, which keeps the
+    user's optimizer stable unchanged. Over the first 4N pushes the rate
+    ramps up from the average `1 / N`: the first windows all start from the
+    same weights, so their pushes agree and would overshoot added up. See
+    README, "Convergence".
     With a GEM optimizer the default is the paper's: every push added as is.
 
     The strategy keeps each model's training state (its `WindowTrainer`,
@@ -153,7 +156,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `tf_asgd.OuterSGD(learning_rate, momentum, nesterov)` (DiLoCo's is
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
             `tf_asgd.DelayedNesterov(learning_rate, momentum, delay)`. `None`:
-            `OuterSGD(max(1, sqrt(num_workers / 2)) / num_workers)`, or
+            `update_rules.default_outer_optimizer(num_workers)` (the rate
+            `max(1, sqrt(num_workers / 2)) / num_workers`, warmed up from
+            `1 / num_workers` over the first `4 * num_workers` pushes), or
             `OuterSGD()` (add as is) for GEM.
             Its state lives on the PS beside each variable (or shard).
         worker_state: what a worker does with its own optimizer state
