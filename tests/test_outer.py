@@ -51,9 +51,10 @@ def test_defaults_are_the_classic_parameter_server():
 
 
 def test_default_outer_learning_rate():
-    # One worker: plain Keras; two: their average; then sqrt(N / 2) times the average.
-    got = [update_rules.default_outer_learning_rate(n) for n in (1, 2, 4, 8, 32)]
-    np.testing.assert_allclose(got, [1.0, 0.5, 2**0.5 / 4, 0.25, 0.125])
+    # One worker: plain Keras; up to four: their average; 1/4 a push up to 8;
+    # then sqrt(N / 2) times the average.
+    got = [update_rules.default_outer_learning_rate(n) for n in (1, 2, 3, 4, 6, 8, 32)]
+    np.testing.assert_allclose(got, [1.0, 0.5, 1 / 3, 0.25, 0.25, 0.25, 0.125])
 
 
 def test_default_outer_optimizer_warms_up_from_the_average():
@@ -61,8 +62,9 @@ def test_default_outer_optimizer_warms_up_from_the_average():
     opt = update_rules.default_outer_optimizer(8)
     got = [update_rules.outer_learning_rate(opt, t) for t in (0, 16, 32, 1000)]
     np.testing.assert_allclose(got, [0.125, 0.1875, 0.25, 0.25])
-    # 2 workers: the default already is the average, so nothing to warm up.
+    # Up to 4 workers the default already is the average, so nothing to warm up.
     assert update_rules.default_outer_optimizer(2) == update_rules.OuterSGD(0.5)
+    assert update_rules.default_outer_optimizer(4) == update_rules.OuterSGD(0.25)
     # The ramp is applied to the pseudo-gradient push by push.
     theta, _ = update_rules.outer_step(opt, np.zeros(2, np.float32), np.ones(2, np.float32),
                                        {}, 16, 8)
