@@ -123,12 +123,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     optimizer to the pseudo-gradient `-staleness_scale(tau) * update`, where
     `tau` counts the pushes committed between this window's pull and its push.
 
-    Defaults: each push counts `max(1, sqrt(N / 2)) / N` for N workers
-    (`update_rules.default_outer_optimizer(N)`, no staleness scaling): N
-    workers that each carry their own momentum (or Adam moments) add up to
-    about one step of a sqrt(N/2)-times larger learning rate, which keeps the
-    user's optimizer stable unchanged. Over the first 4N pushes the rate
-    ramps up from the average `1 / N`: the first windows all start from the
+    Defaults: each push counts `max(1/N, min(1/4, 1/sqrt(2N)))` for N workers
+    (`update_rules.default_outer_optimizer(N)`, no staleness scaling): their
+    average up to 4 workers, 1/4 up to 8, then the square-root rule. N
+    workers each carry their own momentum (or Adam moments), so their pushes
+    added as they are overshoot; these rates keep the user's optimizer
+    stable unchanged. Where the rate is above the average, it ramps up from
+    `1 / N` over the first 4N pushes: the first windows all start from the
     same weights, so their pushes agree and would overshoot added up. See
     README, "Convergence".
     With a GEM optimizer the default is the paper's: every push added as is.
@@ -157,8 +158,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
             `tf_asgd.DelayedNesterov(learning_rate, momentum, delay)`. `None`:
             `update_rules.default_outer_optimizer(num_workers)` (the rate
-            `max(1, sqrt(num_workers / 2)) / num_workers`, warmed up from
-            `1 / num_workers` over the first `4 * num_workers` pushes), or
+            `update_rules.default_outer_learning_rate(num_workers)`, warmed
+            up from `1 / num_workers` over the first `4 * num_workers`
+            pushes), or
             `OuterSGD()` (add as is) for GEM.
             Its state lives on the PS beside each variable (or shard).
         worker_state: what a worker does with its own optimizer state

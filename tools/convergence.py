@@ -9,7 +9,7 @@ plain Keras `fit` given the same samples and seed:
   at least `--min-windows` of them, so every worker pushes that many windows;
 - `setups` name strategy configurations: `default` (only `n_sync` given),
   `average` (`OuterSGD(1 / workers)`), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`,
-  the default from issue #13 until its warm-up from `1 / workers` was added),
+  the default from issue #13 until the cap at 1/4 a push and the warm-up were added),
   `dynsgd` (the defaults before issue #13: DynSGD, every push added as is),
   `none` (Downpour), `diloco` (`OuterSGD(0.7 / workers, 0.9, nesterov)`),
   `delayed_nesterov` (`DelayedNesterov(0.7, 0.9)`), `reset` (the default with
@@ -77,7 +77,7 @@ def strategy_kwargs(setup, workers):
         "default": {},
         "gem": {},
         "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
-        "sqrt": dict(outer_optimizer=rules.OuterSGD(rules.default_outer_learning_rate(workers))),
+        "sqrt": dict(outer_optimizer=rules.OuterSGD(max(1.0, (workers / 2) ** 0.5) / workers)),
         "reset": dict(worker_state="reset"),
         "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
         "none": dict(staleness="none", outer_optimizer=rules.OuterSGD()),
