@@ -234,7 +234,7 @@ def default_outer_learning_rate(num_workers):
     - up to 4 workers, their average `1 / N`: the sum of 2 momentum-SGD
       workers' pushes diverged, and `sqrt(2) / 4` a push on 4 workers
       oscillated late in training (held-out accuracy more than 3 points
-      below plain Keras in 10 to 22% of late epochs; none at 1/4);
+      below plain Keras in 12 to 22% of late epochs; none at 1/4);
     - from 4 to 8 workers, 1/4 a push, and beyond 8 the square-root rule
       for an N-times larger batch, `sqrt(N / 2) / N`: the plain average gives
       up sample efficiency as N grows.
