@@ -30,11 +30,12 @@ def create_slots(opt, shard):
     return slots
 
 
-def effective_learning_rate(opt, num_workers):
-    """The factor a push is applied with, momentum aside."""
+def effective_learning_rate(opt, num_workers, ticket):
+    """The factor the push with version ticket `ticket` is applied with,
+    momentum aside (a tensor while `OuterSGD` warms up)."""
     if isinstance(opt, update_rules.DelayedNesterov):
         return opt.learning_rate / (opt.delay or num_workers)
-    return opt.learning_rate
+    return update_rules.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy)
 
 
 def apply(opt, shard, piece, slots, scale, ticket, num_workers):
@@ -55,9 +56,7 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     """
     dtype = piece.dtype
     g = -tf.cast(scale, dtype) * piece
-    lr = effective_learning_rate(opt, num_workers)
-    if getattr(opt, "warmup_pushes", 0):
-        lr = tf.cast(update_rules.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy), dtype)
+    lr = tf.cast(effective_learning_rate(opt, num_workers, ticket), dtype)
     if not slots:
         return [shard.assign_add(-lr * g, read_value=False)]
     mu = tf.constant(opt.momentum, dtype)
@@ -66,7 +65,7 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
         # velocity = mu * velocity - lr * g; shard += velocity
         # (Nesterov: shard += mu * velocity - lr * g), atomically.
         return [tf.raw_ops.ResourceApplyKerasMomentum(
-            var=shard.handle, accum=velocity.handle, lr=tf.cast(lr, dtype), grad=g,
+            var=shard.handle, accum=velocity.handle, lr=lr, grad=g,
             momentum=mu, use_locking=True, use_nesterov=opt.nesterov,
         )]
     # Delayed Nesterov, written without branches: `due` is 1 for the pushes

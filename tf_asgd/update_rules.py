@@ -246,10 +246,11 @@ def default_outer_learning_rate(num_workers):
 def default_outer_optimizer(num_workers):
     """The strategy's default outer optimizer for `num_workers` workers.
 
-    `OuterSGD(default_outer_learning_rate(N))`, warmed up from the plain
-    average `1 / N` over the first `4 * N` pushes: the first windows all start
-    from the same weights, so their pushes point the same way and their sum
-    overshoots; later pushes decorrelate and the square-root rate applies.
+    `OuterSGD(default_outer_learning_rate(N))`; where that is above the
+    plain average `1 / N`, warmed up from it over the first `4 * N` pushes:
+    the first windows all start from the same weights, so their pushes point
+    the same way and their sum overshoots; later pushes decorrelate and the
+    full rate applies.
     """
     lr = default_outer_learning_rate(num_workers)
     if lr <= 1.0 / num_workers:

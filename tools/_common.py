@@ -35,6 +35,12 @@ def float_list(text):
     return [float(v) for v in text.split(",") if v]
 
 
+def sqrt_outer_learning_rate(workers):
+    """The default outer rate before its cap at 1/4 and warm-up (issue #13's
+    first choice), kept for side-by-side runs: `max(1, sqrt(N / 2)) / N`."""
+    return max(1.0, (workers / 2) ** 0.5) / workers
+
+
 def local_cluster(workers, num_ps=1):
     """A `tf_asgd.LocalCluster` on loopback with every task in one child
     process (`shared_process=True`: 32 workers fit in memory). Use it as a

@@ -77,7 +77,7 @@ def strategy_kwargs(setup, workers):
         "default": {},
         "gem": {},
         "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
-        "sqrt": dict(outer_optimizer=rules.OuterSGD(max(1.0, (workers / 2) ** 0.5) / workers)),
+        "sqrt": dict(outer_optimizer=rules.OuterSGD(_common.sqrt_outer_learning_rate(workers))),
         "reset": dict(worker_state="reset"),
         "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
         "none": dict(staleness="none", outer_optimizer=rules.OuterSGD()),
