@@ -11,7 +11,7 @@ import tensorflow as tf
 from absl import flags
 from ml_collections import config_flags
 
-from tf_asgd import data, input_pipeline, models, train_lib
+from tf_asgd import config_fields, data, input_pipeline, models, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -37,18 +37,18 @@ def test_config_has_every_field_of_default(name):
     assert set(config.keys()) == set(default.keys())
     for sub in ("optimizer", "gem", "outer"):
         assert set(config[sub].keys()) == set(default[sub].keys())
-    assert config.model in train_lib.MODELS
-    assert config.dataset in input_pipeline.DATASETS
+    assert config.model in config_fields.MODELS
+    assert config.dataset in config_fields.DATASETS
 
 
 def test_every_field_is_documented_once():
-    """`train_lib.CONFIG_FIELDS` (what --help prints) names exactly the fields of the default config."""
+    """`config_fields.CONFIG_FIELDS` (what --help prints) names exactly the fields of the default config."""
     default = load("default")
     fields = set()
     for key, value in default.to_dict().items():
         fields |= {f"{key}.{sub}" for sub in value} if isinstance(value, dict) else {key}
-    assert fields == set(train_lib.CONFIG_FIELDS)
-    assert all(train_lib.CONFIG_FIELDS.values())
+    assert fields == set(config_fields.CONFIG_FIELDS)
+    assert all(config_fields.CONFIG_FIELDS.values())
 
 
 def test_papers_settings():

@@ -91,14 +91,22 @@ def assert_all_stopped(ports, within=15.0):
     assert not task_server_processes(ports)
 
 
-def test_help_lists_every_flag():
-    proc = run_launcher(["--help"], timeout=120)
+def test_help_lists_every_flag_and_loads_no_tensorflow():
+    """The launcher reads its flags and config before it imports TensorFlow
+    (it may re-execute itself in a network namespace first)."""
+    cmd, env = launcher(["--help"])
+    proc = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr  # absl's --help exits 1
     out = proc.stdout + proc.stderr
     for flag in ("--config", "--workdir", "--[no]resume", "--gpus_per_worker"):
         assert flag in out
     for field in ("n_sync", "staleness", "gem.enabled", "num_workers", "batch_size", "steps_per_epoch"):
         assert field in out
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "tf_asgd.config_fields" in imported
+    assert not imported & {"tensorflow", "keras"}
 
 
 def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path):
@@ -246,22 +254,21 @@ _NOT_IN_A_CLEAN_RUN = re.compile(
 def test_default_run_prints_no_errors_and_no_tf_noise(tmp_path):
     """The README's first command, shortened: 6 epochs of 10 steps (6
     checkpoints: TF's per-save retracing warned from the 5th), with its
-    per-epoch validation. Its output is the config, the progress and the
-    results: no error line, no TF INFO line, TF's start-up lines only from
-    the launcher's own first import (tf_asgd/__init__.py imports TF before
-    the launcher runs)."""
-    proc = run_launcher(["--config=configs/default.py", "--config.epochs=6",
-                         "--config.steps_per_epoch=10", f"--workdir={tmp_path}"], timeout=300)
+    per-epoch validation, and TF's log level left to the launcher. Its output
+    is the config, the progress and the results: no error line, no TF INFO
+    line, none of TF's start-up lines (the launcher loads TF quietly, after
+    its re-exec)."""
+    cmd, env = launcher(["--config=configs/default.py", "--config.epochs=6",
+                         "--config.steps_per_epoch=10", f"--workdir={tmp_path}"])
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert_all_stopped(local_cluster_ports(proc.stderr))
     bad = sorted({m.group(0) for m in _NOT_IN_A_CLEAN_RUN.finditer(out)})
     assert not bad, f"{bad} in:\n{out[-4000:]}"
-    # After the config (logged by the launcher once it runs in its namespace,
-    # with its tasks started after): none of TF's start-up lines.
-    started = proc.stderr.split("] config:", 1)[1]
     for noise in ("absl::InitializeLog", "cudart_stub", "cpu_feature_guard", "cuInit"):
-        assert noise not in started, started[:3000]
+        assert noise not in out, out[:3000]
     for wanted in ("config:", "n_sync: 10", "Epoch 6/6", "epoch 6/6 done", "done: test accuracy"):
         assert wanted in out, wanted
     assert len(re.findall(r"saved checkpoint \S+ \(epoch \d\)", out)) == 6

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tf_asgd import training
+from tf_asgd import cluster as cluster_lib
 
 CLUSTER = {
     "chief": ["host0:2222"],
@@ -21,15 +21,15 @@ def tf_config(cluster=CLUSTER, task_type="worker", index=0):
 
 
 def test_unset_or_empty_means_local():
-    assert training.tf_config_role({}) is None
-    assert training.tf_config_role({"TF_CONFIG": "  "}) is None
+    assert cluster_lib.tf_config_role({}) is None
+    assert cluster_lib.tf_config_role({"TF_CONFIG": "  "}) is None
 
 
 @pytest.mark.parametrize(
     "task_type,index", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]
 )
 def test_good_roles(task_type, index):
-    cluster, got_type, got_index = training.tf_config_role(tf_config(task_type=task_type, index=index))
+    cluster, got_type, got_index = cluster_lib.tf_config_role(tf_config(task_type=task_type, index=index))
     assert cluster == CLUSTER
     assert (got_type, got_index) == (task_type, index)
 
@@ -51,7 +51,7 @@ def test_good_roles(task_type, index):
 )
 def test_bad_tf_config_quotes_the_problem(environ, quoted):
     with pytest.raises(ValueError, match=None) as err:
-        training.tf_config_role(environ)
+        cluster_lib.tf_config_role(environ)
     assert quoted in str(err.value)
 
 
@@ -74,7 +74,6 @@ def test_stop_hooks_are_kept_only_for_clusters_this_process_serves():
     it runs on; for a TF_CONFIG cluster, which never closes here, nothing is
     kept (it would stay for the life of the process)."""
     import tf_asgd
-    from tf_asgd import cluster as cluster_lib
 
     calls = []
     cluster_lib.before_stop(CLUSTER, lambda: calls.append("tf_config"))

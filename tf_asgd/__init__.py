@@ -19,13 +19,52 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
 ```
 """
 
-from tf_asgd import data, gem, models, network, optimizers, update_rules
-from tf_asgd.cluster import LocalCluster, parse_tf_config
-from tf_asgd.counters import AsyncStats
-from tf_asgd.records import WindowRecord
-from tf_asgd.steps import TrainStepError
-from tf_asgd.strategy import AsyncParameterServerStrategy
-from tf_asgd.update_rules import DelayedNesterov, OuterSGD
+import importlib
+import sys
+
+_EXPORTS = {
+    "AsyncParameterServerStrategy": "tf_asgd.strategy",
+    "AsyncStats": "tf_asgd.counters",
+    "DelayedNesterov": "tf_asgd.update_rules",
+    "LocalCluster": "tf_asgd.cluster",
+    "OuterSGD": "tf_asgd.update_rules",
+    "TrainStepError": "tf_asgd.steps",
+    "WindowRecord": "tf_asgd.records",
+    "parse_tf_config": "tf_asgd.cluster",
+}
+_SUBMODULES = ("data", "gem", "models", "network", "optimizers", "update_rules")
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"tf_asgd.{name}")
+    else:
+        raise AttributeError(f"module 'tf_asgd' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def _started_module():
+    """The module `python -m` is starting, while it imports this package first; else None."""
+    if sys.argv and sys.argv[0] == "-m":
+        return sys.orig_argv[-len(sys.argv)]
+    return None
+
+
+# `python -m tf_asgd.launch` and `-m tf_asgd.task_server` import what they
+# use themselves: the launcher re-executes itself in a network namespace
+# before it loads TensorFlow (seconds on a small machine), and a task server
+# needs no Keras. Everyone else gets everything at once, which also
+# registers tf_asgd's Keras objects (GEM, the models' layers) for loading.
+if _started_module() not in ("tf_asgd.launch", "tf_asgd.task_server"):
+    for _name in (*_SUBMODULES, *_EXPORTS):
+        __getattr__(_name)
 
 __version__ = "0.1.0"
 

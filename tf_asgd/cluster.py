@@ -217,6 +217,26 @@ def parse_tf_config(text):
     return cluster, task_type, task_index
 
 
+def tf_config_role(environ=None):
+    """`(cluster, task_type, task_index)` from `TF_CONFIG`, or `None` when unset.
+
+    Raises `ValueError` quoting what is wrong with a malformed `TF_CONFIG`
+    (bad JSON, unknown role, index out of range, no ps or worker, no chief).
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("TF_CONFIG", "")
+    if not text.strip():
+        return None
+    cluster, task_type, task_index = parse_tf_config(text)
+    chiefs = cluster.get("chief", [])
+    if len(chiefs) != 1:
+        raise ValueError(
+            "TF_CONFIG cluster needs exactly one 'chief' task (it runs the "
+            f"coordinator and the training loop), got {chiefs!r} in: {text!r}"
+        )
+    return cluster, task_type, task_index
+
+
 def validate_cluster_spec(cluster):
     """Raises `ValueError` unless `cluster` has at least one ps and one worker."""
     for job in ("ps", "worker"):

@@ -9,7 +9,7 @@ checkpoints. See docs/launcher.md.
 Config fields are overridden with `--config.<field>=<value>`, for example
 `--config.epochs=5 --config.optimizer.learning_rate=0.1 --config.gem.enabled=False`.
 `--help` lists every flag and config field (the fields' meanings are
-written once, in `tf_asgd.train_lib.CONFIG_FIELDS`).
+written once, in `tf_asgd.config_fields.CONFIG_FIELDS`).
 
 The console shows the config, Keras's progress, the launcher's own log lines
 and the results; TensorFlow's start-up lines and INFO logs (C++ and Python)
@@ -22,12 +22,15 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tf_asgd import cluster, data, internals, lost_tasks, network, train_lib, training
+# Standard library and numpy only until `main` has moved the run into its
+# network namespace: a process that has loaded TensorFlow (seconds on a
+# small machine) would load it again after the re-exec.
+from tf_asgd import cluster, config_fields, data, network
 
 config_flags.DEFINE_config_file(
     "config", None,
     "Path to a config file with get_config() (e.g. configs/default.py).\n"
-    + train_lib.config_help(),
+    + config_fields.config_help(),
     lock_config=True,
 )
 flags.DEFINE_string(
@@ -106,14 +109,17 @@ def main(argv):
     if FLAGS.gpus_per_worker is not None:
         config.gpus_per_worker = FLAGS.gpus_per_worker
     try:
-        role = training.tf_config_role()  # fails at once on a malformed TF_CONFIG
+        role = cluster.tf_config_role()  # fails at once on a malformed TF_CONFIG
     except ValueError as e:
         sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
-    train_lib.configure_tf_python_logging(FLAGS.verbose_tf)
     if role is None:
         isolate_local_run(FLAGS.isolate_network, config)
+    import_tf_quietly(FLAGS.verbose_tf)
+    from tf_asgd import internals, lost_tasks, train_lib, training
+
+    train_lib.configure_tf_python_logging(FLAGS.verbose_tf)
     logging.info("config:\n%s", config)
     stop = train_lib.StopSignals(FLAGS.stop_timeout)
     try:
@@ -147,25 +153,26 @@ def verbose_tf_requested(argv, environ=None):
     return verbose
 
 
-def prepare_tf_output(argv):
-    """Before absl starts: TF's logs for this process and every process it
-    starts (`TF_CPP_MIN_LOG_LEVEL`, `cluster.VERBOSE_TF_ENV`), and TF's
-    devices listed while native stderr is held back (`cluster.quiet_tf_startup`:
-    drops the start-up lines, shows anything else). TensorFlow is already
-    imported here (by `tf_asgd/__init__.py`), so this process's own import
-    lines have been printed; the re-executed launcher and the tasks start quietly."""
-    verbose = verbose_tf_requested(argv)
-    if verbose:
+def set_tf_log_level(argv):
+    """Before absl starts: TF's log level for this process and every process
+    it starts (`TF_CPP_MIN_LOG_LEVEL`, `cluster.VERBOSE_TF_ENV`)."""
+    if verbose_tf_requested(argv):
         os.environ[cluster.VERBOSE_TF_ENV] = "1"
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     else:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
 
+
+def import_tf_quietly(verbose):
+    """Imports TensorFlow and lists its devices while native stderr is held
+    back (`cluster.quiet_tf_startup`: drops the start-up lines, shows
+    anything else)."""
     with cluster.quiet_tf_startup(not verbose):
+        import tensorflow as tf
+
         tf.config.list_physical_devices()
 
 
 if __name__ == "__main__":
-    prepare_tf_output(sys.argv)
+    set_tf_log_level(sys.argv)
     app.run(main)

@@ -67,26 +67,6 @@ from tf_asgd.train_lib import (
 # Roles and devices
 
 
-def tf_config_role(environ=None):
-    """`(cluster, task_type, task_index)` from `TF_CONFIG`, or `None` when unset.
-
-    Raises `ValueError` quoting what is wrong with a malformed `TF_CONFIG`
-    (bad JSON, unknown role, index out of range, no ps or worker, no chief).
-    """
-    environ = os.environ if environ is None else environ
-    text = environ.get("TF_CONFIG", "")
-    if not text.strip():
-        return None
-    cluster, task_type, task_index = cluster_lib.parse_tf_config(text)
-    chiefs = cluster.get("chief", [])
-    if len(chiefs) != 1:
-        raise ValueError(
-            "TF_CONFIG cluster needs exactly one 'chief' task (it runs the "
-            f"coordinator and the training loop), got {chiefs!r} in: {text!r}"
-        )
-    return cluster, task_type, task_index
-
-
 def hide_gpus():
     """Keeps this process off the GPUs (PS tasks, the chief, the evaluator).
 
@@ -387,7 +367,7 @@ def run(config, workdir, resume=False, environ=None, stop=None):
     SIGTERM into a KeyboardInterrupt for a local run and the chief: a
     checkpoint, every local task stopped, then the KeyboardInterrupt.
     """
-    role = tf_config_role(environ)
+    role = cluster_lib.tf_config_role(environ)
     if role is None:
         stop = stop or StopSignals()
         with stop:

@@ -1,0 +1,62 @@
+"""The launcher's config fields: their names and meanings, written once.
+
+`python -m tf_asgd.launch --help` prints them (`config_help`), configs/*.py
+set their values (tests/test_configs.py checks that both name the same
+fields). Standard library only: the launcher reads this before it imports
+TensorFlow (see `tf_asgd.launch`).
+"""
+
+DATASETS = ("digits", "mnist", "cifar10", "imagenet")
+MODELS = (
+    "digits_convnet",
+    "gem_mnist_convnet",
+    "cuda_convnet_cifar10",
+    "paine2013_imagenet_convnet",
+)
+# Every field of configs/default.py (tests/test_configs.py checks the keys).
+CONFIG_FIELDS = {
+    "model": f"a builder in tf_asgd.models: {' | '.join(MODELS)}",
+    "dataset": " | ".join(DATASETS),
+    "data_dir": "local data path ('' = the data set's default place)",
+    "download": "let keras.datasets download missing mnist/cifar10",
+    "augment": "random crop + flip (cifar10, imagenet)",
+    "image_size": "imagenet: side images are resized to (0 = default, 256)",
+    "crop_size": "imagenet/cifar10: training crop side (0 = the data set's default)",
+    "ten_crop_eval": "final multi-crop evaluation: softmax averaged over 10 views "
+                     "(4 corners, centre, and their mirror images)",
+    "batch_size": "examples per worker step",
+    "epochs": "epochs to train (a resumed run continues up to this)",
+    "steps_per_epoch": "steps per epoch (0 = training examples // batch_size)",
+    "eval_steps": "test batches to evaluate (0 = all)",
+    "validate_every_epoch": "evaluate the test split after each epoch",
+    "seed": "random seed (weights, data order)",
+    "n_sync": "local steps per window between pull and push",
+    "staleness": "none (Downpour) | dynsgd (push scaled by 1/(staleness+1))",
+    "max_staleness": "drop pushes staler than this (unset = keep every push)",
+    "optimizer.name": "sgd | adam",
+    "optimizer.learning_rate": "learning rate of every worker's optimizer",
+    "optimizer.momentum": "SGD momentum (sgd only)",
+    "outer.name": "the PS's outer optimizer: default (each push scaled by max(1/N, min(1/4, 1/sqrt(2N))); "
+                  "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
+    "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
+                           "delayed_nesterov 0.7)",
+    "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",
+    "worker_state": "keep | reset: a worker's own optimizer state (momentum, Adam moments) at each pull",
+    "windows_per_closure": "windows a worker runs per coordinator closure (0 = automatic, about 100 ms)",
+    "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
+    "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
+    "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",
+    "num_ps": "local cluster: parameter servers (ignored under TF_CONFIG)",
+    "shared_process": "host all local tasks in one child process (off when gpus_per_worker > 0)",
+    "gpus_per_worker": "GPUs per local worker process (CUDA_VISIBLE_DEVICES)",
+    "max_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
+    "log_every_secs": "seconds between progress log lines (0 = off)",
+    "verbose": "Keras fit verbosity (-1 = progress bar on a terminal, else a line per epoch)",
+}
+
+
+def config_help():
+    """`CONFIG_FIELDS` as the text `--help` shows under `--config`."""
+    lines = [f"{field}: {meaning};" for field, meaning in CONFIG_FIELDS.items()]
+    lines[-1] = lines[-1][:-1] + "."
+    return "Config fields (override with --config.<field>=<value>):\n" + "\n".join(lines) + "\n"
