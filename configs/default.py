@@ -1,6 +1,6 @@
 """Default config: the digits convnet on 2 workers and 1 PS with GEM, n_sync 10.
 
-Runs offline (scikit-learn's 8x8 digits, no download) in about a minute on
+Runs offline (scikit-learn's 8x8 digits, no download) in about 30 s on
 2 CPU cores:
 
     python -m tf_asgd.launch --config=configs/default.py --workdir=/tmp/asgd
