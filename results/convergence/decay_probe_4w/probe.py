@@ -41,12 +41,12 @@ def strategy_kwargs(setup, workers):
         from tf_asgd import update_rules as rules
         lr = rules.default_outer_learning_rate(workers)
         return dict(outer_optimizer=rules.OuterSGD(lr, warmup_pushes=45, warmup_learning_rate=2.0 / workers))
-    if setup == "round_decay":
+    if setup in ("round_decay", "round_decay_2"):
         opt = update_rules.OuterSGD(update_rules.default_outer_learning_rate(workers))
         ROUND_DECAY[id(opt)] = workers
         return dict(outer_optimizer=opt)
     return _orig(setup, workers)
 
 convergence.strategy_kwargs = strategy_kwargs
-convergence.SETUPS = convergence.SETUPS + ("decay", "decay_2", "round_decay")
+convergence.SETUPS = convergence.SETUPS + ("decay", "decay_2", "round_decay", "round_decay_2")
 sys.exit(convergence.main(sys.argv[1:]))
