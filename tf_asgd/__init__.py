@@ -57,12 +57,11 @@ def _started_module():
     return None
 
 
-# `python -m tf_asgd.launch` and `-m tf_asgd.task_server` import what they
-# use themselves: the launcher re-executes itself in a network namespace
-# before it loads TensorFlow (seconds on a small machine), and a task server
-# needs no Keras. Everyone else gets everything at once, which also
+# `python -m tf_asgd.launch` imports what it uses itself: it re-executes
+# itself in a network namespace before it loads TensorFlow (seconds on a
+# small machine). Everyone else gets everything at once, which also
 # registers tf_asgd's Keras objects (GEM, the models' layers) for loading.
-if _started_module() not in ("tf_asgd.launch", "tf_asgd.task_server"):
+if _started_module() != "tf_asgd.launch":
     for _name in (*_SUBMODULES, *_EXPORTS):
         __getattr__(_name)
 

@@ -1,7 +1,5 @@
 """The launcher's library: what the task roles (`tf_asgd.training`) build from a config.
 
-- `CONFIG_FIELDS` (from `config_fields`, where they are written): every
-  config field and its meaning;
 - builders: `make_model`, `make_optimizer`, `make_outer_optimizer`, `compile_model`;
 - callbacks: `make_progress_callback` (throughput log lines),
   `make_checkpoint_callback` (a checkpoint per epoch), `save_checkpoint`,
@@ -27,7 +25,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_asgd import internals, models, optimizers, update_rules
-from tf_asgd.config_fields import CONFIG_FIELDS, MODELS, config_help  # noqa: F401  (re-exported)
+from tf_asgd.config_fields import MODELS
 
 CHECKPOINT_DIR = "checkpoints"
 DONE_FILE = "DONE"
