@@ -11,8 +11,10 @@ OPTIMIZERS = [
     update_rules.OuterSGD(0.5),
     update_rules.OuterSGD(0.7, momentum=0.9),
     update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True),
-    update_rules.OuterSGD(0.5, warmup_pushes=6, warmup_learning_rate=0.25),
-    update_rules.OuterSGD(0.5, momentum=0.5, warmup_pushes=4, warmup_learning_rate=0.1),
+    update_rules.OuterSGD(0.5, schedule=((6, 0.25),)),
+    update_rules.OuterSGD(0.5, momentum=0.5, schedule=((4, 0.1),)),
+    update_rules.OuterSGD(0.25, schedule=((2, 0.25), (5, 0.5))),
+    update_rules.default_outer_optimizer(4),
     update_rules.DelayedNesterov(0.7, 0.9),
     update_rules.DelayedNesterov(1.0, 0.5, delay=3),
 ]
@@ -62,14 +64,34 @@ def test_default_outer_optimizer_warms_up_from_the_average():
     opt = update_rules.default_outer_optimizer(8)
     got = [update_rules.outer_learning_rate(opt, t) for t in (0, 16, 32, 1000)]
     np.testing.assert_allclose(got, [0.125, 0.1875, 0.25, 0.25])
-    # Up to 4 workers the default already is the average, so nothing to warm up.
+    # Up to 2 workers the default is the average from the start.
+    assert update_rules.default_outer_optimizer(1) == update_rules.OuterSGD(1.0)
     assert update_rules.default_outer_optimizer(2) == update_rules.OuterSGD(0.5)
-    assert update_rules.default_outer_optimizer(4) == update_rules.OuterSGD(0.25)
     # The ramp is applied to the pseudo-gradient push by push.
     theta, _ = update_rules.outer_step(opt, np.zeros(2, np.float32), np.ones(2, np.float32),
                                        {}, 16, 8)
     assert theta.dtype == np.float32
     np.testing.assert_allclose(theta, [-0.1875, -0.1875])
+
+
+def test_default_outer_optimizer_rises_over_the_first_round_then_falls():
+    # 4 workers: 1/4 rising to 2/4 over the first 4 pushes, then back to 1/4 over 40.
+    opt = update_rules.default_outer_optimizer(4)
+    got = [update_rules.outer_learning_rate(opt, t) for t in (0, 2, 4, 24, 44, 1000)]
+    np.testing.assert_allclose(got, [0.25, 0.375, 0.5, 0.375, 0.25, 0.25])
+    # 3 workers: the peak is capped at 1/2 (two workers' sum diverged).
+    opt = update_rules.default_outer_optimizer(3)
+    got = [update_rules.outer_learning_rate(opt, t) for t in (0, 3, 33)]
+    np.testing.assert_allclose(got, [1 / 3, 0.5, 1 / 3])
+    # The same rate, traced as the PS computes it.
+    rates = [float(outer.effective_learning_rate(update_rules.default_outer_optimizer(4), 4,
+                                                 tf.constant(t, tf.int64)))
+             for t in (0, 2, 4, 24, 44, 1000)]
+    np.testing.assert_allclose(rates, [0.25, 0.375, 0.5, 0.375, 0.25, 0.25])
+
+
+def test_schedule_is_normalised_so_equal_optimizers_compare_equal():
+    assert update_rules.OuterSGD(0.5, schedule=[[4, 1]]) == update_rules.OuterSGD(0.5, schedule=((4, 1.0),))
 
 
 def test_delayed_nesterov_is_diloco_over_each_group():
@@ -92,10 +114,10 @@ def test_delayed_nesterov_is_diloco_over_each_group():
     (lambda: update_rules.OuterSGD(1.0, momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
     (lambda: update_rules.OuterSGD(1.0, nesterov=True), ValueError, "needs momentum > 0"),
     (lambda: update_rules.DelayedNesterov(delay=0), ValueError, "delay must be a positive integer"),
-    (lambda: update_rules.OuterSGD(1.0, warmup_pushes=-1), ValueError, "warmup_pushes must be a non-negative"),
-    (lambda: update_rules.OuterSGD(1.0, warmup_pushes=8), ValueError, "needs warmup_learning_rate"),
-    (lambda: update_rules.OuterSGD(1.0, warmup_pushes=8, warmup_learning_rate=0.0), ValueError,
-     "warmup_learning_rate must be a number > 0"),
+    (lambda: update_rules.OuterSGD(1.0, schedule=((0, 0.5),)), ValueError, "pushes must be a positive integer"),
+    (lambda: update_rules.OuterSGD(1.0, schedule=((8, 0.0),)), ValueError,
+     "schedule start_rate must be a number > 0"),
+    (lambda: update_rules.OuterSGD(1.0, schedule=(8, 0.5)), ValueError, r"sequence of \(pushes, start_rate\) pairs"),
     (lambda: update_rules.validate_outer_optimizer("adam"), TypeError, "outer_optimizer must be"),
     (lambda: update_rules.validate_worker_state("zero"), ValueError, "Unknown worker_state 'zero'"),
 ])

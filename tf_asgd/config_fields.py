@@ -36,7 +36,8 @@ CONFIG_FIELDS = {
     "optimizer.name": "sgd | adam",
     "optimizer.learning_rate": "learning rate of every worker's optimizer",
     "optimizer.momentum": "SGD momentum (sgd only)",
-    "outer.name": "the PS's outer optimizer: default (each push scaled by max(1/N, min(1/4, 1/sqrt(2N))); "
+    "outer.name": "the PS's outer optimizer: default (each push scaled by max(1/N, min(1/4, 1/sqrt(2N))), "
+                  "after a schedule over the first pushes; "
                   "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
     "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
                            "delayed_nesterov 0.7)",

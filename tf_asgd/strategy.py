@@ -158,10 +158,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
             `tf_asgd.DelayedNesterov(learning_rate, momentum, delay)`. `None`:
             `update_rules.default_outer_optimizer(num_workers)` (the rate
-            `update_rules.default_outer_learning_rate(num_workers)`, warmed
-            up from `1 / num_workers` over the first `4 * num_workers`
-            pushes), or
-            `OuterSGD()` (add as is) for GEM.
+            `update_rules.default_outer_learning_rate(num_workers)`, after
+            a schedule over the first pushes that starts from the average
+            `1 / num_workers`), or `OuterSGD()` (add as is) for GEM.
             Its state lives on the PS beside each variable (or shard).
         worker_state: what a worker does with its own optimizer state
             (momentum, Adam's moments) at each pull: `"keep"` it across

@@ -151,33 +151,44 @@ class OuterSGD:
     `OuterSGD(0.7, momentum=0.9, nesterov=True)`.
 
     Args:
-        learning_rate: outer learning rate, > 0.
+        learning_rate: outer learning rate, > 0; the rate from the end of
+            `schedule` on.
         momentum: outer momentum in [0, 1).
         nesterov: Nesterov momentum (needs `momentum > 0`).
-        warmup_pushes: the outer rate ramps linearly over this many pushes
-            (by version ticket) from `warmup_learning_rate` to
-            `learning_rate`; 0 (no warm-up) by default.
-        warmup_learning_rate: the outer rate of the first push (ticket 0),
-            > 0; needed with `warmup_pushes`.
+        schedule: the outer rate of the first pushes (by version ticket), as
+            linear ramps `((pushes, start_rate), ...)`: each ramp runs from its
+            `start_rate` to the next ramp's (the last one's to
+            `learning_rate`) over `pushes` pushes. Empty (a constant rate) by
+            default; `((32, 0.125),)` warms up from 0.125 over 32 pushes.
+
+    Example:
+
+    >>> opt = OuterSGD(0.25, schedule=((4, 0.25), (40, 0.5)))
+    >>> [float(outer_learning_rate(opt, t)) for t in (0, 2, 4, 24, 44, 100)]
+    [0.25, 0.375, 0.5, 0.375, 0.25, 0.25]
     """
 
     learning_rate: float = 1.0
     momentum: float = 0.0
     nesterov: bool = False
-    warmup_pushes: int = 0
-    warmup_learning_rate: typing.Optional[float] = None
+    schedule: tuple = ()
 
     def __post_init__(self):
         _check_lr_momentum(self.learning_rate, self.momentum)
         if self.nesterov and not self.momentum:
             raise ValueError("OuterSGD(nesterov=True) needs momentum > 0.")
-        w = self.warmup_pushes
-        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
-            raise ValueError(f"OuterSGD warmup_pushes must be a non-negative integer, got {w!r}.")
-        if w and self.warmup_learning_rate is None:
-            raise ValueError("OuterSGD(warmup_pushes=...) needs warmup_learning_rate.")
-        if self.warmup_learning_rate is not None:
-            _check_lr_momentum(self.warmup_learning_rate, 0.0, "warmup_learning_rate")
+        try:
+            ramps = tuple((pushes, rate) for pushes, rate in self.schedule)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"OuterSGD schedule must be a sequence of (pushes, start_rate) pairs, got {self.schedule!r}."
+            ) from None
+        for pushes, rate in ramps:
+            if isinstance(pushes, bool) or not isinstance(pushes, (int, np.integer)) or pushes < 1:
+                raise ValueError(f"OuterSGD schedule: pushes must be a positive integer, got {pushes!r}.")
+            _check_lr_momentum(rate, 0.0, "schedule start_rate")
+        # Hashable and comparable whatever sequence type was given.
+        object.__setattr__(self, "schedule", tuple((int(p), float(r)) for p, r in ramps))
 
     @property
     def slots(self):
@@ -246,27 +257,67 @@ def default_outer_learning_rate(num_workers):
 def default_outer_optimizer(num_workers):
     """The strategy's default outer optimizer for `num_workers` workers.
 
-    `OuterSGD(default_outer_learning_rate(N))`; where that is above the
-    plain average `1 / N`, warmed up from it over the first `4 * N` pushes:
-    the first windows all start from the same weights, so their pushes point
-    the same way and their sum overshoots; later pushes decorrelate and the
-    full rate applies.
+    `OuterSGD(default_outer_learning_rate(N))`, with a schedule for its first
+    pushes. The first windows all start from the same weights, so their
+    pushes point the same way and their sum overshoots: the first round of
+    N pushes starts from the average `1 / N`. After it, pushes decorrelate:
+
+    - from 3 to 7 workers, where the default is below the rate of two
+      workers' pushes, `min(2 / N, 1 / 2)`, the first round rises to that
+      rate and it falls back to the default over the next `10 N` pushes.
+      Early on a larger rate wins back the average's sample efficiency
+      (4 workers: the MLP with Adam's worst gap to plain Keras went from 3.1
+      to 1.7 points); late in training it oscillated, so it does not stay;
+    - from 8 workers on, where the default is at least that rate, it warms up
+      from `1 / N` to the default over the first `4 N` pushes (measured on 8
+      workers, where without it the first round overshot);
+    - up to 2 workers the default is the average from the start.
+
+    Example:
+
+    >>> opt = default_outer_optimizer(4)
+    >>> [float(outer_learning_rate(opt, t)) for t in (0, 4, 24, 44)]
+    [0.25, 0.5, 0.375, 0.25]
     """
-    lr = default_outer_learning_rate(num_workers)
-    if lr <= 1.0 / num_workers:
-        return OuterSGD(lr)
-    return OuterSGD(lr, warmup_pushes=4 * num_workers, warmup_learning_rate=1.0 / num_workers)
+    n = num_workers
+    lr = default_outer_learning_rate(n)
+    average, peak = 1.0 / n, min(2.0 / n, 0.5)
+    if peak > lr:
+        return OuterSGD(lr, schedule=((n, average), (10 * n, peak)))
+    if lr > average:
+        return OuterSGD(lr, schedule=((4 * n, average),))
+    return OuterSGD(lr)
 
 
 def outer_learning_rate(opt, ticket, xp=np):
-    """`opt`'s learning rate for the push with version ticket `ticket` (its warm-up)."""
-    if not getattr(opt, "warmup_pushes", 0):
+    """`opt`'s learning rate for the push with version ticket `ticket` (its schedule)."""
+    knots = _schedule_knots(opt)
+    if not knots:
         return opt.learning_rate
     if xp is np:  # a Python float, so that float32 arrays stay float32
-        frac = min(float(ticket) / opt.warmup_pushes, 1.0)
-    else:
-        frac = xp.minimum(xp.asarray(ticket, dtype=xp.float64) / opt.warmup_pushes, 1.0)
-    return opt.warmup_learning_rate + (opt.learning_rate - opt.warmup_learning_rate) * frac
+        t = float(ticket)
+        for (ta, ra), (tb, rb) in zip(knots, knots[1:]):
+            if t < tb:
+                return ra + (rb - ra) * ((t - ta) / (tb - ta))
+        return opt.learning_rate
+    # Traced on the chief into the PS's push ops: a `where` per ramp, no branches.
+    t = xp.asarray(ticket, dtype=xp.float64)
+    rate = xp.asarray(opt.learning_rate, dtype=xp.float64)
+    for (ta, ra), (tb, rb) in reversed(list(zip(knots, knots[1:]))):
+        rate = xp.where(t < tb, ra + (rb - ra) * ((t - ta) / (tb - ta)), rate)
+    return rate
+
+
+def _schedule_knots(opt):
+    """`[(ticket, rate), ...]` where `opt`'s ramps start and end; `[]` without one."""
+    ramps = getattr(opt, "schedule", ())
+    if not ramps:
+        return []
+    knots, t = [], 0
+    for pushes, rate in ramps:
+        knots.append((float(t), rate))
+        t += pushes
+    return knots + [(float(t), opt.learning_rate)]
 
 
 def validate_outer_optimizer(opt):

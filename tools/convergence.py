@@ -8,7 +8,8 @@ plain Keras `fit` given the same samples and seed:
   `n_sync` above one pass, an epoch is `workers x n_sync` steps and there are
   at least `--min-windows` of them, so every worker pushes that many windows;
 - `setups` name strategy configurations: `default` (only `n_sync` given),
-  `average` (`OuterSGD(1 / workers)`), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`,
+  `average` (`OuterSGD(1 / workers)`), `capped` (the default before its
+  first-round rise and fall: the same as `default` but from 3 to 7 workers), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`,
   the default from issue #13 until the cap at 1/4 a push and the warm-up were added),
   `dynsgd` (the defaults before issue #13: DynSGD, every push added as is),
   `none` (Downpour), `diloco` (`OuterSGD(0.7 / workers, 0.9, nesterov)`),
@@ -36,7 +37,7 @@ import numpy as np
 
 import _common
 
-SETUPS = ("default", "average", "sqrt", "dynsgd", "none", "diloco", "delayed_nesterov", "reset", "gem")
+SETUPS = ("default", "average", "capped", "sqrt", "dynsgd", "none", "diloco", "delayed_nesterov", "reset", "gem")
 
 
 def make_model(name, input_shape):
@@ -77,6 +78,7 @@ def strategy_kwargs(setup, workers):
         "default": {},
         "gem": {},
         "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
+        "capped": dict(outer_optimizer=_common.capped_outer_optimizer(workers)),
         "sqrt": dict(outer_optimizer=rules.OuterSGD(_common.sqrt_outer_learning_rate(workers))),
         "reset": dict(worker_state="reset"),
         "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
