@@ -73,6 +73,43 @@ def test_simulate_tool(tmp_path):
         _png(tmp_path / name)
 
 
+def test_simulate_outer_study(tmp_path):
+    _run("simulate.py", "--outer-study", "--out", str(tmp_path), "--workers", "3",
+         "--n-sync", "10", "--seeds", "1", "--steps", "60")
+    rows = _csv(tmp_path / "outer.csv", ["inner", "workers", "setup", "seed", "accuracy", "loss"])
+    setups = {r["setup"] for r in rows}
+    assert {"sequential", "default (rise and fall, warm-up)", "capped, warm-up (default to session 7)",
+            "delayed Nesterov 0.7/0.9"} <= setups
+    assert len(rows) == 2 * len(setups)  # momentum SGD and Adam, one seed each
+    assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+    assert "| Adam 1e-3 | 3 | default (rise and fall, warm-up) |" in (tmp_path / "outer.md").read_text()
+    _png(tmp_path / "outer.png")
+
+
+def test_convergence_tool_and_merge(tmp_path):
+    run = tmp_path / "run"
+    _run("convergence.py", "--out", str(run), "--models", "mlp", "--optimizers", "sgd",
+         "--workers", "2", "--n-sync", "10", "--setups", "default,capped", "--seeds", "1",
+         "--epochs", "2")
+    summary = _csv(run / "summary.csv", ["setup", "workers", "seed", "final_accuracy",
+                                         "plain_accuracy", "gap_points", "diverged", "samples_ratio"])
+    assert sorted(r["setup"] for r in summary) == ["capped", "default"]
+    for r in summary:
+        assert 0 <= float(r["final_accuracy"]) <= 1 and 0 <= float(r["plain_accuracy"]) <= 1
+        assert math.isclose(float(r["gap_points"]),
+                            100 * (float(r["plain_accuracy"]) - float(r["final_accuracy"])), abs_tol=1e-3)
+    curves = _csv(run / "curves.csv", ["setup", "epoch", "samples", "val_loss", "val_accuracy"])
+    # Plain Keras and both setups, 2 epochs of one pass (45 steps of 32) each.
+    assert sorted((r["setup"], r["samples"]) for r in curves) == sorted(
+        (s, str(e * 45 * 32)) for s in ("plain", "default", "capped") for e in (1, 2))
+    assert "| mlp | sgd | 10 | 2 | capped | 1 |" in (run / "summary.md").read_text()
+    _png(run / "curves_mlp_sgd_n10.png")
+    # Merging a directory with itself keeps each curve once and every summary row.
+    _run("convergence.py", "--merge", f"{run},{run}", "--out", str(tmp_path / "merged"))
+    assert len(_csv(tmp_path / "merged" / "curves.csv", ["setup"])) == len(curves)
+    assert len(_csv(tmp_path / "merged" / "summary.csv", ["setup"])) == 2 * len(summary)
+
+
 def test_scaleout_tool_and_sleep_op(tmp_path):
     import time
 

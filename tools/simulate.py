@@ -165,8 +165,8 @@ def outer_setups(workers):
         "dynsgd, add (before #13)": ("dynsgd", rules.OuterSGD(), "keep"),
         "average": ("none", rules.OuterSGD(1.0 / workers), "keep"),
         "sqrt": ("none", rules.OuterSGD(_common.sqrt_outer_learning_rate(workers)), "keep"),
-        "default (capped, warm-up)": ("none", _common.capped_outer_optimizer(workers), "keep"),
-        "default (first-round rise and fall)": ("none", rules.default_outer_optimizer(workers), "keep"),
+        "capped, warm-up (default to session 7)": ("none", _common.capped_outer_optimizer(workers), "keep"),
+        "default (rise and fall, warm-up)": ("none", rules.default_outer_optimizer(workers), "keep"),
         "average, reset": ("none", rules.OuterSGD(1.0 / workers), "reset"),
         "delayed Nesterov 0.7/0.9": ("none", rules.DelayedNesterov(0.7, 0.9), "keep"),
     }
