@@ -135,6 +135,16 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
     _png(tmp_path / "scaleout.png")
 
 
+def test_push_floor_tool(tmp_path):
+    _run("push_floor.py", "--out", str(tmp_path), "--iterations", "8", "--rounds", "1",
+         "--bodies", "local,round_trip,push_pull_x2")
+    rows = _csv(tmp_path / "push_floor.csv", ["body", "us_per_round_trip",
+                                              "host_cpu_us_per_round_trip", "round_trips_per_s"])
+    assert [r["body"] for r in rows] == ["local", "round_trip", "push_pull_x2"]
+    _positive(rows, "us_per_round_trip")
+    assert "| push_pull_x2 |" in (tmp_path / "push_floor.md").read_text()
+
+
 def test_bench_tool(tmp_path):
     _run("bench.py", "--out", str(tmp_path), "--workers", "1", "--n-sync", "2",
          "--modes", "keras,pss,asgd", "--rounds", "1", "--seconds", "0.2",
