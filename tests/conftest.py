@@ -17,7 +17,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "soak: bounded repeated fit/kill/restart cycles")
     config.addinivalue_line(
         "markers",
-        "cluster: starts TF servers or the launcher (the fast tier is -m 'not cluster')",
+        "cluster: starts TF servers, the launcher or a fresh TensorFlow process "
+        "(the fast tier is -m 'not cluster')",
     )
 
 

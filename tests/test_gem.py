@@ -69,6 +69,7 @@ class RecordWeights(keras.callbacks.Callback):
         self.weights.append([v.numpy() for v in self.model.trainable_variables])
 
 
+@pytest.mark.cluster  # the cluster fixture is looked up by name, so conftest cannot see it
 @pytest.mark.parametrize("cluster_name,outer", [
     ("cluster1", None), ("cluster3", None),
     ("cluster3", update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)),

@@ -26,6 +26,7 @@ def _available():
         return False
 
 
+@pytest.mark.cluster  # a fresh process imports TensorFlow twice: not the fast tier
 @pytest.mark.skipif(not _available(), reason="no unprivileged user namespaces on this machine")
 def test_reexec_runs_the_same_program_again_with_only_loopback():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

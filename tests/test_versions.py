@@ -28,6 +28,7 @@ def _supported():
     return values["SUPPORTED_KERAS"], values["SUPPORTED_TF"]
 
 
+@pytest.mark.cluster  # a fresh process imports TensorFlow: not the fast tier
 def test_import_on_an_unsupported_keras_or_tf_names_the_range():
     """`import tf_asgd` with Keras 3.12 or TF 2.18 (faked) fails with a
     RuntimeError naming the supported range (the check runs before any
