@@ -43,7 +43,7 @@ CONFIG_FIELDS = {
                            "delayed_nesterov 0.7)",
     "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",
     "worker_state": "keep | reset: a worker's own optimizer state (momentum, Adam moments) at each pull",
-    "windows_per_closure": "windows a worker runs per coordinator closure (0 = automatic, about 100 ms)",
+    "windows_per_closure": "windows a worker runs per coordinator closure (0 = automatic, about 200 ms)",
     "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
     "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
     "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",

@@ -167,7 +167,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             windows, or `"reset"` it to its initial value.
         windows_per_closure: windows a worker runs back to back per
             `ClusterCoordinator` closure (each with its own pull, ticket and
-            push): `None` sizes closures automatically to about 100 ms of
+            push): `None` sizes closures automatically to about 200 ms of
             work; an integer from 1 to 256 fixes it. Closures shrink near an
             epoch's end, and a slow worker's closure hands back the windows
             it did not start (see `scheduling`).
