@@ -48,8 +48,10 @@ def _cpu_seconds(pid):
 
 
 def loop_function(body, ps_device, variable, counter, elements):
-    """A `tf.function(n)` that runs `n` iterations of `body` on the caller's
-    device (the worker), the PS part on `ps_device`; returns a scalar."""
+    """The loop of `body`: returns `(run, repeats)`, `run` a `tf.function(n)`
+    that runs `n` round trips (a multiple of `repeats`, the round trips one
+    iteration writes) on the caller's device, the worker, with the PS part
+    on `ps_device`, and returns a scalar."""
     import tensorflow as tf
 
     repeats = int(body.rsplit("_x", 1)[1]) if "_x" in body else 1
