@@ -118,6 +118,15 @@ def write_lines(path, lines):
         f.write("\n".join(lines) + "\n")
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds of a process (Linux /proc)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cluster(workers, num_ps=1, processes="shared"):
     """A `tf_asgd.LocalCluster` on loopback: every task in one child process
     (`processes="shared"`, as `local_cluster`) or one process per task

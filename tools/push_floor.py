@@ -40,13 +40,6 @@ import _common
 BODIES = ("local", "round_trip", "push_pull", "push_pull_x2", "push_pull_x4")
 
 
-def _cpu_seconds(pid):
-    """User + system CPU seconds of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def loop_function(body, ps_device, variable, counter, elements):
     """The loop of `body`: returns `(run, repeats)`, `run` a `tf.function(n)`
     that runs `n` round trips (a multiple of `repeats`, the round trips one
@@ -104,11 +97,11 @@ def measure(args):
             fn, repeats = functions[body]
             n = max(repeats, iterations - iterations % repeats)
             pushes[0] += n if body.startswith("push_pull") else 0
-            h0, c0 = sum(map(_cpu_seconds, hosts)), time.process_time()
+            h0, c0 = sum(map(_common.cpu_seconds, hosts)), time.process_time()
             t0 = time.perf_counter()
             coordinator.schedule(fn, args=(tf.constant(n),)).fetch()
             dt = time.perf_counter() - t0
-            host, chief = sum(map(_cpu_seconds, hosts)) - h0, time.process_time() - c0
+            host, chief = sum(map(_common.cpu_seconds, hosts)) - h0, time.process_time() - c0
             return dict(us=1e6 * dt / n, host_cpu_us=1e6 * host / n, chief_cpu_us=1e6 * chief / n)
 
         for body in args.bodies:  # traces and warms up each function once

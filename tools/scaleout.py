@@ -49,13 +49,6 @@ def emulated_dataset(input_shape, batch_size, step_ms, num_classes=10, seed=0):
     return ds
 
 
-def _cpu_seconds(pid):
-    """User + system CPU seconds of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(workers, n_syncs, args):
     """Runs one cluster of `workers`; returns a row per n_sync."""
     import keras
@@ -91,11 +84,11 @@ def measure(workers, n_syncs, args):
                 steps = windows_per_worker * workers * n
                 closures = len(trainer.closure_sizes)
                 before = strategy.model_stats(model)
-                c0, h0 = time.process_time(), _cpu_seconds(host_pid)
+                c0, h0 = time.process_time(), _common.cpu_seconds(host_pid)
                 t0 = time.perf_counter()
                 model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
                 dt = time.perf_counter() - t0
-                chief_cpu, host_cpu = time.process_time() - c0, _cpu_seconds(host_pid) - h0
+                chief_cpu, host_cpu = time.process_time() - c0, _common.cpu_seconds(host_pid) - h0
                 after = strategy.model_stats(model)
                 pushes = after.windows - before.windows
                 sizes = trainer.closure_sizes[closures:]
