@@ -23,6 +23,12 @@ from / pushed to the PS per sample (tf_asgd: the strategy's counters; stock
 PS: the model's size per step, once each way, which is what its `fit`
 moves).
 
+Each run's steps are planned from the configuration's fastest rate so far
+(warm-up fits first), so that a run lasts about `--seconds`; a run shorter
+than half of that (the rate was underestimated, e.g. a warm-up `fit` that
+stalled at its start) is planned again and repeated, and only the repeat
+counts.
+
 Writes `raw.csv` (every measurement), `summary.csv` and `summary.md` to
 `--out`.
 
@@ -92,6 +98,29 @@ def _plan_steps(rate, seconds, unit, min_units=2):
     return units * unit
 
 
+def _measure(fit, rate, seconds, unit, attempts=3):
+    """Times `fit(steps)` (returns seconds) for about `seconds`.
+
+    Steps are planned from `rate` (steps/s, an estimate) as multiples of
+    `unit`. A `fit` sometimes stalls for seconds at its start (seen in
+    separate processes), so an estimate from a stalled warm-up is too low and
+    plans a run so short that a stall would be most of it: a run shorter than
+    half of `seconds` is planned again from the faster rate and repeated, up
+    to `attempts` runs; the last one counts.
+
+    Returns:
+        `(steps, seconds taken, rate)`, `rate` the fastest seen so far (the
+        caller's next estimate: a stall only ever lowers a rate).
+    """
+    for _ in range(attempts):
+        steps = _plan_steps(rate, seconds, unit)
+        dt = fit(steps)
+        rate = max(rate, steps / dt)
+        if dt >= seconds / 2:
+            break
+    return steps, dt, rate
+
+
 def child_keras(args):
     import keras
     import tensorflow as tf
@@ -100,11 +129,10 @@ def child_keras(args):
     x, y = _synthetic(model.input_shape[1:], args.batch_size)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size).repeat()
     _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
-    dt = _timed_fit(model, ds, 20)
-    dt = _timed_fit(model, ds, 50)
+    _timed_fit(model, ds, 20)
+    rate = 50 / _timed_fit(model, ds, 50)
     for _ in range(args.inner):
-        steps = _plan_steps(50 / dt, args.seconds, 10)
-        dt_run = _timed_fit(model, ds, steps)
+        steps, dt_run, rate = _measure(lambda n: _timed_fit(model, ds, n), rate, args.seconds, 10)
         _emit(mode="keras", processes="one", workers=0, n_sync=0, steps=steps, seconds=dt_run,
               samples_per_s=steps * args.batch_size / dt_run, bytes_pulled_per_sample=0.0,
               bytes_pushed_per_sample=0.0)
@@ -130,12 +158,12 @@ def child_pss(args):
 
         data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
         spe = args.spe
-        dt = _timed_fit(model, data, 20)
-        dt = _timed_fit(model, data, 40)
+        _timed_fit(model, data, 20)
+        rate = 40 / _timed_fit(model, data, 40)
         param_bytes = 4.0 * nparams
         for _ in range(args.inner):
-            steps = _plan_steps(40 / dt, args.seconds, 10 if spe == 1 else spe)
-            dt_run = _timed_fit(model, data, steps)
+            steps, dt_run, rate = _measure(lambda n: _timed_fit(model, data, n), rate,
+                                           args.seconds, 10 if spe == 1 else spe)
             _emit(mode="pss", processes=args.processes, workers=args.workers, n_sync=spe,
                   steps=steps, seconds=dt_run,
                   samples_per_s=steps * args.batch_size / dt_run,
@@ -174,16 +202,22 @@ def child_asgd(args):
             unit = n * args.workers
             _timed_fit(model, ds, unit)
             rate[n, k] = unit / _timed_fit(model, ds, unit)
-            # A second estimate over more windows (automatic K adapts here).
+            # A second estimate over more windows (automatic K adapts here);
+            # the faster one counts (a stall at a fit's start only slows it).
             unit = _plan_steps(rate[n, k], min(1.0, args.seconds), n * args.workers)
-            rate[n, k] = unit / _timed_fit(model, ds, unit)
+            rate[n, k] = max(rate[n, k], unit / _timed_fit(model, ds, unit))
         for _ in range(args.inner):
             for n, k in configs:  # alternate the window sizes
                 use(n, k)
-                steps = _plan_steps(rate[n, k], args.seconds, n * args.workers)
-                before = strategy.model_stats(model)
-                dt_run = _timed_fit(model, ds, steps)
-                after = strategy.model_stats(model)
+                before = []
+
+                def fit(steps):
+                    before[:] = [strategy.model_stats(model)]  # the counted run's only
+                    return _timed_fit(model, ds, steps)
+
+                steps, dt_run, rate[n, k] = _measure(fit, rate[n, k], args.seconds,
+                                                     n * args.workers)
+                before, after = before[0], strategy.model_stats(model)
                 samples = steps * args.batch_size
                 _emit(mode="asgd", processes=args.processes, windows_per_closure=k,
                       workers=args.workers, n_sync=n, steps=steps, seconds=dt_run,
