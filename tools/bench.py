@@ -102,8 +102,9 @@ def _measure(fit, rate, seconds, unit, attempts=3):
     """Times `fit(steps)` (returns seconds) for about `seconds`.
 
     Steps are planned from `rate` (steps/s, an estimate) as multiples of
-    `unit`. A `fit` sometimes stalls for seconds at its start (seen in
-    separate processes), so an estimate from a stalled warm-up is too low and
+    `unit`. A `fit` sometimes stalls for seconds at its start (separate
+    processes: the previous fit's per-worker iterators being deleted,
+    results/README, session 10), so an estimate from a stalled warm-up is too low and
     plans a run so short that a stall would be most of it: a run shorter than
     half of `seconds` is planned again from the faster rate and repeated, up
     to `attempts` runs; the last one counts.
@@ -212,7 +213,7 @@ def child_asgd(args):
                 before = []
 
                 def fit(steps):
-                    before[:] = [strategy.model_stats(model)]  # the counted run's only
+                    before[:] = [strategy.model_stats(model)]  # as of the last (counted) run
                     return _timed_fit(model, ds, steps)
 
                 steps, dt_run, rate[n, k] = _measure(fit, rate[n, k], args.seconds,
