@@ -322,3 +322,36 @@ def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(cluster1, wor
     for got, want in zip(model.trainable_variables, local.trainable_variables):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
     assert int(model.optimizer.iterations.numpy()) == 4 * 3
+
+
+def test_a_later_fit_on_the_same_dataset_continues_the_workers_stream(cluster1):
+    """Batch b of the dataset holds label b. A second `fit` on the same
+    dataset object goes on where the first stopped, as a new epoch does (the
+    workers keep their iterators: deleting them stalls the next `fit`); a new
+    dataset object, or another `per_worker_dataset_fn`, starts from batch 0."""
+    x = np.zeros((8 * 4, 3), "float32")
+    y = np.repeat(np.arange(8), 4)  # batch b (of 4) holds label b
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+
+    strategy = _strategy(cluster1, n_sync=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8)])
+        model.compile(keras.optimizers.SGD(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.MeanMetricWrapper(
+                          lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
+
+    def batches_of_fit(data):
+        seen = len(strategy.window_log(model))
+        model.fit(data, steps_per_epoch=3, epochs=1, verbose=0)
+        return [strategy.window_results(model, r)["label_mean"]
+                for r in strategy.window_log(model)[seen:]]
+
+    ds = dataset()
+    assert batches_of_fit(ds) == [0.0, 1.0, 2.0]
+    assert batches_of_fit(ds) == [3.0, 4.0, 5.0]
+    assert batches_of_fit(dataset()) == [0.0, 1.0, 2.0]
+    strategy.per_worker_dataset_fn = lambda d, i: d
+    assert batches_of_fit(ds) == [0.0, 1.0, 2.0]

@@ -200,7 +200,10 @@ def _steps_and_repeated_data(original, model, args, kwargs):
         if num_batches == 0:
             raise ValueError("The training data is empty: no batch to train on.")
         kw["steps_per_epoch"] = num_batches
-    kw["x"] = x.repeat()
+    # Arrays make a new dataset every fit; the same tf.data.Dataset given to
+    # a later fit trains on the same repeated dataset, so the workers keep
+    # their iterators (`AsyncParameterServerStrategy._training_iterator`).
+    kw["x"] = x.repeat() if arrays else _strategy_of(model)._repeated(x)
     if arrays:
         _strategy_of(model)._shard_by_batch(kw["x"])
     return kw

@@ -36,7 +36,10 @@ class _WindowDataset:
 
     Iterated during training, it yields one per-worker iterator of the
     dataset repeated forever, the same one every epoch (each worker draws its
-    own batches; Keras's `steps_per_epoch` ends an epoch). Iterated by
+    own batches; Keras's `steps_per_epoch` ends an epoch) and in a later
+    `fit` on the same dataset object with the same `per_worker_dataset_fn`:
+    each worker's stream continues there as it does from one epoch to the
+    next (`AsyncParameterServerStrategy._training_iterator`). Iterated by
     evaluate, predict or the model's symbolic build
     (`keras_hook.local_mode`), it yields a plain iterator on the chief.
 
@@ -63,17 +66,19 @@ class _WindowDataset:
         if keras_hook.in_local_mode():
             return iter(self._dataset)
         if self._iterator is None:
-            transform = self._strategy.per_worker_dataset_fn
-            if transform is None and self._dataset in self._strategy._batch_sharded:
-                n = self._strategy.num_workers
-                transform = lambda dataset, index: dataset.shard(n, index)  # noqa: E731
-            if transform is None:
-                source = self._dataset.repeat()
-            else:
-                source = self._per_worker_fn(transform)
-            per_worker = self._strategy.coordinator.create_per_worker_dataset(source)
-            self._iterator = iter(per_worker)
+            self._iterator = self._strategy._training_iterator(self._dataset, self._new_iterator)
         return self._iterator
+
+    def _new_iterator(self):
+        transform = self._strategy.per_worker_dataset_fn
+        if transform is None and self._dataset in self._strategy._batch_sharded:
+            n = self._strategy.num_workers
+            transform = lambda dataset, index: dataset.shard(n, index)  # noqa: E731
+        if transform is None:
+            source = self._dataset.repeat()
+        else:
+            source = self._per_worker_fn(transform)
+        return iter(self._strategy.coordinator.create_per_worker_dataset(source))
 
     def _per_worker_fn(self, transform):
         """A dataset function that applies `transform(dataset, worker_index)`
@@ -245,6 +250,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
         self._fitting = weakref.WeakKeyDictionary()  # model -> its fit's steps per epoch
         self._batch_sharded = weakref.WeakSet()  # datasets sharded by batch over the workers
+        self._last_training_iterator = None  # (dataset, per_worker_dataset_fn, iterator)
+        self._last_repeated = None  # (a fit's dataset, its repeat())
         self._evaluators = weakref.WeakKeyDictionary()  # model -> its Evaluator
         self._outer_states = weakref.WeakKeyDictionary()  # model -> its outer_state
 
@@ -395,6 +402,31 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             self._fitting[model] = steps_per_epoch
         else:
             self._fitting.pop(model, None)
+
+    def _training_iterator(self, dataset, make):
+        """The workers' iterator for training on `dataset`: the last `fit`'s
+        when it trained on the same dataset object with the same
+        `per_worker_dataset_fn`, else a new one, `make()`, which replaces it.
+
+        Kept because deleting a per-worker iterator holds the workers for up
+        to seconds at the next `fit`'s start (results/README, session 10),
+        and because each worker skips its offset of batches only once per
+        model (`window.WindowFunction._shift_data_once`): fresh iterators
+        would start every worker at the same batch again.
+        """
+        last = self._last_training_iterator
+        if last is None or last[0] is not dataset or last[1] is not self.per_worker_dataset_fn:
+            self._last_training_iterator = None  # the old one is deleted before the new is made
+            last = self._last_training_iterator = (dataset, self.per_worker_dataset_fn, make())
+        return last[2]
+
+    def _repeated(self, dataset):
+        """`dataset.repeat()`, the last call's object again for the same
+        `dataset` (what `fit` trains on: the same object lets a later `fit`
+        keep the workers' iterators, `_training_iterator`)."""
+        if self._last_repeated is None or self._last_repeated[0] is not dataset:
+            self._last_repeated = (dataset, dataset.repeat())
+        return self._last_repeated[1]
 
     def _shard_by_batch(self, dataset):
         """Marks a dataset built from arrays (by `keras_hook`) to be sharded by
