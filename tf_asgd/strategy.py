@@ -416,7 +416,6 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """
         last = self._last_training_iterator
         if last is None or last[0] is not dataset or last[1] is not self.per_worker_dataset_fn:
-            self._last_training_iterator = None  # the old one is deleted before the new is made
             last = self._last_training_iterator = (dataset, self.per_worker_dataset_fn, make())
         return last[2]
 

@@ -210,15 +210,15 @@ def child_asgd(args):
         for _ in range(args.inner):
             for n, k in configs:  # alternate the window sizes
                 use(n, k)
-                before = []
+                stats = {}
 
                 def fit(steps):
-                    before[:] = [strategy.model_stats(model)]  # as of the last (counted) run
+                    stats["before"] = strategy.model_stats(model)  # the last run's counts
                     return _timed_fit(model, ds, steps)
 
                 steps, dt_run, rate[n, k] = _measure(fit, rate[n, k], args.seconds,
                                                      n * args.workers)
-                before, after = before[0], strategy.model_stats(model)
+                before, after = stats["before"], strategy.model_stats(model)
                 samples = steps * args.batch_size
                 _emit(mode="asgd", processes=args.processes, windows_per_closure=k,
                       workers=args.workers, n_sync=n, steps=steps, seconds=dt_run,
