@@ -28,7 +28,8 @@ setup(
     extras_require={
         "and-cuda": ["tensorflow[and-cuda]>=2.19,<2.22"],
         # Stock ParameterServerStrategy baseline for tools/bench.py.
-        "bench": ["tf-keras>=2.19,<2.22", "matplotlib"],
-        "test": ["pytest", "scikit-learn", "matplotlib", "tf-keras>=2.19,<2.22"],
+        # mnist1d: tf_asgd.data.load_mnist1d (tools/time_to_accuracy.py).
+        "bench": ["tf-keras>=2.19,<2.22", "matplotlib", "mnist1d"],
+        "test": ["pytest", "scikit-learn", "matplotlib", "tf-keras>=2.19,<2.22", "mnist1d"],
     },
 )

@@ -126,3 +126,77 @@ def paine2013_imagenet_convnet(input_shape=(224, 224, 3), num_classes=1000, drop
         ],
         name="paine2013_imagenet_convnet",
     )
+
+
+def mnist1d_cnn(input_shape=(40, 1), num_classes=10, channels=25):
+    """The MNIST-1D paper's 1D convnet (Greydanus 2020, `ConvBase`; 5,210 parameters):
+    three `Conv1D` of `channels` filters (kernels 5, 3, 3; stride 2, "same"
+    padding; ReLU), Flatten, Dense `num_classes` (logits). For
+    `tf_asgd.data.load_mnist1d`'s `(40, 1)` signals."""
+    L = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            L.Conv1D(channels, 5, strides=2, padding="same", activation="relu"),
+            L.Conv1D(channels, 3, strides=2, padding="same", activation="relu"),
+            L.Conv1D(channels, 3, strides=2, padding="same", activation="relu"),
+            L.Flatten(),
+            L.Dense(num_classes),
+        ],
+        name="mnist1d_cnn",
+    )
+
+
+def _residual_block(x, filters, strides, name):
+    """He et al.'s basic block: 3x3 conv, BN, ReLU, 3x3 conv, BN, added to the
+    input (through a strided 1x1 conv and BN where the shape changes), ReLU."""
+    L = keras.layers
+    shortcut = x
+    y = L.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False,
+                 name=f"{name}_conv1")(x)
+    y = L.BatchNormalization(name=f"{name}_bn1")(y)
+    y = L.ReLU(name=f"{name}_relu1")(y)
+    y = L.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
+    y = L.BatchNormalization(name=f"{name}_bn2")(y)
+    if strides != 1 or x.shape[-1] != filters:
+        shortcut = L.Conv2D(filters, 1, strides=strides, use_bias=False,
+                            name=f"{name}_proj")(x)
+        shortcut = L.BatchNormalization(name=f"{name}_proj_bn")(shortcut)
+    return L.ReLU(name=f"{name}_out")(L.Add(name=f"{name}_add")([y, shortcut]))
+
+
+def resnet_bn(input_shape=(32, 32, 3), num_classes=10, widths=(32, 64, 128), blocks_per_stage=1,
+              stem_strides=2):
+    """A small ResNet with batch normalisation (He et al. 2016's CIFAR design, shallower).
+
+    A 3x3 conv stem (BN, ReLU), then one stage per entry of `widths`, each
+    of `blocks_per_stage` basic residual blocks, every stage after the first
+    halving the resolution; global average pooling and a Dense `num_classes`
+    (logits). The defaults (309,994 parameters, 32x32x3 inputs such as
+    `tf_asgd.data.load_digits_images()`) put the stem at stride 2, so that
+    the 3x3 convs run at 16, 8 and 4 pixels square: a step costs a few times
+    less CPU than at full resolution, for the same parameters.
+
+    Args:
+        input_shape: `(height, width, channels)`.
+        num_classes: outputs (logits).
+        widths: filters of each stage.
+        blocks_per_stage: residual blocks per stage.
+        stem_strides: the stem conv's stride (1: full resolution).
+
+    Returns:
+        A functional `keras.Model` named "resnet_bn".
+    """
+    L = keras.layers
+    inputs = keras.Input(input_shape)
+    x = L.Conv2D(widths[0], 3, strides=stem_strides, padding="same", use_bias=False,
+                 name="stem_conv")(inputs)
+    x = L.BatchNormalization(name="stem_bn")(x)
+    x = L.ReLU(name="stem_relu")(x)
+    for stage, filters in enumerate(widths):
+        for block in range(blocks_per_stage):
+            strides = 2 if stage > 0 and block == 0 else 1
+            x = _residual_block(x, filters, strides, f"stage{stage + 1}_block{block + 1}")
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    outputs = L.Dense(num_classes, name="logits")(x)
+    return keras.Model(inputs, outputs, name="resnet_bn")

@@ -1,0 +1,144 @@
+"""Offline data sets (MNIST-1D generated here, digits upsampled) and the model builders."""
+
+import random
+import socket
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tf_asgd import data, models
+
+
+@pytest.fixture(scope="module")
+def mnist1d():
+    return data.load_mnist1d()
+
+
+def test_load_mnist1d_shapes_dtypes_and_classes(mnist1d):
+    (x, y), (xt, yt) = mnist1d
+    assert x.shape == (4000, 40, 1) and xt.shape == (1000, 40, 1)
+    assert x.dtype == np.float32 and xt.dtype == np.float32
+    assert y.dtype == np.int64 and yt.dtype == np.int64
+    assert set(np.unique(y)) == set(range(10)) and set(np.unique(yt)) <= set(range(10))
+    assert np.all(np.isfinite(x))
+    # The generator standardises the whole set.
+    both = np.concatenate([x, xt])
+    assert abs(both.mean()) < 1e-3 and abs(both.std() - 1) < 1e-3
+
+
+def test_load_mnist1d_is_the_package_standard_set(mnist1d):
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    d = make_dataset(get_dataset_args())
+    (x, y), (xt, yt) = mnist1d
+    np.testing.assert_array_equal(x[..., 0], d["x"].astype("float32"))
+    np.testing.assert_array_equal(xt[..., 0], d["x_test"].astype("float32"))
+    np.testing.assert_array_equal(y, d["y"])
+    np.testing.assert_array_equal(yt, d["y_test"])
+
+
+def test_load_mnist1d_needs_no_network_and_never_downloads(monkeypatch, mnist1d):
+    import mnist1d.data as m
+
+    def no_network(*args, **kwargs):
+        raise OSError("network disabled by the test")
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("load_mnist1d called mnist1d's get_dataset (it downloads)")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(m, "get_dataset", no_download)
+    import requests
+
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get("http://127.0.0.1:9/", timeout=1)  # the guard does hold
+    (x, y), (xt, yt) = data.load_mnist1d()
+    np.testing.assert_array_equal(x, mnist1d[0][0])
+    np.testing.assert_array_equal(yt, mnist1d[1][1])
+
+
+def test_load_mnist1d_is_seeded_and_leaves_global_random_state_alone(mnist1d):
+    random.seed(123)
+    np.random.seed(123)
+    expected = (random.random(), np.random.rand())
+    random.seed(123)
+    np.random.seed(123)
+    (x, y), _ = data.load_mnist1d(num_train=400, num_test=100, seed=7)
+    assert (random.random(), np.random.rand()) == expected
+    (x2, y2), _ = data.load_mnist1d(num_train=400, num_test=100, seed=7)
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+    (x3, _), _ = data.load_mnist1d(num_train=400, num_test=100, seed=8)
+    assert not np.array_equal(x, x3)
+
+
+def test_load_mnist1d_larger_training_set():
+    (x, y), (xt, yt) = data.load_mnist1d(num_train=16000)
+    assert x.shape == (16000, 40, 1) and xt.shape == (1000, 40, 1)
+    counts = np.bincount(np.concatenate([y, yt]))
+    assert counts.tolist() == [1700] * 10  # (16000 + 1000) / 10 per class
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_train=0), dict(num_test=-1), dict(num_train=4001),
+                                    dict(num_train=True), dict(num_test=2.5)])
+def test_load_mnist1d_rejects_bad_sizes(kwargs):
+    with pytest.raises(ValueError, match="num_t"):
+        data.load_mnist1d(**kwargs)
+
+
+def test_load_mnist1d_without_the_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mnist1d", None)
+    monkeypatch.setitem(sys.modules, "mnist1d.data", None)
+    with pytest.raises(ImportError, match="pip install mnist1d"):
+        data.load_mnist1d()
+
+
+def test_load_digits_images_upsamples_the_digits_split():
+    (x, y), (xt, yt) = data.load_digits_images(32)
+    (x8, y8), (xt8, yt8) = data.load_digits()
+    assert x.shape == (len(x8), 32, 32, 3) and xt.shape == (len(xt8), 32, 32, 3)
+    assert x.dtype == np.float32 and 0.0 <= x.min() and x.max() <= 1.0
+    np.testing.assert_array_equal(y, y8)
+    np.testing.assert_array_equal(yt, yt8)
+    np.testing.assert_array_equal(x[..., 0], x[..., 2])  # grey in every channel
+    # Each 4x4 block follows its 8x8 source pixel (bilinear blurs the edges a little).
+    blocks = x[..., 0].reshape(len(x), 8, 4, 8, 4).mean(axis=(2, 4))
+    assert np.corrcoef(blocks.ravel(), x8[..., 0].ravel())[0, 1] > 0.95
+    assert data.load_digits_images(16, channels=1)[0][0].shape[1:] == (16, 16, 1)
+    with pytest.raises(ValueError, match="size"):
+        data.load_digits_images(4)
+
+
+def test_mnist1d_cnn_is_the_papers_and_learns(mnist1d):
+    model = models.mnist1d_cnn()
+    assert model.name == "mnist1d_cnn"
+    assert model.count_params() == 5210  # 150 + 1900 + 1900 + 1260
+    convs = [layer for layer in model.layers if isinstance(layer, keras.layers.Conv1D)]
+    assert [c.kernel_size for c in convs] == [(5,), (3,), (3,)]
+    assert all(c.filters == 25 and c.strides == (2,) and c.padding == "same" for c in convs)
+    assert model.output_shape == (None, 10)
+    (x, y), (xt, yt) = mnist1d
+    model.compile(keras.optimizers.Adam(1e-2),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    model.fit(x, y, batch_size=100, epochs=4, verbose=0)  # 160 steps
+    _, acc = model.evaluate(xt, yt, verbose=0)
+    assert acc > 0.5, acc  # chance is 0.1
+
+
+def test_resnet_bn_shape_parameters_and_residual_blocks():
+    model = models.resnet_bn()
+    assert model.name == "resnet_bn"
+    assert model.count_params() == 309994
+    assert model.input_shape == (None, 32, 32, 3) and model.output_shape == (None, 10)
+    kinds = [type(layer).__name__ for layer in model.layers]
+    assert kinds.count("Add") == 3 and kinds.count("BatchNormalization") == 9
+    (x, _), _ = data.load_digits_images(32)
+    assert model(x[:4], training=False).shape == (4, 10)
+    deeper = models.resnet_bn(input_shape=(16, 16, 1), widths=(8, 16), blocks_per_stage=2,
+                              num_classes=3)
+    assert deeper.output_shape == (None, 3)
+    assert [type(layer).__name__ for layer in deeper.layers].count("Add") == 4
