@@ -25,6 +25,7 @@ import sys
 _EXPORTS = {
     "AsyncParameterServerStrategy": "tf_asgd.strategy",
     "AsyncStats": "tf_asgd.counters",
+    "ClusterUnreachableError": "tf_asgd.connect",
     "DelayedNesterov": "tf_asgd.update_rules",
     "LocalCluster": "tf_asgd.cluster",
     "OuterSGD": "tf_asgd.update_rules",
@@ -70,6 +71,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncParameterServerStrategy",
     "AsyncStats",
+    "ClusterUnreachableError",
     "DelayedNesterov",
     "LocalCluster",
     "OuterSGD",

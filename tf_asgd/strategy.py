@@ -21,7 +21,7 @@ import weakref
 import tensorflow as tf
 
 from tf_asgd import cluster as cluster_lib
-from tf_asgd import internals, keras_hook, update_rules
+from tf_asgd import connect, internals, keras_hook, update_rules
 from tf_asgd.counters import PushCounters
 from tf_asgd.evaluation import Evaluator, validate_evaluation
 from tf_asgd.scheduling import WindowTrainer, validate_windows_per_closure
@@ -183,6 +183,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             exactly (a model's own `test_step`, a metric whose state does not
             merge by addition, Python-side inputs) runs on the chief, with a
             log line.
+        connect_timeout: seconds to wait for every ps and worker task to answer
+            before connecting (tasks may start later); past it, a
+            `tf_asgd.ClusterUnreachableError` names each silent task and address.
 
     Attributes:
         n_sync, staleness, max_staleness, per_worker_dataset_fn,
@@ -210,6 +213,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         worker_state="keep",
         windows_per_closure=None,
         evaluation="workers",
+        connect_timeout=connect.DEFAULT_CONNECT_TIMEOUT,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -226,6 +230,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         validate_windows_per_closure(windows_per_closure)
         validate_evaluation(evaluation)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
+        connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
         self.n_sync = n_sync

@@ -1,0 +1,152 @@
+"""Connecting to a cluster is bounded: tasks that do not answer within
+`connect_timeout` raise `ClusterUnreachableError` naming each of them, and
+nothing of the strategy is left behind; tasks that start a little later are
+waited for."""
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+from tf_asgd import connect
+from tf_asgd.cluster import _pick_ports, make_resolver
+
+TIMEOUT = 3.0
+SLACK = 10.0  # what the bound may be overrun by: one probe round, a loaded machine
+
+
+def _coordinator_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("WorkerClosureProcessingLoop")]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _connect_fails(resolver, caplog):
+    """Creates a strategy that must fail; returns (error, seconds)."""
+    threads, devices = len(_coordinator_threads()), tf.config.list_logical_devices()
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        with pytest.raises(tf_asgd.ClusterUnreachableError) as info:
+            tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=2, connect_timeout=TIMEOUT)
+    secs = time.perf_counter() - t0
+    # Nothing half-built: no coordinator thread, this process not connected.
+    assert len(_coordinator_threads()) == threads
+    assert tf.config.list_logical_devices() == devices
+    return info.value, secs
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "30", True, float("inf"), None])
+def test_bad_connect_timeout_is_refused_before_any_wait(value):
+    spec = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="connect_timeout must be a positive number of seconds"):
+        tf_asgd.AsyncParameterServerStrategy(make_resolver(spec), connect_timeout=value)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_port_that_is_no_grpc_server_is_named_so():
+    """A wrong host can have something else on the port: TF would wait on it."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    helper = threading.Thread(target=answer, daemon=True)
+    helper.start()
+    with server:
+        reason = connect.probe(f"127.0.0.1:{server.getsockname()[1]}")
+    helper.join(5)
+    assert reason == "it accepts connections but does not answer as a gRPC server"
+    assert connect.probe(f"127.0.0.1:{_pick_ports(1)[0]}") == "Connection refused"
+
+
+@pytest.mark.cluster
+def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
+    chief, ps, w0, w1 = _pick_ports(4)  # nothing listens on them
+    spec = {"chief": [f"localhost:{chief}"], "ps": [f"localhost:{ps}"],
+            "worker": [f"localhost:{w0}", f"localhost:{w1}"]}
+    error, secs = _connect_fails(make_resolver(spec), caplog)
+    print(f"never-started cluster: raised after {secs:.2f} s (connect_timeout {TIMEOUT:g} s)")
+    assert TIMEOUT - 0.1 <= secs < TIMEOUT + SLACK
+    message = str(error)
+    for task, port in (("ps:0", ps), ("worker:0", w0), ("worker:1", w1)):
+        assert f"{task} at localhost:{port} (Connection refused)" in message
+    assert f"localhost:{chief}" not in message  # the chief is this process
+    assert sorted(t[:3] for t in error.tasks) == [
+        ("ps", 0, f"localhost:{ps}"), ("worker", 0, f"localhost:{w0}"),
+        ("worker", 1, f"localhost:{w1}")]
+    assert isinstance(error, ConnectionError) and error.timeout == TIMEOUT
+    waiting = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
+    assert waiting and all("Waiting for 3 of 3 cluster task(s)" in m for m in waiting)
+    assert f"ps:0 at localhost:{ps}" in waiting[0]
+    assert len(waiting) <= 1 + TIMEOUT // connect.LOG_EVERY_SECS  # at most one line per interval
+
+
+@pytest.mark.cluster
+def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(caplog):
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+        pids = cluster.pids()
+        cluster.kill_task("ps:0")
+        error, secs = _connect_fails(cluster.resolver, caplog)
+    print(f"killed PS: raised after {secs:.2f} s (connect_timeout {TIMEOUT:g} s)")
+    assert secs < TIMEOUT + SLACK
+    ps = cluster.cluster_spec["ps"][0]
+    assert [t[:3] for t in error.tasks] == [("ps", 0, ps)]
+    assert f"Could not reach 1 cluster task(s) within {TIMEOUT:g} s: ps:0 at {ps}" in str(error)
+    assert not any(_alive(pid) for pid in pids.values())  # the with block stopped every task
+
+
+@pytest.mark.cluster
+def test_a_worker_that_starts_late_is_waited_for_then_trains(digits, caplog):
+    (x, y), _ = digits
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+        cluster.kill_task("worker:0")
+        events = {}
+
+        def start_late():
+            time.sleep(1.5)
+            try:
+                cluster.restart_task("worker:0")
+                events["up"] = time.perf_counter()
+            except BaseException as e:  # reported by the main thread
+                events["error"] = e
+
+        helper = threading.Thread(target=start_late, daemon=True)
+        t0 = time.perf_counter()
+        helper.start()
+        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+            strategy = tf_asgd.AsyncParameterServerStrategy(
+                cluster.resolver, n_sync=2, connect_timeout=60)
+        secs = time.perf_counter() - t0
+        helper.join(60)
+        assert "error" not in events, events.get("error")
+        print(f"late worker: connected after {secs:.2f} s, the worker was up after "
+              f"{events['up'] - t0:.2f} s")
+        assert secs >= 1.5
+        lines = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
+        assert "Waiting for 1 of 2 cluster task(s)" in lines[0] and "worker:0" in lines[0]
+        assert lines[-1].startswith("All 2 cluster task(s) answer after")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                      keras.layers.Dense(10)])
+            model.compile(keras.optimizers.SGD(0.05),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
+        assert np.isfinite(history.history["loss"][0])
+        assert [r.worker for r in strategy.window_log(model)] == [0, 0]

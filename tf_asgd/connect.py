@@ -1,0 +1,180 @@
+"""A bounded wait for a cluster's tasks before TensorFlow connects to them.
+
+TensorFlow's connection (`set_server_def`, inside `ParameterServerStrategy`)
+waits for every task without a bound and without a word (on a cluster that
+never started: still waiting after 180 s, measured): the first RPC to each
+task (GetStatus) waits until the task is ready (gRPC's wait-for-ready under
+TF's default `GRPC_FAIL_FAST`; TF's RFC 355), and `ParameterServerStrategy`
+adds 50 retries (about 3 minutes, its source says). `GRPC_FAIL_FAST=true`
+would fail it at once, but for every RPC of the process, training's
+included. So the strategy first waits here, for at most `connect_timeout`
+seconds, until every task it will connect to answers as a gRPC server (a TCP
+connection, then an HTTP/2 handshake: what a TF server speaks), logging
+which tasks it still waits for; tasks that start a little later are waited
+for. A cluster that does not answer in time raises `ClusterUnreachableError`
+before TF is asked to connect: no coordinator thread, no server of this
+process.
+
+What this cannot bound: a task that stops between this wait and TF's own
+connection a moment later (TF then waits for it as before).
+"""
+
+import concurrent.futures
+import logging
+import numbers
+import socket
+import time
+
+log = logging.getLogger("tf_asgd")
+
+DEFAULT_CONNECT_TIMEOUT = 30.0
+LOG_EVERY_SECS = 5.0  # while waiting: one line at first, then at most one per interval
+_ATTEMPT_SECS = 1.0  # per probe: a dropped SYN (a wrong host) costs this, not the OS's minutes
+_RETRY_SECS = 0.25
+
+# What an HTTP/2 client sends first (RFC 9113, 3.4): the preface and an empty
+# SETTINGS frame. A gRPC server answers with a frame of its own; its type
+# byte (the 4th of the 9-byte header) is SETTINGS (4).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_H2_SETTINGS = 4
+
+
+class ClusterUnreachableError(ConnectionError):
+    """Some cluster tasks did not answer within the strategy's `connect_timeout`.
+
+    Attributes:
+        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
+            answer and why (the last probe's error).
+        timeout: the seconds waited.
+    """
+
+    def __init__(self, tasks, timeout):
+        self.tasks, self.timeout = list(tasks), timeout
+        named = "; ".join(f"{job}:{i} at {address} ({reason})" for job, i, address, reason in tasks)
+        super().__init__(
+            f"Could not reach {len(self.tasks)} cluster task(s) within {timeout:g} s: {named}. "
+            "Check that these tasks are running and that the cluster (TF_CONFIG, or the "
+            "resolver's cluster spec) names their hosts and ports; connect_timeout sets "
+            "how long to wait."
+        )
+
+
+def validate_connect_timeout(value):
+    """Raises unless `value` is a positive finite number of seconds."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0 < value < float("inf")):
+        raise ValueError(f"connect_timeout must be a positive number of seconds, got {value!r}.")
+
+
+def tasks_to_reach(cluster):
+    """`[(job, index, address)]`: the tasks of `cluster` (a dict) that the
+    chief's connection dials: every ps and worker, and chief tasks other than
+    `chief:0`, which TF's connection makes this process. The evaluator is no
+    TF server (it reads checkpoints)."""
+    return [
+        (job, i, address)
+        for job, addresses in sorted(cluster.items()) if job != "evaluator"
+        for i, address in enumerate(addresses) if (job, i) != ("chief", 0)
+    ]
+
+
+def probe(address, timeout=_ATTEMPT_SECS):
+    """None if a gRPC (HTTP/2) server answers at `address` ("host:port")
+    within `timeout` seconds, else why not (a short string)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")  # "[::1]:1234"
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except socket.timeout:
+        return f"no connection in {timeout:g} s"
+    except (OSError, ValueError) as e:
+        return getattr(e, "strerror", None) or str(e) or type(e).__name__
+    try:
+        with sock:
+            sock.sendall(_H2_PREFACE)
+            header = _recv_exactly(sock, 9)
+    except socket.timeout:
+        header = None
+    except OSError as e:
+        return f"the connection failed: {e.strerror or e}"
+    if header is None or header[3] != _H2_SETTINGS:
+        return "it accepts connections but does not answer as a gRPC server"
+    return None
+
+
+def _recv_exactly(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def wait_for_cluster(cluster_resolver, timeout=DEFAULT_CONNECT_TIMEOUT):
+    """Waits until every task the chief connects to answers.
+
+    Args:
+        cluster_resolver: a `ClusterResolver`; its `cluster_spec()` names the tasks.
+        timeout: seconds to wait at most (see `validate_connect_timeout`).
+
+    Raises:
+        ValueError: `timeout` is not a positive number.
+        ClusterUnreachableError: tasks still did not answer after `timeout`
+            seconds; it names each (job, index, address, why).
+    """
+    validate_connect_timeout(timeout)
+    wait_for_tasks(tasks_to_reach(cluster_resolver.cluster_spec().as_dict()), timeout)
+
+
+def wait_for_tasks(tasks, timeout):
+    """Probes `tasks` (`[(job, index, address)]`) until all answer, for at
+    most `timeout` seconds.
+
+    The probes run in parallel, each bounded by `_ATTEMPT_SECS`. A probe
+    still running at the deadline (a host name whose lookup hangs: the
+    system's resolver has its own timeout) is not waited for; it ends on its
+    own.
+
+    Raises:
+        ClusterUnreachableError: naming the tasks that did not answer.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    reasons = {task: f"no answer in {timeout:g} s" for task in tasks}  # the unanswered
+    running = {}  # task -> the future of its probe
+    next_log = start
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(32, len(tasks) or 1), thread_name_prefix="tf_asgd_probe")
+    try:
+        while reasons:
+            attempt = min(_ATTEMPT_SECS, max(0.1, deadline - time.monotonic()))
+            for task in reasons:
+                if task not in running:
+                    running[task] = pool.submit(probe, task[2], attempt)
+            concurrent.futures.wait(running.values(), timeout=max(0.0, deadline - time.monotonic()))
+            for task, future in list(running.items()):
+                if future.done():
+                    del running[task]
+                    if (reason := future.result()) is None:
+                        del reasons[task]
+                    else:
+                        reasons[task] = reason
+            now = time.monotonic()
+            if reasons and now >= deadline:
+                raise ClusterUnreachableError(
+                    [(*task, reason) for task, reason in reasons.items()], timeout)
+            if reasons and now >= next_log:
+                log.warning(
+                    "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %g s): %s",
+                    len(reasons), len(tasks), now - start, timeout,
+                    ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in reasons.items()))
+                next_log = now + LOG_EVERY_SECS
+            if reasons:
+                time.sleep(min(_RETRY_SECS, max(0.0, deadline - now)))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if next_log > start:  # a waiting line was logged: say that the wait ended
+        log.warning("All %d cluster task(s) answer after %.1f s.",
+                    len(tasks), time.monotonic() - start)
