@@ -207,3 +207,54 @@ def test_evaluation_tool(tmp_path):
     assert all(float(r["max_metric_diff"]) <= 1e-6 for r in rows)
     md = (tmp_path / "evaluation.md").read_text()
     assert "speed-up" in md and "max metric diff" in md and "ms/batch" in md
+
+
+def test_time_to_accuracy_tool(tmp_path):
+    proc = _run("time_to_accuracy.py", "--quick", "--out", str(tmp_path))
+    lines = [line for line in proc.stdout.splitlines() if "seed 0:" in line]
+    assert len(lines) == 2 and "plain seed 0" in lines[0] and "2w n_sync 10" in lines[1], lines
+    runs = _csv(tmp_path / "runs.csv", [
+        "setup", "method", "workers", "n_sync", "seed", "device_ms", "train_s", "startup_s",
+        "cpu_util", "cpu_bound", "device_fraction", "final_accuracy", "target",
+        "time_to_target_s", "speedup", "samples_to_target", "samples_ratio",
+        "worst_drop_points", "stable", "final_ok", "must_hold"])
+    assert [(r["method"], r["workers"]) for r in runs] == [("plain", "1"), ("tf_asgd", "2")]
+    plain, asgd = runs
+    assert int(asgd["samples"]) == 2 * int(plain["samples"])  # tf_asgd's budget: 2x samples
+    curves = _csv(tmp_path / "curves.csv", ["method", "step", "samples", "time_s", "accuracy"])
+
+    def curve(method):
+        pts = [r for r in curves if r["method"] == method]
+        return [(float(r["time_s"]), int(r["samples"]), float(r["accuracy"])) for r in pts]
+
+    cp, ca = curve("plain"), curve("tf_asgd")
+    assert cp[0][1] == ca[0][1] == 0 and ca[-1][1] == int(asgd["samples"])
+    assert all(b[0] >= a[0] and b[1] > a[1] for a, b in zip(ca, ca[1:]))  # time and samples grow
+    # The speed-up arithmetic, redone from the curves.
+    target = cp[-1][2] - 0.01
+    assert math.isclose(float(asgd["target"]), target, rel_tol=1e-5)
+
+    def first(points, index):
+        return next((p[index] for p in points if p[2] >= target), math.inf)
+
+    t_plain, t_asgd = first(cp, 0), first(ca, 0)
+    assert math.isclose(float(asgd["plain_time_to_target_s"]), t_plain, rel_tol=1e-4)
+    if math.isfinite(t_asgd):
+        assert math.isclose(float(asgd["speedup"]), t_plain / t_asgd, rel_tol=1e-4)
+        assert math.isclose(float(asgd["samples_ratio"]), first(ca, 1) / first(cp, 1),
+                            rel_tol=1e-4)
+    else:
+        assert float(asgd["speedup"]) == 0 and "never reached" in lines[1]
+    best, drop = 0.0, 0.0
+    for _, samples, acc in ca:
+        best = max(best, acc)
+        if samples >= ca[-1][1] / 4:
+            drop = max(drop, best - acc)
+    assert math.isclose(float(asgd["worst_drop_points"]), 100 * drop, abs_tol=1e-3)
+    final_ok = ca[-1][2] >= cp[-1][2] - 0.02
+    assert int(asgd["must_hold"]) == int(drop <= 0.05 and final_ok)
+    assert 0 < float(asgd["cpu_util"]) and int(asgd["cpu_bound"]) == (float(asgd["cpu_util"]) > 0.7)
+    md = (tmp_path / "speedups.md").read_text()
+    assert "| mnist1d_adam | 10 | 2 | 1 |" in md and "speed-up" in md
+    for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png"):
+        _png(tmp_path / name)

@@ -1,0 +1,654 @@
+"""Time to accuracy: plain Keras on one emulated device against tf_asgd on N of them.
+
+Every run trains an unmodified Keras model with an unmodified optimizer. A
+device is emulated: each minibatch costs `--device-ms` of device time that
+uses no CPU (`tf_asgd.data.emulated_device_time`, tf.data's sleep), applied
+alike to plain Keras's dataset (one device) and to every tf_asgd worker's.
+Plain Keras runs a setup's `plain_steps`; tf_asgd (one `fit` of one epoch,
+so that no epoch end holds the workers, defaults otherwise: only `n_sync` is
+set) may use `--budget` times plain's samples (default 2x). Each worker
+reads its own shard of the shuffled batches (`ds.shard(workers, i)`).
+
+Held-out accuracy is measured along training on the chief, every
+`plain_steps / --evals` steps: the central weights are copied into a plain
+Keras twin of the model and the whole held-out set is run through it
+once. Plain Keras's clock stops while it does; tf_asgd's workers train on
+meanwhile, so its clock runs on (evaluation time is reported, `eval_s`).
+For tf_asgd the samples of a point are the committed ones (pushes counted on
+the PS, read after the weights), not the scheduled ones. Training time
+starts when the first step runs: the start-up before it (tracing; for
+tf_asgd also the workers' datasets and functions, until the first window
+starts on a worker) is reported apart (`startup_s`), and the time to target
+with it included too (`*_with_startup`).
+
+Per run (against plain Keras with the same setup and seed):
+
+- target: plain's final held-out accuracy minus 1 point;
+- time to target (s of training, the first point at or above the target)
+  and the speed-up, plain's time to target over tf_asgd's (0: never reached);
+- samples to target, and their ratio to plain's;
+- final accuracy at the budget's end (2x plain's samples);
+- the must-hold checks: `stable` (after the run's first quarter of samples,
+  accuracy never falls more than 5 points below its running best) and
+  `final_ok` (final accuracy at most 2 points below plain's final);
+- CPU use: seconds of CPU of this process and the cluster's task process
+  (Linux /proc), over wall time x cores. A run above 70% of the cores is
+  CPU-bound (`cpu_bound`, flagged in its line): its times measure the CPU,
+  not the emulated devices; use a larger `--device-ms`. `device_fraction`
+  is the ideal device-bound time (steps / workers x device time) over the
+  measured training time (1.0: nothing but device time).
+
+Setups (model, data, optimizer, batch, plain steps, default device ms):
+mnist1d_adam and mnist1d_sgd (the MNIST-1D paper's CNN, 4,000 generated
+training signals, Adam(1e-2) / SGD(0.05, momentum 0.9), batch 100, 3000
+steps), mnist1d16k_adam (16,000 signals), digits_sgd and digits_adam (the
+digits convnet, SGD(0.05, momentum 0.9) / Adam(1e-3), batch 32, 900 steps),
+resnet_sgd (`models.resnet_bn` on the digits upsampled to 32x32x3, SGD(0.05,
+momentum 0.9, Nesterov, weight decay 5e-4) at a constant rate, batch 32, 900
+steps).
+
+`--calibrate` measures instead the CPU a training step costs (plain Keras
+and tf_asgd on one worker, no device time) and prints the smallest device
+time that keeps the largest `--workers` count under half the cores.
+
+Writes to `--out`: `runs.csv` (one row a run), `curves.csv` (every held-out
+point of every run), `speedups.md` (a row per setup, n_sync and workers:
+mean and range over seeds), `accuracy_vs_time.png` and
+`accuracy_vs_samples.png` (a panel per setup and n_sync, a line per worker
+count, mean over seeds, the target dashed), as in the GPU A-SGD paper's
+figures. `calibration.csv` with `--calibrate`.
+
+    python tools/time_to_accuracy.py --quick                # a smoke run, under a minute
+    python tools/time_to_accuracy.py --setups mnist1d_adam --workers 4,8,16 --n-sync 10,100
+    python tools/time_to_accuracy.py --calibrate --setups mnist1d_adam,resnet_sgd
+"""
+
+import collections
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+import _common
+
+# name: (data, model, optimizer, batch size, plain steps, default device ms)
+SETUPS = {
+    "mnist1d_adam": ("mnist1d", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "mnist1d_sgd": ("mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", 100, 3000, 50.0),
+    "mnist1d16k_adam": ("mnist1d16k", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "digits_sgd": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
+    "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
+    "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 900, 400.0),
+}
+QUICK = dict(setups=["mnist1d_adam"], workers=[2], n_sync=[10], seeds=1, device_ms=4.0,
+             plain_steps=150, evals=5, out="results/time_to_accuracy/quick")
+CPU_BOUND = 0.7  # share of the cores above which a run is CPU-bound
+
+
+def load_data(name):
+    """`((x, y), (x_test, y_test))` of a setup's data set."""
+    import tf_asgd
+
+    if name == "mnist1d":
+        return tf_asgd.data.load_mnist1d()
+    if name == "mnist1d16k":
+        return tf_asgd.data.load_mnist1d(num_train=16000)
+    if name == "digits":
+        return tf_asgd.data.load_digits()
+    if name == "digits32":
+        return tf_asgd.data.load_digits_images(32)
+    raise ValueError(f"Unknown data set {name!r}.")
+
+
+def make_optimizer(name):
+    """A fresh Keras optimizer of a setup."""
+    import keras
+
+    if name == "adam_1e-2":
+        return keras.optimizers.Adam(1e-2)
+    if name == "adam_1e-3":
+        return keras.optimizers.Adam(1e-3)
+    if name == "sgd_0.05_m0.9":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if name == "sgd_resnet":
+        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
+        # rate for batch 32, without its step decay.
+        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    raise ValueError(f"Unknown optimizer {name!r}.")
+
+
+def build_model(name, data):
+    """A fresh `tf_asgd.models` model for the data's input shape."""
+    import inspect
+
+    import tf_asgd
+
+    builder = getattr(tf_asgd.models, name)
+    if "input_shape" in inspect.signature(builder).parameters:
+        return builder(input_shape=data[0][0].shape[1:])
+    return builder()
+
+
+def train_dataset(data, batch_size, seed):
+    """The shuffled training batches (reshuffled every pass, the same order
+    on every worker, so that `shard` gives them disjoint batches)."""
+    import tensorflow as tf
+
+    (x, y), _ = data
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).batch(
+        batch_size, drop_remainder=True)
+
+
+class HeldOut:
+    """Held-out accuracy and loss of a model's weights, on a plain Keras twin
+    of the model on the chief (one forward pass over the whole set)."""
+
+    def __init__(self, model_name, data):
+        import tensorflow as tf
+
+        _, (x_test, y_test) = data
+        self.twin = build_model(model_name, data)
+        self.x = tf.constant(x_test)
+        self.y = np.asarray(y_test)
+        self._forward = tf.function(lambda x: self.twin(x, training=False))
+
+    def __call__(self, weights):
+        self.twin.set_weights(weights)
+        logits = self._forward(self.x).numpy().astype(np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        loss = -log_p[np.arange(len(self.y)), self.y].mean()
+        return float((logits.argmax(axis=1) == self.y).mean()), float(loss)
+
+
+def curve_callback(held_out, eval_every, batch_size, committed_steps=None, pids=(),
+                   pause_clock=True):
+    """A Keras callback that evaluates the model every `eval_every` steps.
+
+    Args:
+        held_out: a `HeldOut`.
+        eval_every: steps between points (scheduled steps under tf_asgd).
+        batch_size: samples per step.
+        committed_steps: `fn(scheduled) -> steps in the central weights`
+            (tf_asgd); None: every scheduled step is done (plain Keras).
+        pids: processes besides this one whose CPU time counts (the
+            cluster's task process).
+        pause_clock: whether training stops while the chief evaluates, so
+            that evaluations are left out of the clock and of the CPU
+            seconds (plain Keras). tf_asgd's workers train on meanwhile:
+            its clock runs on (what evaluating costs the workers is
+            charged to tf_asgd).
+
+    Returns:
+        The callback; call its `start(model)` right before `fit` and
+        `finish(steps)` after it. Its `points` are dicts: step, samples,
+        wall_s (seconds since `start`), cpu_s (CPU seconds since `start`),
+        accuracy, loss; a point
+        whose step equals the one before is not taken. `clock(t)` turns a
+        `time.perf_counter()` reading into the clock of `wall_s`;
+        `first_step_end` is that clock at the first step's end (plain Keras).
+    """
+    import keras
+
+    class Curve(keras.callbacks.Callback):
+        def start(self, model):
+            self.set_model(model)
+            self.points, self.evals, self.eval_cpu = [], [], 0.0
+            self.first_step_end = None
+            self.next = eval_every
+            self.cpu0 = _cpu(pids)
+            self.t0 = time.perf_counter()
+            self.point(0)
+
+        @property
+        def eval_s(self):
+            return sum(d for _, d in self.evals)
+
+        def clock(self, t):
+            if not pause_clock:
+                return t - self.t0
+            return t - self.t0 - sum(d for s, d in self.evals if s + d <= t)
+
+        def cpu(self):
+            return _cpu(pids) - self.cpu0 - (self.eval_cpu if pause_clock else 0.0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first_step_end is None:
+                self.first_step_end = self.clock(time.perf_counter())
+            if batch + 1 >= self.next:
+                self.point(batch + 1)
+                while self.next <= batch + 1:
+                    self.next += eval_every
+
+        def finish(self, steps):
+            self.point(steps, final=True)
+
+        def point(self, scheduled, final=False):
+            t, c0 = time.perf_counter(), time.process_time()
+            wall, cpu = self.clock(t), self.cpu()
+            weights = self.model.get_weights()
+            # Read after the weights: never fewer steps than they hold.
+            steps = scheduled if committed_steps is None or final else committed_steps(scheduled)
+            if not self.points or steps != self.points[-1]["step"]:
+                acc, loss = held_out(weights)
+                self.points.append(dict(step=steps, samples=steps * batch_size, wall_s=wall,
+                                        cpu_s=cpu, accuracy=acc, loss=loss))
+            self.evals.append((t, time.perf_counter() - t))
+            self.eval_cpu += time.process_time() - c0
+
+    return Curve()
+
+
+def _cpu(pids):
+    return time.process_time() + sum(_common.cpu_seconds(p) for p in pids)
+
+
+def _timings(curve, points, end, startup, steps, workers, device_ms, cores):
+    """Run-row timings; sets each point's `time_s` (training time: `wall_s`
+    less the start-up, the time before the first step ran)."""
+    for pt in points:
+        pt["time_s"] = max(0.0, pt["wall_s"] - startup)
+    train_s = end - startup
+    # CPU share over the points taken while training ran (tracing at the
+    # start is CPU-heavy and is not what the run measures).
+    trained = [pt for pt in points if pt["step"] > 0]
+    first, last = (trained[0], trained[-1]) if len(trained) > 1 else (points[0], points[-1])
+    span = max(last["wall_s"] - first["wall_s"], 1e-9)
+    util = (last["cpu_s"] - first["cpu_s"]) / (span * cores)
+    return dict(startup_s=startup, train_s=train_s, total_s=end, eval_s=curve.eval_s,
+                evals=len(points), cpu_s=curve.cpu(), cpu_util=util,
+                device_fraction=steps / workers * device_ms / 1000.0 / train_s)
+
+
+def run_plain(setup, seed, args):
+    """Plain Keras on one emulated device; returns (run row, curve points)."""
+    import keras
+
+    import tf_asgd
+
+    data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+    data = _data(data_name)
+    steps, device_ms = _steps(setup, args), _device_ms(setup, args)
+    keras.utils.set_random_seed(seed)
+    model = build_model(model_name, data)
+    _common.compile_classifier(model, make_optimizer(opt))
+    ds = tf_asgd.data.emulated_device_time(device_ms)(train_dataset(data, batch, seed), 0).repeat()
+    curve = curve_callback(HeldOut(model_name, data), _eval_every(setup, args), batch)
+    curve.start(model)
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve])
+    end = curve.clock(time.perf_counter())
+    curve.finish(steps)
+    # Start-up: the first step's excess over the others (tracing).
+    step_s = (end - curve.first_step_end) / max(1, steps - 1)
+    startup = max(0.0, curve.first_step_end - step_s)
+    row = dict(setup=setup, method="plain", workers=1, n_sync=0, seed=seed, device_ms=device_ms,
+               batch_size=batch, steps=steps, samples=steps * batch)
+    row.update(_timings(curve, curve.points, end, startup, steps, 1, device_ms, args.cores))
+    return row, curve.points
+
+
+def run_asgd(cluster, setup, workers, n_sync, seed, args):
+    """tf_asgd on `workers` emulated devices; returns (run row, curve points)."""
+    import keras
+
+    import tf_asgd
+
+    data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+    data = _data(data_name)
+    steps = int(round(args.budget * _steps(setup, args)))
+    device_ms = _device_ms(setup, args)
+    device = tf_asgd.data.emulated_device_time(device_ms)
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=n_sync,
+        per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i))
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = build_model(model_name, data)
+        _common.compile_classifier(model, make_optimizer(opt))
+
+    def committed(scheduled):
+        return min(scheduled, strategy.stats().windows * n_sync)
+
+    curve = curve_callback(HeldOut(model_name, data), _eval_every(setup, args), batch, committed,
+                           pids=list(cluster.pids().values()), pause_clock=False)
+    wall0 = time.time()
+    curve.start(model)
+    model.fit(train_dataset(data, batch, seed), steps_per_epoch=steps, epochs=1, verbose=0,
+              callbacks=[curve])
+    end = curve.clock(time.perf_counter())
+    curve.finish(steps)
+    stats = strategy.model_stats(model)
+    log = strategy.window_log(model)
+    # Start-up: until the first window started on a worker (worker and chief
+    # share this machine's clock).
+    first = min((r.started_at for r in log if math.isfinite(r.started_at)), default=wall0)
+    startup = curve.clock(curve.t0 + first - wall0)
+    row = dict(setup=setup, method="tf_asgd", workers=workers, n_sync=n_sync, seed=seed,
+               device_ms=device_ms, batch_size=batch, steps=steps, samples=steps * batch)
+    row.update(_timings(curve, curve.points, end, startup, steps, workers, device_ms, args.cores))
+    row.update(windows=stats.windows, mean_staleness=stats.mean_staleness,
+               max_staleness=stats.max_staleness)
+    return row, curve.points
+
+
+def first_reaching(points, target, key):
+    """`key` ("time_s", "wall_s" or "samples") of the first point whose accuracy is at
+    least `target`; inf if none."""
+    for p in points:
+        if p["accuracy"] >= target:
+            return p[key]
+    return math.inf
+
+
+def worst_drop(points, skip_fraction=0.25):
+    """Largest fall of accuracy below its running best, over the points after
+    the first `skip_fraction` of the run's samples (the best counts them all)."""
+    total = points[-1]["samples"]
+    best, worst = -math.inf, 0.0
+    for p in points:
+        best = max(best, p["accuracy"])
+        if p["samples"] >= skip_fraction * total:
+            worst = max(worst, best - p["accuracy"])
+    return worst
+
+
+def summarize(points, plain_points, args):
+    """The time-to-accuracy figures of a run against its plain-Keras twin."""
+    plain_final = plain_points[-1]["accuracy"]
+    target = plain_final - 0.01
+    final = points[-1]["accuracy"]
+    t, tp = first_reaching(points, target, "time_s"), first_reaching(plain_points, target, "time_s")
+    tw = first_reaching(points, target, "wall_s")
+    tpw = first_reaching(plain_points, target, "wall_s")
+    s = first_reaching(points, target, "samples")
+    sp = first_reaching(plain_points, target, "samples")
+    drop = worst_drop(points)
+    stable = drop <= args.max_drop
+    final_ok = final >= plain_final - args.max_final_gap
+    return dict(final_accuracy=final, plain_final_accuracy=plain_final, target=target,
+                time_to_target_s=t, plain_time_to_target_s=tp,
+                speedup=_ratio(tp, t), time_to_target_with_startup_s=tw,
+                plain_time_to_target_with_startup_s=tpw, speedup_with_startup=_ratio(tpw, tw),
+                samples_to_target=s, plain_samples_to_target=sp,
+                samples_ratio=s / sp, final_gap_points=100 * (plain_final - final),
+                worst_drop_points=100 * drop, stable=int(stable), final_ok=int(final_ok),
+                must_hold=int(stable and final_ok))
+
+
+def _ratio(plain_s, asgd_s):
+    """Plain's time over tf_asgd's; 0 when tf_asgd never reached the target,
+    and 1 when both reached it at once (time 0)."""
+    if not math.isfinite(asgd_s):
+        return 0.0
+    return plain_s / asgd_s if asgd_s > 0 else (1.0 if plain_s == 0 else math.inf)
+
+
+def run_line(row):
+    """One line of a run's result."""
+    cpu = (f"cpu {100 * row['cpu_util']:.0f}% of {row['cores']} cores"
+           + (" CPU-BOUND" if row["cpu_bound"] else ""))
+    if row["method"] == "plain":
+        return (f"{row['setup']} plain seed {row['seed']}: final {row['final_accuracy']:.3f}, "
+                f"target {row['target']:.3f} at {row['time_to_target_s']:.1f} s, "
+                f"{row['train_s']:.1f} s (+{row['startup_s']:.1f} s start-up), "
+                f"device {row['device_fraction']:.2f}, {cpu}")
+    reached = (f"target at {row['time_to_target_s']:.1f} s "
+               f"(plain {row['plain_time_to_target_s']:.1f}), speed-up {row['speedup']:.2f}x, "
+               f"samples x{row['samples_ratio']:.2f}"
+               if math.isfinite(row["time_to_target_s"]) else "target never reached")
+    return (f"{row['setup']} {row['workers']}w n_sync {row['n_sync']} seed {row['seed']}: "
+            f"{reached}; final {row['final_accuracy']:.3f} "
+            f"(plain {row['plain_final_accuracy']:.3f}), "
+            f"worst drop {row['worst_drop_points']:.1f} pts, "
+            f"must-hold {'yes' if row['must_hold'] else 'NO'}; {row['train_s']:.1f} s "
+            f"(+{row['startup_s']:.1f} s start-up), "
+            f"device {row['device_fraction']:.2f}, {cpu}")
+
+
+def _range(values, fmt):
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "-"
+    lo, hi, mean = min(values), max(values), sum(values) / len(values)
+    if lo == hi:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} ({fmt.format(lo)}-{fmt.format(hi)})"
+
+
+def write_table(out, runs):
+    """`speedups.md`: a row per (setup, n_sync, workers), mean (min-max) over seeds."""
+    groups = collections.defaultdict(list)
+    for r in runs:
+        if r["method"] == "tf_asgd":
+            groups[(r["setup"], r["n_sync"], r["workers"])].append(r)
+    rows = []
+    for (setup, n_sync, workers), rs in sorted(groups.items()):
+        reached = [r for r in rs if math.isfinite(r["time_to_target_s"])]
+        rows.append([
+            setup, n_sync, workers, len(rs), rs[0]["device_ms"],
+            _range([r["plain_final_accuracy"] for r in rs], "{:.3f}"),
+            _range([r["plain_time_to_target_s"] for r in rs], "{:.1f}"),
+            _range([r["time_to_target_s"] for r in reached], "{:.1f}")
+            + (f", {len(rs) - len(reached)} never" if len(reached) < len(rs) else ""),
+            _range([r["speedup"] for r in rs], "{:.2f}"),
+            _range([r["samples_ratio"] for r in reached], "{:.2f}"),
+            _range([r["final_accuracy"] for r in rs], "{:.3f}"),
+            _range([r["worst_drop_points"] for r in rs], "{:.1f}"),
+            f"{sum(r['must_hold'] for r in rs)}/{len(rs)}",
+            _range([r["cpu_util"] for r in rs], "{:.2f}"),
+            sum(r["cpu_bound"] for r in rs),
+        ])
+    header = ["setup", "n_sync", "workers", "seeds", "device ms", "plain final",
+              "plain s to target", "tf_asgd s to target", "speed-up", "samples ratio",
+              f"final at {runs[0].get('budget', 2)}x samples", "worst drop (pts)", "must hold",
+              "CPU share", "CPU-bound runs"]
+    lines = [("Target: plain Keras's final held-out accuracy minus 1 point. Speed-up: plain's "
+              "time to target over tf_asgd's (0: never reached). Must hold: after the first "
+              "quarter, accuracy never 5 points below its running best, and the final at most "
+              "2 points below plain's. Mean (min-max) over seeds."), "",
+             *_common.markdown_table(header, rows)]
+    _common.write_lines(os.path.join(out, "speedups.md"), lines)
+
+
+def plot(out, runs, curves):
+    """The two figures: a panel per (setup, n_sync), a line per worker count."""
+    from tf_asgd import plots
+
+    by_run = collections.defaultdict(list)
+    for p in curves:
+        by_run[(p["setup"], p["method"], p["workers"], p["n_sync"])].append(p)
+    panels = {"time_s": [], "samples": []}
+    keys = sorted({(r["setup"], r["n_sync"]) for r in runs if r["method"] == "tf_asgd"})
+    for setup, n_sync in keys:
+        plain = [r for r in runs if r["method"] == "plain" and r["setup"] == setup]
+        target = sum(r["final_accuracy"] for r in plain) / len(plain) - 0.01
+        for x_key, xlabel in (("time_s", "training time (s)"), ("samples", "samples seen")):
+            series = [_mean_line("plain Keras, 1 device", by_run[(setup, "plain", 1, 0)], x_key)]
+            counts = {r["workers"] for r in runs if r["method"] == "tf_asgd"
+                      and (r["setup"], r["n_sync"]) == (setup, n_sync)}
+            for w in sorted(counts):
+                series.append(
+                    _mean_line(f"{w} workers", by_run[(setup, "tf_asgd", w, n_sync)], x_key))
+            lo = min(min(s[2]) for s in series if len(s[2]))
+            panels[x_key].append(dict(
+                title=f"{setup}, n_sync {n_sync}, {plain[0]['device_ms']:g} ms/batch device",
+                xlabel=xlabel, ylabel="held-out accuracy", series=series,
+                ylim=(max(0.0, min(lo, target - 0.2)), 1.0), hline=(target, "target")))
+    for x_key, name in (("time_s", "accuracy_vs_time.png"), ("samples", "accuracy_vs_samples.png")):
+        if panels[x_key]:
+            plots.plot_panels(os.path.join(out, name), panels[x_key],
+                              ncols=min(3, len(panels[x_key])))
+
+
+def _mean_line(label, points, x_key):
+    """`(label, x, y, y_min, y_max)`: the k-th point of every seed averaged
+    (seeds share their evaluation steps)."""
+    seeds = collections.defaultdict(list)
+    for p in points:
+        seeds[p["seed"]].append(p)
+    n = min((len(v) for v in seeds.values()), default=0)
+    xs = [np.mean([v[k][x_key] for v in seeds.values()]) for k in range(n)]
+    accs = [[v[k]["accuracy"] for v in seeds.values()] for k in range(n)]
+    return (label, xs, [np.mean(a) for a in accs], [min(a) for a in accs], [max(a) for a in accs])
+
+
+def calibrate(args):
+    """CPU per training step with no device time: plain Keras and tf_asgd on
+    one worker (each `n_sync`), and the device time that keeps the largest
+    worker count under half the cores."""
+    import keras
+
+    import tf_asgd
+    from tf_asgd import plots
+
+    steps = args.calibration_steps
+    rows = []
+    for setup in args.setups:
+        data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+        data = _data(data_name)
+        ds = train_dataset(data, batch, 0)
+        keras.utils.set_random_seed(0)
+        model = build_model(model_name, data)
+        _common.compile_classifier(model, make_optimizer(opt))
+        model.fit(ds.repeat(), steps_per_epoch=20, epochs=1, verbose=0)  # traces
+        c0 = time.process_time()
+        model.fit(ds.repeat(), steps_per_epoch=steps, epochs=1, verbose=0)
+        rows.append(dict(setup=setup, method="plain", n_sync=0,
+                         cpu_ms_per_step=1000 * (time.process_time() - c0) / steps))
+    with _common.local_cluster(1) as cluster:
+        pids = list(cluster.pids().values())
+        for setup in args.setups:
+            data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+            data = _data(data_name)
+            ds = train_dataset(data, batch, 0)
+            for n_sync in args.n_sync:
+                strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
+                with strategy.scope():
+                    model = build_model(model_name, data)
+                    _common.compile_classifier(model, make_optimizer(opt))
+                model.fit(ds, steps_per_epoch=2 * n_sync, epochs=1, verbose=0)  # traces
+                n = max(n_sync, steps // n_sync * n_sync)
+                c0 = _cpu(pids)
+                model.fit(ds, steps_per_epoch=n, epochs=1, verbose=0)
+                rows.append(dict(setup=setup, method="tf_asgd", n_sync=n_sync,
+                                 cpu_ms_per_step=1000 * (_cpu(pids) - c0) / n))
+    workers = max(args.workers)
+    for r in rows:
+        # N workers alternate d ms of device time with c ms of CPU a step: they
+        # use N c / (d + c) cores; at most half the cores needs d >= c (N / (cores / 2) - 1).
+        c = r["cpu_ms_per_step"]
+        r["workers"] = workers if r["method"] == "tf_asgd" else 1
+        r["min_device_ms"] = max(0.0, c * (r["workers"] / (args.cores / 2) - 1))
+        print(f"{r['setup']} {r['method']} n_sync {r['n_sync']}: {c:.2f} ms CPU a step; "
+              f"device time >= {r['min_device_ms']:.0f} ms for {r['workers']} "
+              f"worker(s) on {args.cores} cores", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    plots.write_csv(os.path.join(args.out, "calibration.csv"), rows)
+    return rows
+
+
+_DATA = {}
+
+
+def _data(name):
+    if name not in _DATA:
+        _DATA[name] = load_data(name)
+    return _DATA[name]
+
+
+def _steps(setup, args):
+    return args.plain_steps or SETUPS[setup][4]
+
+
+def _device_ms(setup, args):
+    return SETUPS[setup][5] if args.device_ms is None else args.device_ms
+
+
+def _eval_every(setup, args):
+    return max(1, _steps(setup, args) // args.evals)
+
+
+def main(argv=None):
+    p = _common.parser(__doc__)
+    p.add_argument("--out", default="results/time_to_accuracy")
+    p.add_argument("--setups", type=_common.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
+    p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4, 8, 16])
+    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
+    p.add_argument("--device-ms", type=float, default=None,
+                   help="emulated device time per batch (default: each setup's)")
+    p.add_argument("--budget", type=float, default=2.0, help="tf_asgd's samples over plain's")
+    p.add_argument("--plain-steps", type=int, default=None,
+                   help="plain Keras's steps (default: each setup's)")
+    p.add_argument("--evals", type=int, default=30, help="held-out points over plain's run")
+    p.add_argument("--max-drop", type=float, default=0.05)
+    p.add_argument("--max-final-gap", type=float, default=0.02)
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure CPU per step and print the device time to use")
+    p.add_argument("--calibration-steps", type=int, default=300)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+                   + " (flags given override these)")
+    args = p.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])
+                 if a.startswith("--")}
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(args, k, v)
+    for s in args.setups:
+        if s not in SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(SETUPS)}")
+    if args.calibrate:
+        calibrate(args)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    from tf_asgd import plots
+
+    device_s = sum(_steps(s, args) * _device_ms(s, args) / 1000 * args.seeds
+                   * (1 + args.budget * len(args.n_sync) * sum(1 / w for w in args.workers))
+                   for s in args.setups)
+    print(f"{len(args.setups) * args.seeds * (1 + len(args.workers) * len(args.n_sync))} runs; "
+          f"emulated device time alone {device_s / 60:.1f} min", flush=True)
+    runs, curves, plain = [], [], {}
+    t0 = time.time()
+
+    def record(row, points):
+        row.update(cores=args.cores, budget=args.budget,
+                   cpu_bound=int(row["cpu_util"] > CPU_BOUND))
+        runs.append(row)
+        tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
+        curves.extend(dict(**tags, **pt) for pt in points)
+        print(f"[{time.time() - t0:5.0f}s] {run_line(row)}", flush=True)
+        plots.write_csv(os.path.join(args.out, "runs.csv"), runs)
+        plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+
+    # Plain Keras first, with no cluster running beside it.
+    for setup in args.setups:
+        for seed in range(args.seeds):
+            row, points = run_plain(setup, seed, args)
+            plain[(setup, seed)] = points
+            row.update(summarize(points, points, args))
+            record(row, points)
+    for workers in args.workers:
+        with _common.local_cluster(workers) as cluster:
+            for setup in args.setups:
+                for n_sync in args.n_sync:
+                    for seed in range(args.seeds):
+                        row, points = run_asgd(cluster, setup, workers, n_sync, seed, args)
+                        row.update(summarize(points, plain[(setup, seed)], args))
+                        record(row, points)
+                        write_table(args.out, runs)
+    plot(args.out, runs, curves)
+    flagged = sum(r["cpu_bound"] for r in runs)
+    print(f"wrote {args.out}/runs.csv, curves.csv, speedups.md, accuracy_vs_time.png, "
+          f"accuracy_vs_samples.png in {time.time() - t0:.0f} s; {flagged} CPU-bound run(s)"
+          + (": raise --device-ms" if flagged else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
