@@ -100,7 +100,7 @@ def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
 
 @pytest.mark.cluster
 def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(caplog):
-    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
         pids = cluster.pids()
         cluster.kill_task("ps:0")
         error, secs = _connect_fails(cluster.resolver, caplog)
