@@ -52,42 +52,67 @@ def test_defaults_are_the_classic_parameter_server():
     assert state == {} and update_rules.OuterSGD().slots == ()
 
 
+def _decays(scale, delay, steps=20000):
+    """Whether `e[k+1] = e[k] - scale * e[k - delay]` decays from a constant start."""
+    e = [1.0] * (delay + 1)
+    for _ in range(steps):
+        e.append(e[-1] - scale * e[-1 - delay])
+        if abs(e[-1]) > 1e6:
+            return False
+    return abs(e[-1]) < 1e-3
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8, 16])
+def test_stability_limit_is_where_saturated_stale_pushes_stop_decaying(workers):
+    # N workers in round-robin order: each push is N - 1 pushes stale.
+    limit = update_rules.stability_limit(workers)
+    assert _decays(0.95 * limit, workers - 1)
+    assert not _decays(1.05 * limit, workers - 1)
+
+
 def test_default_outer_learning_rate():
-    # One worker: plain Keras; up to four: their average; 1/4 a push up to 8;
-    # then sqrt(N / 2) times the average.
-    got = [update_rules.default_outer_learning_rate(n) for n in (1, 2, 3, 4, 6, 8, 32)]
-    np.testing.assert_allclose(got, [1.0, 0.5, 1 / 3, 0.25, 0.25, 0.25, 0.125])
-
-
-def test_default_outer_optimizer_warms_up_from_the_average():
-    # 8 workers: 1/8 at ticket 0, halfway at ticket 16, sqrt(8/2)/8 from ticket 32 on.
-    opt = update_rules.default_outer_optimizer(8)
-    got = [update_rules.outer_learning_rate(opt, t) for t in (0, 16, 32, 1000)]
-    np.testing.assert_allclose(got, [0.125, 0.1875, 0.25, 0.25])
-    # Up to 2 workers the default is the average from the start.
-    assert update_rules.default_outer_optimizer(1) == update_rules.OuterSGD(1.0)
-    assert update_rules.default_outer_optimizer(2) == update_rules.OuterSGD(0.5)
-    # The ramp is applied to the pseudo-gradient push by push.
-    theta, _ = update_rules.outer_step(opt, np.zeros(2, np.float32), np.ones(2, np.float32),
-                                       {}, 16, 8)
-    assert theta.dtype == np.float32
-    np.testing.assert_allclose(theta, [-0.1875, -0.1875])
+    # One worker: plain Keras; the average up to 4 workers; then 2/3 of the
+    # stability limit, never below the average.
+    got = [update_rules.default_outer_learning_rate(n) for n in (1, 2, 3, 4, 5, 8, 16, 32)]
+    limit = update_rules.stability_limit
+    np.testing.assert_allclose(
+        got, [1.0, 0.5, 1 / 3, 0.25, 2 / 3 * limit(5), 2 / 3 * limit(8), 2 / 3 * limit(16),
+              2 / 3 * limit(32)])
+    for n in range(2, 101):
+        rate = update_rules.default_outer_learning_rate(n)
+        assert 1 / n <= rate < limit(n)
 
 
 def test_default_outer_optimizer_rises_over_the_first_round_then_falls():
-    # 4 workers: 1/4 rising to 2/4 over the first 4 pushes, then back to 1/4 over 40.
+    # 4 workers: 1/4 rising to the stability limit over the first 4 pushes,
+    # then back to 1/4 over 40.
+    limit4 = update_rules.stability_limit(4)
     opt = update_rules.default_outer_optimizer(4)
     got = [update_rules.outer_learning_rate(opt, t) for t in (0, 2, 4, 24, 44, 1000)]
-    np.testing.assert_allclose(got, [0.25, 0.375, 0.5, 0.375, 0.25, 0.25])
+    expected = [0.25, (0.25 + limit4) / 2, limit4, (limit4 + 0.25) / 2, 0.25, 0.25]
+    np.testing.assert_allclose(got, expected)
     # 3 workers: the peak is capped at 1/2 (two workers' sum diverged).
     opt = update_rules.default_outer_optimizer(3)
     got = [update_rules.outer_learning_rate(opt, t) for t in (0, 3, 33)]
     np.testing.assert_allclose(got, [1 / 3, 0.5, 1 / 3])
+    # 8 workers: from the average up to the limit, then down to the default.
+    opt = update_rules.default_outer_optimizer(8)
+    got = [update_rules.outer_learning_rate(opt, t) for t in (0, 8, 88, 1000)]
+    rate8 = update_rules.default_outer_learning_rate(8)
+    np.testing.assert_allclose(got, [0.125, update_rules.stability_limit(8), rate8, rate8])
+    # Up to 2 workers the default is the average from the start.
+    assert update_rules.default_outer_optimizer(1) == update_rules.OuterSGD(1.0)
+    assert update_rules.default_outer_optimizer(2) == update_rules.OuterSGD(0.5)
+    # The ramp is applied to the pseudo-gradient push by push.
+    theta, _ = update_rules.outer_step(update_rules.default_outer_optimizer(4),
+                                       np.zeros(2, np.float32), np.ones(2, np.float32), {}, 2, 4)
+    assert theta.dtype == np.float32
+    np.testing.assert_allclose(theta, [-(0.25 + limit4) / 2] * 2, rtol=1e-6)
     # The same rate, traced as the PS computes it.
     rates = [float(outer.effective_learning_rate(update_rules.default_outer_optimizer(4), 4,
                                                  tf.constant(t, tf.int64)))
              for t in (0, 2, 4, 24, 44, 1000)]
-    np.testing.assert_allclose(rates, [0.25, 0.375, 0.5, 0.375, 0.25, 0.25])
+    np.testing.assert_allclose(rates, expected)
 
 
 def test_schedule_is_normalised_so_equal_optimizers_compare_equal():

@@ -234,24 +234,37 @@ def _check_lr_momentum(learning_rate, momentum, name="learning_rate"):
         raise ValueError(f"Outer momentum must be in [0, 1), got {momentum!r}.")
 
 
-def default_outer_learning_rate(num_workers):
-    """The default outer learning rate: `max(1 / N, min(1 / 4, 1 / sqrt(2 N)))`.
+def stability_limit(num_workers):
+    """The largest constant per-push scale at which N workers stay stable: `2 sin(pi / (4N - 2))`.
 
-    Each push is one worker's displacement, carrying that worker's own
-    momentum (or Adam moments) and computed from a stale copy; N of them add
-    up to N windows of the user's optimizer. Measured (README, "Convergence";
-    results/convergence):
-
-    - up to 4 workers, their average `1 / N`: the sum of 2 momentum-SGD
-      workers' pushes diverged, and `sqrt(2) / 4` a push on 4 workers
-      oscillated late in training (held-out accuracy more than 3 points
-      below plain Keras in 12 to 22% of late epochs; none at 1/4);
-    - from 4 to 8 workers, 1/4 a push, and beyond 8 the square-root rule
-      for an N-times larger batch, `sqrt(N / 2) / N`: the plain average gives
-      up sample efficiency as N grows.
+    In round-robin order every push is `N - 1` pushes stale. Where a window's
+    local steps have converged (a stiff direction, whose minimum `x*` the
+    worker reaches within `n_sync` steps), a push is `x* - x_pull`, so the
+    error follows `e[k+1] = e[k] - s * e[k - (N - 1)]`, which decays if and
+    only if `0 < s < 2 sin(pi / (4N - 2))` (Levin and May 1976). N pushes of
+    a round then add up to at most about `pi / 2` windows, whatever N is.
+    See docs/defaults.md.
     """
     n = float(num_workers)
-    return max(1.0 / n, min(0.25, (2.0 * n) ** -0.5))
+    return 2.0 * float(np.sin(np.pi / (4.0 * n - 2.0)))
+
+
+STABILITY_MARGIN = 2.0 / 3.0  # the default stays this far inside `stability_limit`
+
+
+def default_outer_learning_rate(num_workers):
+    """The default outer learning rate: `max(1/N, min(1/4, 1/sqrt(2N), 2/3 * limit(N)))`.
+
+    Each push is one worker's displacement, carrying that worker's own
+    momentum (or Adam moments) and computed from a copy `N - 1` pushes
+    stale; `stability_limit(N)` bounds a constant per-push rate. The default
+    stays at 2/3 of it (at 8 workers 0.139; 16: 0.068), and never above the
+    rates measured stable on fewer workers (up to 4 workers their average,
+    1/4 a push up to 8), nor below the average `1/N`. See docs/defaults.md.
+    """
+    n = float(num_workers)
+    capped = min(0.25, (2.0 * n) ** -0.5, STABILITY_MARGIN * stability_limit(n))
+    return max(1.0 / n, capped) if n > 1 else 1.0
 
 
 def default_outer_optimizer(num_workers):
@@ -261,29 +274,23 @@ def default_outer_optimizer(num_workers):
     pushes. The first windows all start from the same weights, so their
     pushes point the same way and their sum overshoots: the first round of
     N pushes starts from the average `1 / N`. After it, pushes decorrelate:
-
-    - from 3 to 7 workers, where the default is below the rate of two
-      workers' pushes, `min(2 / N, 1 / 2)`, the first round rises to that
-      rate and it falls back to the default over the next `10 N` pushes.
-      Early on a larger rate wins back the average's sample efficiency
-      (4 workers: the MLP with Adam's worst gap to plain Keras, in two sets
-      of 5 runs, went from 3.1 and 2.2 to 1.7 and 1.9 points); late in
-      training it oscillated, so it does not stay;
-    - from 8 workers on, where the default is at least that rate, it warms up
-      from `1 / N` to the default over the first `4 N` pushes (measured on 8
-      workers, where without it the first round overshot);
-    - up to 2 workers the default is the average from the start.
+    from 3 workers on, the rate rises over the first round to
+    `min(2 / N, 1 / 2, stability_limit(N))`, the rate of two workers' pushes
+    kept within the stability limit, then falls back to the default over the
+    next `10 N` pushes (early on a larger rate wins back sample efficiency;
+    late in training it oscillated, so it does not stay). Up to 2 workers the
+    default is the average from the start.
 
     Example:
 
     >>> opt = default_outer_optimizer(4)
-    >>> [float(outer_learning_rate(opt, t)) for t in (0, 4, 24, 44)]
-    [0.25, 0.5, 0.375, 0.25]
+    >>> [round(float(outer_learning_rate(opt, t)), 3) for t in (0, 4, 24, 44)]
+    [0.25, 0.445, 0.348, 0.25]
     """
     n = num_workers
     lr = default_outer_learning_rate(n)
-    average, peak = 1.0 / n, min(2.0 / n, 0.5)
-    if peak > lr:
+    average, peak = 1.0 / n, min(2.0 / n, 0.5, stability_limit(n))
+    if n >= 3 and peak > lr:
         return OuterSGD(lr, schedule=((n, average), (10 * n, peak)))
     if lr > average:
         return OuterSGD(lr, schedule=((4 * n, average),))
