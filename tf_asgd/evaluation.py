@@ -6,7 +6,8 @@ is split into shards of whole batches, one `ClusterCoordinator` closure per
 shard, run by whichever worker is free. A closure reads the central variables
 once, runs the model's `test_step` on each of its batches statelessly (a
 `keras.StatelessScope` maps the model's variables to the values read and its
-metric variables to loop tensors that start from the reset state) and returns
+metric variables to loop tensors that start from the reset state, and collects
+`add_loss` terms for `compute_loss`) and returns
 its metric-variable states. The chief adds the shards' states, as Keras
 itself merges metric variables across replicas (`aggregation="sum"`), writes
 them to the model's metric variables and returns the usual dict or list.
@@ -33,8 +34,9 @@ another worker and the chief counts the shard's one result.
 The chief path (`evaluation="chief"`: Keras's own loop on the chief against
 the central variables) is taken, with one log line saying why, for what the
 workers cannot do exactly: a model that overrides `test_step` (its logs need
-not come from merged metrics), a metric variable whose `aggregation` is not
-"sum" (its state does not merge by addition), `run_eagerly`, Python-side
+not come from merged metrics), a metric variable whose state does not merge
+by addition (`metric_states`: its `aggregation` is not "sum", or an update
+does not only add to it, e.g. a running max), `run_eagerly`, Python-side
 inputs (generators, PyDataset, `py_function` in a dataset) and datasets of
 infinite or unknown length without `steps`.
 """
@@ -47,7 +49,7 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals, keras_hook
+from tf_asgd import internals, keras_hook, metric_states
 from tf_asgd.push import raw, read
 
 EVALUATION_MODES = ("workers", "chief")
@@ -96,6 +98,7 @@ class Evaluator:
         self._dataset = None  # (weakref to the last dataset, its tf.function)
         self._said = set()  # reasons already logged
         self._built = None  # weakref to the loss tracker of the compile last built for
+        self._mergeable = None  # (data spec, metric_states.unmergeable) for the compile built
         self.last_shards = []  # (first batch, batches) of the last evaluation's shards
 
     @property
@@ -199,14 +202,31 @@ class Evaluator:
         if self._built is None or self._built() is not tracker or not model.built:
             # First use, or compiled again: build the model and its metrics as
             # Keras would; functions traced for another compile are stale.
-            self._functions, self._dataset = {}, None
+            self._functions, self._dataset, self._mergeable = {}, None, None
             model._maybe_symbolic_build(data_batch=self._first_batch(plan))  # noqa: SLF001
             self._built = weakref.ref(internals.loss_tracker(model))
-        for v in model.metrics_variables:
-            if getattr(v, "aggregation", "sum") != "sum":
-                return (f"the metric variable {v.path!r} has aggregation {v.aggregation!r}: only "
-                        "'sum' states merge by addition over shards")
-        return None
+        found = self._unmergeable(model, plan)
+        return metric_states.describe(found) if found else None
+
+    def _unmergeable(self, model, plan):
+        """`metric_states.unmergeable` for the model's `test_step` on the
+        plan's data (traced once per compile and data structure)."""
+        if plan["kind"] == "dataset":
+            spec = plan["dataset"].element_spec
+        else:
+            spec = tf.nest.map_structure(
+                lambda a: tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype)),
+                self._first_batch(plan))
+        key = repr(spec)
+        if self._mergeable is None or self._mergeable[0] != key:
+            variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+
+            def update(args, states):
+                return _test_step_states(model, variables, args[1], args[0], states)
+
+            weights = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+            self._mergeable = (key, metric_states.unmergeable(model, update, (spec, weights)))
+        return self._mergeable[1]
 
     def _first_batch(self, plan):
         if plan["kind"] == "dataset":
@@ -349,11 +369,7 @@ class Evaluator:
         states = [tf.constant(v.astype(m.dtype)) for v, m in zip(init, metric_vars)]
 
         def step(data, states):
-            mapping = list(zip(variables, weights)) + list(zip(metric_vars, states))
-            with StatelessScope(state_mapping=mapping) as scope:
-                model.test_step(data)
-            new = [scope.get_current_value(v) for v in metric_vars]
-            return [s if n is None else tf.cast(n, s.dtype) for s, n in zip(states, new)]
+            return _test_step_states(model, variables, weights, data, states)
 
         def body(i, more, *states):
             if not optional:
@@ -367,3 +383,17 @@ class Evaluator:
                             (tf.constant(0), tf.constant(True), *states), parallel_iterations=1)
         return tf.concat([tf.reshape(tf.cast(s, tf.float64) - v, [-1])
                           for s, v in zip(out[2:], init)] + [tf.cast(out[:1], tf.float64)], axis=0)
+
+
+def _test_step_states(model, variables, weights, data, states):
+    """The metric states after the model's `test_step` on `data`, run under
+    a `keras.StatelessScope` that maps `variables` to `weights` and the
+    metric variables to `states`. The scope collects `add_loss` terms, as a
+    forward pass outside a scope keeps them, so that `compute_loss` counts
+    them as Keras's evaluation on the chief does."""
+    metric_vars = model.metrics_variables
+    mapping = list(zip(variables, weights)) + list(zip(metric_vars, states))
+    with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        model.test_step(data)
+    new = [scope.get_current_value(v) for v in metric_vars]
+    return [s if n is None else tf.cast(n, s.dtype) for s, n in zip(states, new)]

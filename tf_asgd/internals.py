@@ -161,6 +161,19 @@ def stateless_optimizers(optimizers):
                 optimizer.__dict__.pop(name, None)
 
 
+@contextlib.contextmanager
+def forward_losses(model, losses):
+    """While open, `model.losses` is `losses` (of `stateless_call(...,
+    return_losses=True)`), as Keras's JAX trainer hands a stateless forward
+    pass's `add_loss` terms to `compute_loss`: the private `_losses_override`."""
+    model._losses_override.clear()
+    model._losses_override = list(losses)
+    try:
+        yield
+    finally:
+        model._losses_override.clear()
+
+
 def learning_rate_variable(optimizer):
     """The optimizer's learning-rate variable, or None when it follows a schedule.
 

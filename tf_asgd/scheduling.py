@@ -301,7 +301,9 @@ class WindowTrainer:
         """The model's metric results for metric-variable values `state`."""
         mapping = list(zip(self.model.metrics_variables, state))
         with StatelessScope(state_mapping=mapping):
-            return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+            # As Keras's logs: floats, and arrays for a metric whose result
+            # is one (`F1Score` per class).
+            return internals.pythonify_logs(self.model.get_metrics_result())
 
     def window_results(self, record):
         """The metric results (loss, accuracy, ...) of one window's own steps."""

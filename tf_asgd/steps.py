@@ -30,7 +30,8 @@ advances each step counter by the number of times the window's
 stays 0 for a GAN that never applies it, as in Keras); every other
 optimizer variable (momentum, Adam's moments) is the worker's own, as the
 compiled optimizer's is (the PS copies are not updated). Metrics are
-carried per window and summed on the chief, as for any model.
+carried per window and summed on the chief, as for any model (a metric
+whose state does not add up is refused first, `metric_states`).
 
 `ModelStep` refuses, before anything is scheduled, a `train_step` that
 cannot run inside a window: a model compiled with `run_eagerly=True` (a
@@ -82,13 +83,16 @@ def keras_step(model, optimizer, batch, weights, opt_values, metric_values):
     trainable, non_trainable = weights[:n_train], weights[n_train:]
     with tf.GradientTape() as tape:
         tape.watch(trainable)
-        y_pred, non_trainable = model.stateless_call(
-            trainable, non_trainable, x, training=True
+        # The forward pass's `add_loss` terms and regularizers reach
+        # `compute_loss` as Keras's JAX trainer hands them over (each once).
+        y_pred, non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, training=True, return_losses=True
         )
-        loss, (_, _, metric_values) = model.stateless_compute_loss(
-            trainable, non_trainable, metric_values, x=x, y=y,
-            y_pred=y_pred, sample_weight=sample_weight, training=True,
-        )
+        with internals.forward_losses(model, losses):
+            loss, (_, _, metric_values) = model.stateless_compute_loss(
+                trainable, non_trainable, metric_values, x=x, y=y,
+                y_pred=y_pred, sample_weight=sample_weight, training=True,
+            )
     grads = tape.gradient(loss, trainable)
     trainable, opt_values = internals.stateless_apply(
         optimizer, opt_values, grads, trainable
@@ -135,7 +139,9 @@ class _RecordingScope(StatelessScope):
     """A `StatelessScope` that remembers which variables were assigned."""
 
     def __init__(self, state_mapping):
-        super().__init__(state_mapping=state_mapping)
+        # Collecting losses, as a layer's `add_loss` outside a scope keeps
+        # them: `train_step`'s `compute_loss` reads them from `self.losses`.
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
         self.written = []
 
     def add_update(self, update):

@@ -46,7 +46,7 @@ import typing
 
 import numpy as np
 import tensorflow as tf
-from tf_asgd import internals, steps
+from tf_asgd import internals, metric_states, steps
 from tf_asgd.push import (Pull, Transfer, apply_push, branch_free, device_of, raw, read,
                           update_specs)
 
@@ -91,6 +91,7 @@ class WindowFunction:
         # this state made) when the window is first traced (`run`).
         self._model_step = (steps.ModelStep(model, trainer.variables, push_rule)
                             if steps.overrides_train_step(model) else None)
+        self._metrics_checked = False  # metric states checked to merge (`prepare`)
         with strategy.scope():
             self.local_optimizer = (
                 push_rule.local_optimizer(model.trainable_variables) if push_rule
@@ -139,12 +140,19 @@ class WindowFunction:
     def prepare(self, iterator):
         """Before the window is first traced, on the chief: for a model with
         its own `train_step`, builds its optimizers, checks that it can run
-        in a window (`steps.ModelStep.prepare`) and makes the optimizer state."""
+        in a window (`steps.ModelStep.prepare`) and makes the optimizer state;
+        for every model, refuses a metric whose state does not merge over
+        windows (`metric_states.check_training`)."""
         if self._model_step is not None and not self._model_step.prepared:
             self._model_step.prepare(internals.per_worker_element_spec(iterator),
                                      self._trainer.strategy)
             self._create_optimizer_state(self._model_step.optimizers,
                                          self._model_step.optimizer_variables)
+        if not self._metrics_checked:
+            metric_states.check_training(self._trainer.model, self._step,
+                                         internals.per_worker_element_spec(iterator),
+                                         self._trainer.variables, self._opt_variables)
+            self._metrics_checked = True
 
     def run(self, iterator, plan, limits):
         """A closure of windows on a worker (traced into the function the

@@ -1,0 +1,202 @@
+"""Which metric states merge by addition over windows and evaluation shards.
+
+A training window and an evaluation shard each start the model's metric
+variables from one state `s0` (the epoch's start, or the reset state), run
+their batches and return the change; the chief adds the changes
+(`scheduling.WindowTrainer`, `evaluation.Evaluator`). The sum is what one
+Keras process would hold after all of their batches exactly when every update
+adds to the variable a value that depends on no metric state:
+`s <- s + g(batch, weights)`. Keras's `Mean` and `Sum`, the
+`MeanMetricWrapper` metrics ("accuracy", "mae", ...), the confusion-matrix
+metrics (`Precision`, `Recall`, `AUC`, `F1Score`, `MeanIoU`) and `R2Score`
+update that way; a running max (`s <- max(s, x)`), a moving average, an
+overwrite (`s <- x`) or an increment that reads a state (`total += x * count`)
+do not.
+
+Keras merges a metric variable over replicas by its `aggregation` ("sum"
+adds, "mean" averages, "only_first_replica" takes the first replica's, and
+tf.distribute cannot read a "none" one across replicas at all). Windows and
+shards are not replicas that each saw part of every batch: they are
+successive runs of batches, each from the same start. So here:
+
+- "sum": merged by addition, if the update is additive (above);
+- "none", "mean", "only_first_replica": never merged. The metric declares
+  that its state does not add up, and neither a mean nor the first part of
+  successive runs is the state one process would hold.
+
+Additivity is read from the update itself, not from a list of classes:
+`unmergeable` traces one update of the metric states as windows and shards
+run it (the model's step under a `keras.StatelessScope`, on placeholders; it
+runs nothing) and follows each new state back through the graph. The op type
+of the write cannot decide it: Keras 3 writes `v.assign_add(x)` as
+`v.assign(v + x)` (an `AssignVariableOp` of an `AddV2`), as its own metrics
+write their updates, so a running max and a sum end in the same op.
+
+This module is the one rule: training refuses what it finds before any window
+is scheduled (`MetricStateError`), evaluation runs it on the chief instead.
+"""
+
+import tensorflow as tf
+
+SUM = "sum"
+# Ops through which a state passes on unchanged in value.
+_PASS = {"Identity", "Cast", "Reshape", "EnsureShape"}
+_ADD = {"Add", "AddV2"}
+
+FIX = (
+    "Compile without it and compute it on the chief instead: in a callback (e.g. "
+    "`on_epoch_end` updating the metric from `model.predict`), or with `model.evaluate`, "
+    "which runs such a metric on the chief. If its state does add up over batches, write "
+    "each update as `v.assign_add(value)` or `v.assign(v + value)` with a value that "
+    "reads no metric state, and keep the variable's `aggregation='sum'`."
+)
+
+
+class MetricStateError(ValueError):
+    """A compiled or model metric whose state cannot be merged over windows."""
+
+
+def unmergeable(model, update, arg_specs):
+    """The model's metric variables whose state does not merge by addition.
+
+    Args:
+        model: a built Keras model with its metrics built.
+        update: `update(args, states) -> new states`, one step's update of
+            `model.metrics_variables` (values in that order), traced here on
+            placeholders: `args` has the structure of `arg_specs`.
+        arg_specs: `tf.TensorSpec`s (nested) of `update`'s other arguments
+            (a batch, weights...).
+
+    Returns:
+        A list of `(metric name, variable path, why)`, empty when every state
+        merges by addition.
+    """
+    variables = list(model.metrics_variables)
+    found = [(v, (f"has aggregation {v.aggregation!r}: only 'sum' states merge by "
+                  "addition over windows and evaluation shards"))
+             for v in variables if getattr(v, "aggregation", SUM) != SUM]
+    if len(found) < len(variables):
+        found += _nonadditive(variables, update, arg_specs, {id(v) for v, _ in found})
+    return [(_owner(model, v), v.path, why) for v, why in found]
+
+
+def check_training(model, step, element_spec, weights, optimizer_variables):
+    """Raises `MetricStateError`, before any window is scheduled, if a metric
+    state of `model` does not merge over windows by addition.
+
+    Args:
+        model: the model `fit` trains.
+        step: a window's local step, `step(batch, weights, optimizer values,
+            metric values) -> (weights, optimizer values, metric values)`
+            (`window.WindowFunction._step`), traced once here.
+        element_spec: the spec of one training batch.
+        weights: the central variables a window carries.
+        optimizer_variables: the optimizer variables a window carries.
+
+    Raises:
+        MetricStateError: naming each such metric, its variable and why.
+    """
+    def specs(variables):
+        return [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+
+    def update(args, states):
+        return step(args[0], args[1], args[2], states)[2]
+
+    found = unmergeable(model, update, (element_spec, specs(weights), specs(optimizer_variables)))
+    if found:
+        raise training_error(model, found)
+
+
+def training_error(model, found):
+    """The `MetricStateError` that refuses to train `model` with `found`
+    (from `unmergeable`)."""
+    what = "; ".join(f"metric {name!r}: the metric variable {path!r} {why}"
+                     for name, path, why in found)
+    return MetricStateError(
+        f"tf_asgd cannot train model {model.name!r} with this metric: a window's metric "
+        "states are added on the chief, which is exact only for states that every update "
+        f"adds to. {what}. {FIX}")
+
+
+def describe(found):
+    """One line for a log: why `found` (from `unmergeable`) cannot be merged."""
+    name, path, why = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return f"metric {name!r}: the metric variable {path!r} {why}{more}"
+
+
+def _nonadditive(variables, update, arg_specs, skip):
+    """`(variable, why)` for each of `variables` (not in `skip`) whose new
+    state is not its old state plus a value that reads no metric state."""
+    traced = {}
+
+    def fn(args, states):
+        traced["in"] = list(states)
+        traced["out"] = list(update(args, list(states)))
+        return traced["out"]
+
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    tf.function(fn, autograph=False).get_concrete_function(arg_specs, specs)
+    states, outs = traced["in"], traced["out"]
+    graph = states[0].graph
+    tainted = _reads_of(graph, {s.op.name for s in states})
+    found = []
+    for v, state, out in zip(variables, states, outs):
+        if id(v) in skip:
+            continue
+        why = _why_not_additive(out, state, tainted)
+        if why is not None:
+            found.append((v, why))
+    return found
+
+
+def _reads_of(graph, sources):
+    """Names of the ops of `graph` whose value depends on any op in
+    `sources` (through data inputs; a function call, `cond` or loop that
+    takes one counts as reading it). Creation order is a topological order
+    of a traced function's graph."""
+    tainted = set(sources)
+    for op in graph.get_operations():
+        if op.name not in tainted and any(t.op.name in tainted for t in op.inputs):
+            tainted.add(op.name)
+    return tainted
+
+
+def _why_not_additive(out, state, tainted):
+    """None when `out` is `state` plus values that read no metric state
+    (`tainted` ops read one), else why not, in words."""
+    if out.op.name not in tainted:
+        return ("is overwritten by its update (`v.assign(x)`, x not read from v): the "
+                "changes of successive parts do not add up")
+    t = out
+    while True:
+        if t.op.name == state.op.name:
+            return None
+        op = t.op
+        if op.type in _PASS:
+            t = op.inputs[0]
+            continue
+        if op.type in _ADD | {"Sub"}:
+            a, b = op.inputs[0], op.inputs[1]
+            if b.op.name not in tainted:
+                t = a
+                continue
+            if op.type in _ADD and a.op.name not in tainted:
+                t = b
+                continue
+            return ("is incremented by a value that reads a metric state (e.g. "
+                    "`total.assign_add(x * count)`), and every part starts from the same state")
+        return (f"is updated with {op.type} of a metric state (`v.assign(max(v, x))` is a "
+                "Maximum), not by adding to it")
+
+
+def _owner(model, variable):
+    """The name of the innermost metric of `model` that holds `variable`."""
+    def visit(metrics):
+        for m in metrics:
+            if any(v is variable for v in getattr(m, "variables", ())):
+                inner = visit(list(getattr(m, "metrics", None) or ()))
+                return inner or m.name
+        return None
+
+    return visit(list(model.metrics)) or variable.path
