@@ -1,5 +1,7 @@
 """Errors in `fit` reach the user fast and leave the strategy usable; inputs
-that would run Python on the chief are refused before anything runs.
+that run Python on the chief are refused before anything runs where the
+workers would have to read them (a `per_worker_dataset_fn`; otherwise the
+chief reads them, tests/test_python_inputs.py).
 
 Every test runs the failing call in a thread with a deadline (`bounded`), so
 that a regression shows up as a failed test naming the hang, not as a suite
@@ -175,7 +177,8 @@ def test_error_in_the_input_pipeline_reaches_the_user(cluster, digits):
 
 
 # ---------------------------------------------------------------------------
-# Inputs that run Python on the chief: refused before anything is scheduled
+# Inputs that run Python on the chief, with a `per_worker_dataset_fn` (the
+# workers would read them): refused before anything is scheduled
 
 
 def _refused(strategy, digits, make_input, steps_per_epoch=None):
@@ -198,21 +201,21 @@ def _batches(x, y, batch=32):
 
 @pytest.fixture(scope="module")
 def shared_strategy(cluster):
-    return _strategy(cluster)
+    return _strategy(cluster, per_worker_dataset_fn=lambda dataset, index: dataset)
 
 
-def test_from_generator_is_refused_naming_it(shared_strategy, digits):
+def test_from_generator_with_a_per_worker_fn_is_refused(shared_strategy, digits):
     (x, y), _ = digits
     signature = (tf.TensorSpec((None, 8, 8, 1), tf.float32), tf.TensorSpec((None,), tf.int64))
     message, secs = _refused(shared_strategy, digits, lambda: tf.data.Dataset.from_generator(
         lambda: _batches(x.astype("float32"), y.astype("int64")), output_signature=signature),
         steps_per_epoch=10)
     print(f"from_generator refused after {secs:.1f} s: {message}")
-    assert "Dataset.from_generator" in message
+    assert "Dataset.from_generator" in message and "per_worker_dataset_fn" in message
 
 
 @pytest.mark.parametrize("wrapper", ["py_function", "numpy_function"])
-def test_python_function_in_the_pipeline_is_refused_naming_it(shared_strategy, digits, wrapper):
+def test_python_function_with_a_per_worker_fn_is_refused(shared_strategy, digits, wrapper):
     (x, y), _ = digits
     op = getattr(tf, wrapper)
 
@@ -223,6 +226,7 @@ def test_python_function_in_the_pipeline_is_refused_naming_it(shared_strategy, d
 
     message, _ = _refused(shared_strategy, digits, make)
     assert "py_function" in message or "numpy_function" in message
+    assert "per_worker_dataset_fn" in message
 
 
 class DigitsPyDataset(keras.utils.PyDataset):
@@ -237,13 +241,13 @@ class DigitsPyDataset(keras.utils.PyDataset):
         return self.x[i * 32:(i + 1) * 32], self.y[i * 32:(i + 1) * 32]
 
 
-def test_py_dataset_is_refused_naming_it(shared_strategy, digits):
+def test_py_dataset_with_a_per_worker_fn_is_refused(shared_strategy, digits):
     (x, y), _ = digits
     message, _ = _refused(shared_strategy, digits, lambda: DigitsPyDataset(x, y))
     assert "keras.utils.PyDataset" in message and "DigitsPyDataset" in message
 
 
-def test_python_generator_is_refused_naming_it(shared_strategy, digits):
+def test_python_generator_with_a_per_worker_fn_is_refused(shared_strategy, digits):
     (x, y), _ = digits
     message, _ = _refused(shared_strategy, digits, lambda: _batches(x, y), steps_per_epoch=10)
     assert "Python generator" in message

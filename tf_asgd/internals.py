@@ -289,6 +289,41 @@ def is_array_input(x, y=None, sample_weight=None):
     return data_adapters.array_data_adapter.can_convert_arrays((x, y, sample_weight))
 
 
+def keras_data_adapter(x, y, sample_weight, batch_size, shuffle, class_weight):
+    """Keras's own data adapter for `fit`'s training arguments, for the chief to
+    read Python-side data as Keras would (`python_inputs.ChiefFeed`): its
+    `get_numpy_iterator()` is one pass (shuffled, class-weighted, through a
+    `PyDataset`'s `workers` / `use_multiprocessing` enqueuer), `num_batches`
+    a pass's length, `on_epoch_begin` / `on_epoch_end` what Keras calls around
+    an epoch. Keras has no public API that hands out these pieces."""
+    return data_adapters.get_data_adapter(
+        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        shuffle=shuffle, class_weight=class_weight,
+    )
+
+
+def adapter_reads_once(adapter):
+    """Whether a Keras data adapter wraps a Python generator, which gives one
+    pass only (a second `get_numpy_iterator()` would replay its first batches,
+    which Keras peeked at for the element spec). No public predicate."""
+    return isinstance(adapter, data_adapters.GeneratorDataAdapter)
+
+
+def adapter_is_tf_dataset(adapter):
+    """Whether a Keras data adapter wraps a `tf.data.Dataset` (no public predicate)."""
+    return isinstance(adapter, data_adapters.TFDatasetAdapter)
+
+
+def stop_adapter_workers(adapter):
+    """Stops a `PyDataset` adapter's enqueuer (its reading threads or
+    processes) if it runs: what the adapter's `on_epoch_end` does, without
+    calling the user's `on_epoch_end`. The enqueuer is the adapter's private
+    `enqueuer`; Keras stops it only through `on_epoch_end` or its `__del__`."""
+    enqueuer = getattr(adapter, "enqueuer", None)
+    if enqueuer is not None:
+        enqueuer.stop()
+
+
 def trace_checkpoint_writes(checkpoint):
     """Makes the writes of `checkpoint` (a `tf.train.Checkpoint`, as
     `tf.train.CheckpointManager.save` calls them) run one traced function.

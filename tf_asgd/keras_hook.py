@@ -21,7 +21,11 @@ For models of ours:
   against the central variables, with datasets handed out as local iterators
   (a model that only overrides `train_step`, without `call`, is left for its
   first trace to build, as plain Keras without a strategy does);
-- `train_on_batch` is refused (windows need an iterator per worker).
+- `train_on_batch` is refused (windows need an iterator per worker);
+- Python-side training data (a PyDataset, a generator, a tf.data pipeline
+  that calls Python) is read by the chief, which sends each closure its
+  batches (`python_inputs`); with a `per_worker_dataset_fn`, which the
+  workers would run on it, it is refused.
 
 The hook never imports the strategy: it recognises one by its marker
 attribute `_is_tf_asgd_strategy` (as TF's `ClusterCoordinator` recognises a
@@ -44,7 +48,7 @@ import types
 import keras
 import tensorflow as tf
 
-from tf_asgd import internals
+from tf_asgd import internals, python_inputs
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
@@ -123,6 +127,10 @@ def _fit(original, model, *args, **kwargs):
         model.steps_per_execution = strategy.n_sync
     model.train_function = None
     kwargs = _steps_and_repeated_data(original, model, args, kwargs)
+    feed = python_inputs.feed_of(kwargs["x"])
+    if feed is not None:  # Python-side data: the chief reads it and sends the batches
+        feed.steps_per_epoch = kwargs["steps_per_epoch"]
+        python_inputs.start_fit(model, feed)
     strategy._set_fitting(model, True, kwargs["steps_per_epoch"])
     failed = True
     try:
@@ -131,7 +139,10 @@ def _fit(original, model, *args, **kwargs):
         return result
     finally:
         strategy._set_fitting(model, False)
-        _join(strategy._trainer_of(model), failed)
+        try:
+            _join(strategy._trainer_of(model), failed)
+        finally:
+            python_inputs.end_fit(model, strategy._trainer_of(model))
 
 
 def _join(trainer, failed):
@@ -140,7 +151,8 @@ def _join(trainer, failed):
 
     After an error (a worker's, a callback's, KeyboardInterrupt) the windows'
     own errors are not raised again: the user sees the first error, not a
-    CancelledError of the windows it stopped.
+    CancelledError of the windows it stopped; the closures that failed are
+    dropped, so the next `fit` does not raise their errors either.
     """
     if trainer is None:
         return
@@ -151,6 +163,7 @@ def _join(trainer, failed):
         trainer.coordinator.join()
     except Exception:  # noqa: BLE001  (the error that matters is already on its way)
         pass
+    trainer.drop_failed()
 
 
 def _steps_and_repeated_data(original, model, args, kwargs):
@@ -161,15 +174,24 @@ def _steps_and_repeated_data(original, model, args, kwargs):
     the data's own length; and the trainer needs an epoch's steps to make the
     epoch exactly that many (its last window may be shorter than `n_sync`).
     Without `steps_per_epoch` an epoch is one pass over the data, as in Keras.
+    Python-side data is handed to Keras as the stand-in dataset of its
+    `python_inputs.ChiefFeed` (infinite; the chief reads the data itself).
     """
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     kw = dict(bound.arguments)
     kw.pop("self")
     x, num_batches = kw["x"], None
-    _refuse_python_input(x, kw["y"], kw["sample_weight"])
-    arrays = not isinstance(x, tf.data.Dataset)
-    if not arrays:
+    python_input = _python_input_kind(x, kw["y"], kw["sample_weight"])
+    arrays = python_input is None and not isinstance(x, tf.data.Dataset)
+    if python_input is not None:
+        _refuse_python_input_on_workers(_strategy_of(model), python_input)
+        feed, kw["x"] = python_inputs.chief_feed(
+            x, kw["y"], kw["sample_weight"], kw["batch_size"], kw["shuffle"],
+            kw["class_weight"], python_input)
+        num_batches = feed.num_batches
+        kw.update(y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False)
+    elif not arrays:
         num_batches = int(x.cardinality())
         kw["shuffle"] = False  # Keras ignores it for a dataset, with a warning
     else:
@@ -200,6 +222,8 @@ def _steps_and_repeated_data(original, model, args, kwargs):
         if num_batches == 0:
             raise ValueError("The training data is empty: no batch to train on.")
         kw["steps_per_epoch"] = num_batches
+    if python_input is not None:
+        return kw  # infinite already; the chief reads it (`python_inputs`)
     # Arrays make a new dataset every fit; the same tf.data.Dataset given to
     # a later fit trains on the same repeated dataset, so the workers keep
     # their iterators (`AsyncParameterServerStrategy._training_iterator`).
@@ -223,23 +247,26 @@ _PYTHON_OPS = {"PyFunc": "tf.numpy_function", "PyFuncStateless": "tf.numpy_funct
 _EXTERNAL_STATE_IGNORE = 1  # DatasetToGraphV2's ExternalStatePolicy.IGNORE
 
 
-def _refuse_python_input(x, y, sample_weight):
-    """Raises `ValueError` for training data whose batches Python makes on the
-    chief, before anything is scheduled.
+def _refuse_python_input_on_workers(strategy, what):
+    """Raises `ValueError`, before anything is scheduled, for Python-side
+    training data (`what`, in words) that the workers would have to read:
+    with a `per_worker_dataset_fn`, which transforms the dataset on each worker.
 
-    Every worker reads the training data on its own; a batch made by Python
-    (a generator, a PyDataset, `py_function` / `numpy_function` in a tf.data
-    pipeline) would have each worker call back into the chief's interpreter
-    for every batch, which stalls or deadlocks the cluster (the chief's main
-    thread can hold the GIL while it waits on the workers).
+    Python-side data (a generator, a PyDataset, `py_function` /
+    `numpy_function` in a tf.data pipeline) is otherwise read by the chief,
+    which sends each closure its batches (`python_inputs`): a worker reading
+    it would call back into the chief's interpreter for every batch, which
+    stalls or deadlocks the cluster (the chief's main thread can hold the
+    GIL while it waits on the workers).
     """
-    what = _python_input_kind(x, y, sample_weight)
-    if what is not None:
+    if strategy.per_worker_dataset_fn is not None:
         raise ValueError(
-            f"fit under AsyncParameterServerStrategy cannot train on {what}: it runs "
-            "Python on the chief, and every worker would have to call back into the "
-            "chief's Python for each batch (which stalls or hangs the cluster). "
-            + PYTHON_INPUT_FIX
+            f"fit under AsyncParameterServerStrategy cannot apply `per_worker_dataset_fn` "
+            f"to {what}: it runs Python on the chief, so the chief reads it and sends the "
+            "batches to the workers (a worker reading it would call back into the chief's "
+            "Python for each batch, which stalls or hangs the cluster). Drop "
+            "`per_worker_dataset_fn` to train on it as it is, or " + PYTHON_INPUT_FIX[0].lower()
+            + PYTHON_INPUT_FIX[1:]
         )
 
 
@@ -296,7 +323,9 @@ def _make_train_function(original, model, force=False):
 
 def _get_metrics_result_or_logs(original, model, logs):
     if _strategy_of(model)._is_fitting(model) and not in_local_mode():
-        return _window_trainer(model).finish()
+        logs = _window_trainer(model).finish()
+        python_inputs.end_epoch(model)  # a PyDataset's on_epoch_end, where Keras calls it
+        return logs
     return original(model, logs)
 
 

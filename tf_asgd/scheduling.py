@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals, outer
+from tf_asgd import internals, outer, python_inputs
 from tf_asgd.push import device_of, nbytes, push_update, raw, shard_variables
 from tf_asgd.records import WindowRecord, WindowResultLayout
 from tf_asgd.window import APPLIED_RING, WindowFunction
@@ -140,6 +140,7 @@ class WindowTrainer:
         # variables).
         self._window = tf.function(self.window.run)
         self._concrete = None  # (iterator, the concrete function scheduled with it)
+        self._fed_concrete = {}  # element spec -> the closure on batches the chief sends
 
     @property
     def model(self):
@@ -166,6 +167,12 @@ class WindowTrainer:
         n_sync = self.strategy.n_sync
         steps = self.strategy._steps_per_epoch(self.model)
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
+        if python_inputs.is_feed(iterator):  # Python-side data: the chief reads the batches
+            num_steps = iterator.read(window_id, num_steps)  # fewer where the data ends
+            if iterator.ran_out:  # a generator ran out: Keras stops training
+                self.model.stop_training = True
+            if not num_steps:
+                return self._logs if self._logs is not None else self.logs()
         self._epoch_step += num_steps
         self._queue.append((num_steps, window_id))
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
@@ -233,14 +240,45 @@ class WindowTrainer:
         plan[0] = -1
         plan[1, :len(windows)], plan[0, :len(windows)] = zip(*windows)
         budget = self._budget(len(windows))
-        args = (self._iterator, tf.constant(plan), tf.constant([len(windows), budget], tf.float64))
-        if self._concrete is None or self._concrete[0] is not self._iterator:
-            self.window.prepare(self._iterator)  # errors before anything is traced
-            self._concrete = (self._iterator, internals.concrete_function_for(self._window, args))
-        rv = self.coordinator.schedule(self._concrete[1], args=args)
+        if python_inputs.is_feed(self._iterator):
+            function, args, windows = self._fed_closure(windows, plan, budget)
+            if not windows:
+                return
+        else:
+            args = (self._iterator, tf.constant(plan),
+                    tf.constant([len(windows), budget], tf.float64))
+            if self._concrete is None or self._concrete[0] is not self._iterator:
+                self.window.prepare(self._iterator)  # errors before anything is traced
+                self._concrete = (self._iterator,
+                                  internals.concrete_function_for(self._window, args))
+            function = self._concrete[1]
+        rv = self.coordinator.schedule(function, args=args)
         self._pending.append((rv, windows, budget))
         if first:
             self.closure_sizes.append(len(windows))
+
+    def _fed_closure(self, windows, plan, budget):
+        """`(concrete function, args, windows)` of a closure of `windows` on
+        batches the chief read (`python_inputs.ChiefFeed`): they travel as its
+        first argument. Windows of an earlier, failed fit (whose batches are
+        gone) are dropped from `windows`."""
+        feed = self._iterator
+        if not all(feed.holds(w) for _, w in windows):
+            windows = [(n, w) for n, w in windows if feed.holds(w)]
+            if not windows:
+                return None, None, windows
+            plan = np.zeros_like(plan)
+            plan[0] = -1
+            plan[1, :len(windows)], plan[0, :len(windows)] = zip(*windows)
+        args = (feed.pack([w for _, w in windows]), tf.constant(plan),
+                tf.constant([len(windows), budget], tf.float64))
+        concrete = self._fed_concrete.get(feed.key)
+        if concrete is None:
+            self.window.prepare(None, feed.element_spec)  # errors before anything is traced
+            function = python_inputs.window_on_sent_batches(self.window, feed.element_spec)
+            concrete = self._fed_concrete[feed.key] = function.get_concrete_function(
+                feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([2], tf.float64))
+        return concrete, args, windows
 
     def _drain(self, block, keep=0):
         """Records finished closures' windows in the order they finish; with
@@ -258,6 +296,8 @@ class WindowTrainer:
                 rows = np.asarray(rv.fetch()).reshape(-1, self.layout.size)
                 for row, (steps, window_id) in zip(rows, windows):
                     self._record(row, window_id, steps)
+                if python_inputs.is_feed(self._iterator):
+                    self._iterator.release([w for _, w in windows[:len(rows)]])
                 self.closure_log.append((int(rows[0][0]), len(windows), len(rows), budget))
                 if len(rows) < len(windows):
                     self._schedule(windows[len(rows):], first=False)

@@ -21,7 +21,7 @@ import weakref
 import tensorflow as tf
 
 from tf_asgd import cluster as cluster_lib
-from tf_asgd import connect, internals, keras_hook, update_rules
+from tf_asgd import connect, internals, keras_hook, python_inputs, update_rules
 from tf_asgd.counters import PushCounters
 from tf_asgd.evaluation import Evaluator, validate_evaluation
 from tf_asgd.scheduling import WindowTrainer, validate_windows_per_closure
@@ -41,7 +41,10 @@ class _WindowDataset:
     each worker's stream continues there as it does from one epoch to the
     next (`AsyncParameterServerStrategy._training_iterator`). Iterated by
     evaluate, predict or the model's symbolic build
-    (`keras_hook.local_mode`), it yields a plain iterator on the chief.
+    (`keras_hook.local_mode`), it yields a plain iterator on the chief. For
+    Python-side training data (a PyDataset, a generator, a pipeline that
+    calls Python) it yields the `python_inputs.ChiefFeed` that reads it on the
+    chief and sends the batches with each closure.
 
     Every worker runs the same dataset graph, so with a global seed set
     (`keras.utils.set_random_seed`) all would draw the same batches in the
@@ -63,8 +66,11 @@ class _WindowDataset:
         self._iterator = None
 
     def __iter__(self):
+        feed = python_inputs.feed_of(self._dataset)  # Python-side data, read by the chief
         if keras_hook.in_local_mode():
-            return iter(self._dataset)
+            return iter(self._dataset) if feed is None else feed.local_iterator()
+        if feed is not None:
+            return feed
         if self._iterator is None:
             self._iterator = self._strategy._training_iterator(self._dataset, self._new_iterator)
         return self._iterator

@@ -137,21 +137,24 @@ class WindowFunction:
                 None if not np.any(v.numpy()) else v.numpy() for v in initial
             ]
 
-    def prepare(self, iterator):
+    def prepare(self, iterator, element_spec=None):
         """Before the window is first traced, on the chief: for a model with
         its own `train_step`, builds its optimizers, checks that it can run
         in a window (`steps.ModelStep.prepare`) and makes the optimizer state;
         for every model, refuses a metric whose state does not merge over
-        windows (`metric_states.check_training`)."""
+        windows (`metric_states.check_training`).
+        `element_spec`: the batches', for batches sent by the chief
+        (`python_inputs`); else the per-worker `iterator`'s."""
         if self._model_step is not None and not self._model_step.prepared:
-            self._model_step.prepare(internals.per_worker_element_spec(iterator),
+            self._model_step.prepare(element_spec or internals.per_worker_element_spec(iterator),
                                      self._trainer.strategy)
             self._create_optimizer_state(self._model_step.optimizers,
                                          self._model_step.optimizer_variables)
         if not self._metrics_checked:
-            metric_states.check_training(self._trainer.model, self._step,
-                                         internals.per_worker_element_spec(iterator),
-                                         self._trainer.variables, self._opt_variables)
+            metric_states.check_training(
+                self._trainer.model, self._step,
+                element_spec or internals.per_worker_element_spec(iterator),
+                self._trainer.variables, self._opt_variables)
             self._metrics_checked = True
 
     def run(self, iterator, plan, limits):
@@ -182,10 +185,19 @@ class WindowFunction:
             float64 `[windows run, row size]`: one packed result per window
             run, in order (`records.WindowResultLayout`).
         """
+        return self._run(iterator, plan, limits, shift_data=True)
+
+    def run_on_sent_batches(self, iterator, plan, limits):
+        """`run` on batches the chief sent with the closure (`python_inputs`;
+        `iterator` reads them): without the per-worker data shift, since
+        every closure's batches already differ."""
+        return self._run(iterator, plan, limits, shift_data=False)
+
+    def _run(self, iterator, plan, limits, shift_data):
         window_ids, num_steps = plan[0], plan[1]
         count, budget = tf.cast(limits[0], tf.int32), limits[1]
         worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
-        shifted = self._shift_data_once(iterator, worker)
+        shifted = self._shift_data_once(iterator, worker) if shift_data else tf.zeros_like(worker)
         with tf.control_dependencies([shifted]):
             start = tf.timestamp()
         self._pull_plan = pull = Pull(
