@@ -4,6 +4,7 @@ workers with each closure (`tf_asgd.python_inputs`): trained, as Keras trains
 it, not refused.
 """
 
+import multiprocessing
 import threading
 import time
 import warnings
@@ -111,6 +112,19 @@ def test_py_dataset_trains_like_plain_keras(strategy, digits):
     assert [sorted(e) for e in _epochs(data.events)] == [list(range(len(data)))] * EPOCHS
 
 
+def test_py_dataset_read_by_keras_processes_trains(strategy, digits):
+    """`workers` / `use_multiprocessing` are Keras's adapter's own: it reads
+    the batches in 2 processes here; each epoch is one pass."""
+    (x, y), (xt, yt) = digits
+    before = set(threading.enumerate())
+    model = _convnet(strategy)
+    data = DigitsPyDataset(x, y, workers=2, use_multiprocessing=True)
+    model.fit(data, epochs=3, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3 * len(data)
+    assert model.evaluate(xt, yt, verbose=0)[1] > 0.8
+    assert _left_running(before) == []
+
+
 def test_from_generator_trains_like_plain_keras(strategy, digits):
     (x, y), (xt, yt) = digits
     steps = -(-len(x) // BATCH)
@@ -199,32 +213,38 @@ def test_batches_of_every_shape_are_sent_as_they_are(strategy):
     assert int(model.optimizer.iterations.numpy()) == 2 * len(data)
 
 
-def _new_threads(before, seconds=5.0):
-    """Names of the threads started since `before` that are still alive after
-    `seconds`."""
+def _left_running(before, seconds=5.0):
+    """Names of the threads started since `before`, and of child processes,
+    still alive after `seconds`."""
     deadline = time.time() + seconds
     while True:
         alive = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+        alive += [p.name for p in multiprocessing.active_children()]
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("workers", [1, 2])  # 2: Keras's enqueuer reads in threads
-def test_error_in_a_py_dataset_reaches_the_user(strategy, digits, workers):
+# Keras's own PyDataset options: read inline, by 2 threads, by 2 processes.
+READERS = {"inline": {}, "threads": dict(workers=2),
+           "processes": dict(workers=2, use_multiprocessing=True)}
+
+
+@pytest.mark.parametrize("readers", sorted(READERS))
+def test_error_in_a_py_dataset_reaches_the_user(strategy, digits, readers):
     """The PyDataset's own exception, from its third batch, within 30 s; no
-    thread left reading; the same model then trains on arrays."""
+    thread or process left reading; the same model then trains on arrays."""
     (x, y), (xt, yt) = digits
     model = _convnet(strategy)
     before = set(threading.enumerate())
-    data = DigitsPyDataset(x, y, fail_at=2, workers=workers)
+    data = DigitsPyDataset(x, y, fail_at=2, **READERS[readers])
     _, error, secs = bounded(
         lambda: model.fit(data, epochs=2, shuffle=False, verbose=0), ERROR_BOUND_SECS)
     print(f"PyDataset error reached the user after {secs:.1f} s")
     assert isinstance(error, ValueError), repr(error)
     assert "injected failure in batch 2 of the PyDataset" in str(error)
     assert not strategy._is_fitting(model)
-    assert _new_threads(before) == []
+    assert _left_running(before) == []
 
     history, error, _ = bounded(
         lambda: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0), ERROR_BOUND_SECS * 2)

@@ -258,3 +258,16 @@ def test_time_to_accuracy_tool(tmp_path):
     assert "| mnist1d_adam | 10 | 2 | 1 |" in md and "speed-up" in md
     for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png"):
         _png(tmp_path / name)
+
+
+def test_python_inputs_tool(tmp_path):
+    proc = _run("python_inputs.py", "--workers", "1,2", "--samples", "640", "--rounds", "1",
+                "--out", str(tmp_path))
+    rows = _csv(tmp_path / "python_inputs.csv",
+                ["workers", "input", "samples_per_s", "chief_cpu_ms_per_1000", "host_cpu_share"])
+    assert {(int(r["workers"]), r["input"]) for r in rows} == {
+        (w, name) for w in (1, 2) for name in ("arrays", "PyDataset")}
+    _positive(rows, "samples_per_s")
+    md = (tmp_path / "python_inputs.md").read_text()
+    assert "| 2 | PyDataset |" in md and "2 workers gave" in md
+    assert "PyDataset: 2 workers gave" in proc.stdout
