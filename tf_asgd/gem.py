@@ -139,10 +139,15 @@ class GEMPushRule:
         self._local = None
 
     def local_optimizer(self, trainable_variables):
-        """Plain SGD at the proxy's learning rate, for the local steps."""
+        """Plain SGD at the proxy's learning rate, for the local steps, with
+        GEM's own gradient clipping (as GEM's `apply` clips in one process;
+        the proxy's other options are unused there too)."""
         if self._local is None:
-            config = dict(self.gem.inner.get_config(), momentum=0.0, nesterov=False,
-                          name="gem_local_sgd")
+            g_ = self.gem
+            config = dict(g_.inner.get_config(), momentum=0.0, nesterov=False,
+                          name="gem_local_sgd", clipnorm=g_.clipnorm, clipvalue=g_.clipvalue,
+                          global_clipnorm=g_.global_clipnorm, weight_decay=None, use_ema=False,
+                          loss_scale_factor=None, gradient_accumulation_steps=None)
             self._local = keras.optimizers.SGD.from_config(config)
             self._local.build(trainable_variables)
         return self._local

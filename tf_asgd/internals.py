@@ -128,16 +128,101 @@ def _var_key(self, variable):
     return TFOptimizer._var_key(self, variable)
 
 
+def wrapped_optimizers(optimizer):
+    """`optimizer`, then the optimizers it wraps (a `LossScaleOptimizer`'s
+    `inner_optimizer`, recursively). Keras has no public accessor for the
+    general case."""
+    chain = [optimizer]
+    while isinstance(getattr(chain[-1], "inner_optimizer", None), keras.optimizers.Optimizer):
+        chain.append(chain[-1].inner_optimizer)
+    return chain
+
+
+def iteration_variable(optimizer):
+    """The variable that counts an optimizer's applies (for a
+    `LossScaleOptimizer`, its inner optimizer's, which Keras reports as its
+    `iterations`). `optimizer.iterations` is a tensor, not this variable,
+    under `gradient_accumulation_steps` (it is `_iterations // steps`)."""
+    return wrapped_optimizers(optimizer)[-1]._iterations
+
+
+def moving_averages(optimizer):
+    """`(trainable variable, its EMA variable)` pairs of an optimizer built
+    with `use_ema=True` (Keras keeps them as `_trainable_variables` and
+    `_model_variables_moving_average`; no public accessor); [] without EMA."""
+    if not optimizer.use_ema or not optimizer.built:
+        return []
+    return [(v, a) for v, a in zip(optimizer._trainable_variables,
+                                   optimizer._model_variables_moving_average) if a is not None]
+
+
+def accumulators(optimizer):
+    """The gradient accumulators of an optimizer built with
+    `gradient_accumulation_steps` (Keras's `_accumulated_gradients`), else []."""
+    if not optimizer.gradient_accumulation_steps or not optimizer.built:
+        return []
+    return [a for a in optimizer._accumulated_gradients if a is not None]
+
+
+def _stateless_apply_gradients(self, grads, trainable_variables):
+    """`BaseOptimizer._backend_apply_gradients` inside a window (a
+    `keras.StatelessScope` records every assign). The same steps, but
+    gradient accumulation's `ops.cond` over assigns (an assign in a TF
+    branch records a tensor that neither the other branch nor the scope
+    may use) becomes a selection of values, as Keras's JAX optimizer does it
+    (keras/src/backend/jax/optimizer.py), and the EMA is left to the PS,
+    which updates it from the central variables at each push
+    (`optimizer_options.CentralAverages`)."""
+    steps = self.gradient_accumulation_steps
+    if not steps:
+        grads = self._clip_gradients(grads)
+        self._apply_weight_decay(trainable_variables)
+        self._backend_update_step(grads, trainable_variables, self.learning_rate)
+        return
+    is_update_step = tf.equal((self._iterations + 1) % steps, 0)
+    acc = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+    summed = [tf.convert_to_tensor(g) + a.value for g, a in zip(grads, acc)]
+    before = [v.value for v in trainable_variables], [v.value for v in self.variables]
+    grads = self._clip_gradients([s / steps for s in summed])
+    self._apply_weight_decay(trainable_variables)
+    self._backend_update_step(grads, trainable_variables, self.learning_rate)
+    after = [v.value for v in trainable_variables], [v.value for v in self.variables]
+    new_vars, new_opt = tf.cond(is_update_step, lambda: after, lambda: before)
+    for v, value in zip(list(trainable_variables) + self.variables, new_vars + new_opt):
+        v.assign(value)
+    new_acc = tf.cond(is_update_step, lambda: [tf.zeros_like(s) for s in summed], lambda: summed)
+    for a, value in zip(acc, new_acc):
+        a.assign(value)
+
+
+def _apply_statelessly(self, grads, trainable_variables=None):
+    """`apply` of an optimizer with its own `stateless_apply` (a
+    `LossScaleOptimizer`, whose `apply` on TF needs a `tf.distribute`
+    replica context), inside a `keras.StatelessScope`: its `stateless_apply`
+    on the scope's current values, the results assigned in the scope."""
+    if trainable_variables is not None and [id(v) for v in trainable_variables] != [
+            id(v) for v in self._trainable_variables]:
+        raise ValueError(
+            f"{type(self).__name__}.apply inside a window takes gradients for the variables "
+            "it was built with, in that order.")
+    targets, state = list(self._trainable_variables), self.variables
+    new_targets, new_state = type(self).stateless_apply(
+        self, [v.value for v in state], list(grads), [v.value for v in targets])
+    for v, value in zip(targets + state, list(new_targets) + list(new_state)):
+        v.assign(value)
+
+
 def stateless_apply(optimizer, optimizer_values, grads, trainable_values):
     """`optimizer.stateless_apply` for Keras's TF optimizers, inside a window.
 
     Keras's TF optimizer refuses `stateless_apply` because of `tf.distribute`;
     inside a window there is no distribution to honour, so the backend-neutral
     implementation is used, with the TF optimizer's methods swapped for the
-    base ones while it runs.
+    base ones while it runs. An optimizer with its own `stateless_apply` (a
+    `LossScaleOptimizer`) runs that one, on wrapped optimizers swapped so.
     """
-    with stateless_optimizers([optimizer]):
-        return BaseOptimizer.stateless_apply(optimizer, optimizer_values, grads, trainable_values)
+    with stateless_optimizers(wrapped_optimizers(optimizer)):
+        return optimizer.stateless_apply(optimizer_values, grads, trainable_values)
 
 
 @contextlib.contextmanager
@@ -145,12 +230,23 @@ def stateless_optimizers(optimizers):
     """While open, `apply` of each of `optimizers` (Keras TF optimizers) runs
     Keras's backend-neutral implementation, as `stateless_apply` does: inside a
     `keras.StatelessScope` its assigns are recorded in the scope instead of
-    being written to the (PS) variables through `tf.distribute`."""
+    being written to the (PS) variables through `tf.distribute`. With
+    gradient accumulation or EMA, `_backend_apply_gradients` is
+    `_stateless_apply_gradients`; an optimizer with its own `stateless_apply`
+    (`LossScaleOptimizer`) applies through it (`_apply_statelessly`)."""
     patched = []
     for optimizer in optimizers:
         methods = {name: types.MethodType(getattr(BaseOptimizer, name), optimizer)
                    for name in _BASE_METHODS}
         methods["_var_key"] = types.MethodType(_var_key, optimizer)
+        own = type(optimizer).stateless_apply
+        if own is TFOptimizer.stateless_apply:
+            methods["stateless_apply"] = types.MethodType(BaseOptimizer.stateless_apply, optimizer)
+        elif own is not BaseOptimizer.stateless_apply:
+            methods["apply"] = types.MethodType(_apply_statelessly, optimizer)
+        if optimizer.gradient_accumulation_steps or optimizer.use_ema:
+            methods["_backend_apply_gradients"] = types.MethodType(
+                _stateless_apply_gradients, optimizer)
         optimizer.__dict__.update(methods)
         patched.append((optimizer, methods))
     try:

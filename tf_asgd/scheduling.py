@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals, outer, python_inputs
+from tf_asgd import internals, optimizer_options, outer, python_inputs
 from tf_asgd.push import device_of, nbytes, push_update, raw, shard_variables
 from tf_asgd.records import WindowRecord, WindowResultLayout
 from tf_asgd.window import APPLIED_RING, WindowFunction
@@ -166,6 +166,8 @@ class WindowTrainer:
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
         steps = self.strategy._steps_per_epoch(self.model)
+        if self._epoch_step == 0:  # before an epoch's first window is queued
+            optimizer_options.check_window_steps(self.model.optimizer, n_sync, steps)
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
         if python_inputs.is_feed(iterator):  # Python-side data: the chief reads the batches
             num_steps = iterator.read(window_id, num_steps)  # fewer where the data ends

@@ -46,7 +46,7 @@ import tensorflow as tf
 from keras import StatelessScope
 from keras.utils import unpack_x_y_sample_weight
 
-from tf_asgd import internals
+from tf_asgd import internals, optimizer_options
 
 # Ops that read a resource (a variable) without writing it.
 _READS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -93,7 +93,12 @@ def keras_step(model, optimizer, batch, weights, opt_values, metric_values):
                 trainable, non_trainable, metric_values, x=x, y=y,
                 y_pred=y_pred, sample_weight=sample_weight, training=True,
             )
-    grads = tape.gradient(loss, trainable)
+        # As Keras's `train_step`: the optimizer scales the loss (its
+        # `loss_scale_factor`, or a LossScaleOptimizer's dynamic scale, read
+        # from the carried optimizer state); `apply` unscales the gradients.
+        with StatelessScope(state_mapping=list(zip(optimizer.variables, opt_values))):
+            scaled = optimizer.scale_loss(loss)
+    grads = tape.gradient(scaled, trainable)
     trainable, opt_values = internals.stateless_apply(
         optimizer, opt_values, grads, trainable
     )
@@ -176,6 +181,7 @@ class ModelStep:
             raise _refuse(model, "the model has no compiled optimizer. Pass one to "
                           "`compile()` (it may go unused).")
         self.optimizers = find_optimizers(model)
+        optimizer_options.check_own_train_step(model, self.optimizers)
         self.metric_variables = list(model.metrics_variables)
         self.prepared = False
 

@@ -46,7 +46,7 @@ import typing
 
 import numpy as np
 import tensorflow as tf
-from tf_asgd import internals, metric_states, steps
+from tf_asgd import internals, metric_states, optimizer_options, steps
 from tf_asgd.push import (Pull, Transfer, apply_push, branch_free, device_of, raw, read,
                           update_specs)
 
@@ -101,7 +101,9 @@ class WindowFunction:
                 push_rule.create_worker_state(model.trainable_variables)
             self.data_shifted = internals.per_worker_variable(False)
         if self._model_step is None:
-            self._create_optimizer_state([self.local_optimizer], self.local_optimizer.variables)
+            optimizer_options.check_compiled(model.optimizer)
+            self._create_optimizer_state(internals.wrapped_optimizers(self.local_optimizer),
+                                         self.local_optimizer.variables)
         with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
             # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
             self.applied_windows = tf.Variable(
@@ -116,26 +118,53 @@ class WindowFunction:
         optimizer's learning rate on a PS, read from the PS each window, so
         schedules and callbacks such as ReduceLROnPlateau see the global
         values. The rest (momentum, Adam's moments, other optimizers' step
-        counters) is the worker's own, kept in per-worker variables."""
+        counters) is the worker's own, kept in per-worker variables, except
+        EMA variables (`use_ema`): the PS updates those at each push
+        (`optimizer_options.CentralAverages`), and a window carries zeros
+        in their place (its steps do not read them)."""
         lo, strategy = self.local_optimizer, self._trainer.strategy
+        model = self._trainer.model
         with strategy.scope():
             self._opt_variables = list(variables)
-            self._shared = {id(lo.iterations): self._trainer.model.optimizer.iterations}
-            self._counters = [lo.iterations]  # step counters advanced on the PS by a push
+            counter = internals.iteration_variable(lo)
+            self._shared = {id(counter): internals.iteration_variable(model.optimizer)}
+            self._counters = [counter]  # step counters advanced on the PS by a push
             for o in optimizers:
-                lr = internals.learning_rate_variable(o)
+                lr, it = internals.learning_rate_variable(o), internals.iteration_variable(o)
                 if lr is not None and (o is lo or "/job:ps" in device_of(raw(lr))):
                     self._shared[id(lr)] = lr
-                if o is not lo and "/job:ps" in device_of(raw(o.iterations)):
-                    self._shared[id(o.iterations)] = o.iterations
-                    self._counters.append(o.iterations)
-            initial = [read(raw(v)) for v in variables if id(v) not in self._shared]
+                if id(it) not in self._shared and "/job:ps" in device_of(raw(it)):
+                    self._shared[id(it)] = it
+                    self._counters.append(it)
+            self._averages = self._central_averages(optimizers)
+            self._ema = {id(a) for averages in self._averages for _, a in averages.pairs}
+            initial = [read(raw(v)) for v in variables if self._is_own(v)]
             self.worker_state = [internals.per_worker_variable(v) for v in initial]
             # What `worker_state="reset"` restores at each pull: zeros for
             # the usual zero-initialised slots, else the initial values.
             self._initial_state = [
                 None if not np.any(v.numpy()) else v.numpy() for v in initial
             ]
+
+    def _central_averages(self, optimizers):
+        """A `CentralAverages` per optimizer with `use_ema`, on the PS (each
+        counted by the step counter its pushes advance)."""
+        ids = [id(c) for c in self._counters]
+        out = []
+        for o in optimizers:
+            if not o.use_ema:
+                continue
+            i = ids.index(id(internals.iteration_variable(o)))
+            # A push writes the compiled optimizer's counter for the local one.
+            counter = self._shared[ids[0]] if i == 0 else self._counters[i]
+            out.append(optimizer_options.CentralAverages(
+                o, counter, i, self._trainer.variables, self._trainer.strategy))
+        return out
+
+    def _is_own(self, variable):
+        """Whether an optimizer variable is the worker's own state (neither
+        read from the PS at each pull nor an EMA variable)."""
+        return id(variable) not in self._shared and id(variable) not in self._ema
 
     def prepare(self, iterator, element_spec=None):
         """Before the window is first traced, on the chief: for a model with
@@ -242,7 +271,7 @@ class WindowFunction:
         with tf.control_dependencies([finite]):  # once the local steps are done
             has_next = tf.logical_and(k + 1 < count, tf.timestamp() - start < budget)
         following = tf.minimum(k + 1, num_steps.shape[0] - 1)
-        advanced = self._advanced(num_steps[k], pulled, opt_values)
+        advanced = self._advanced(pulled, opt_values)
         meta = tf.stack([window_ids[k], advanced[0], pulled.version, tf.cast(ok, tf.int64),
                          tf.cast(tf.logical_not(tf.logical_or(finite, replayed)), tf.int64),
                          window_ids[following], num_steps[following], tf.cast(has_next, tf.int64)]
@@ -254,13 +283,13 @@ class WindowFunction:
                                     started_at)
         return row, has_next, flats
 
-    def _advanced(self, num_steps, pulled, opt_values):
-        """How far the window advances each of `_counters` (int64): its steps
-        for `model.optimizer.iterations`, or, for a model's own `train_step`,
-        how often that applied each optimizer."""
+    def _advanced(self, pulled, opt_values):
+        """How far the window advances each of `_counters` (int64): how often
+        its steps applied each optimizer (Keras's step: once a step, except
+        steps a `LossScaleOptimizer` skipped, which Keras does not count)."""
         ids = [id(v) for v in self._opt_variables]
-        out = [num_steps] if self._model_step is None else []
-        for counter in self._counters[len(out):]:
+        out = []
+        for counter in self._counters:
             i = ids.index(id(counter))
             out.append(tf.cast(opt_values[i] - pulled.optimizer_values[i], tf.int64))
         return out
@@ -304,9 +333,11 @@ class WindowFunction:
 
     def _merge(self, shared, own):
         """The local optimizer's variable values in its order, from the
-        values of its shared variables and of its own (each in order)."""
+        values of its shared variables and of its own (each in order), with
+        zeros for EMA variables."""
         shared, own = list(shared), list(own)
-        return [shared.pop(0) if id(v) in self._shared else own.pop(0)
+        return [shared.pop(0) if id(v) in self._shared
+                else own.pop(0) if id(v) not in self._ema else tf.zeros(v.shape, v.dtype)
                 for v in self._opt_variables]
 
     def _local_steps(self, iterator, num_steps, pulled):
@@ -348,7 +379,7 @@ class WindowFunction:
 
     def _own(self, opt_values):
         """The entries of `opt_values` kept in `worker_state` (not shared with the PS)."""
-        return [o for v, o in zip(self._opt_variables, opt_values) if id(v) not in self._shared]
+        return [o for v, o in zip(self._opt_variables, opt_values) if self._is_own(v)]
 
     def _push_skip_or_replay(self, outgoing, ok, meta, has_next):
         """One round on the PS: push, skip or replay this window, then pull
@@ -394,7 +425,7 @@ class WindowFunction:
         def also(tau, push):
             # Like the variables, the step count and the window's id are
             # written only once the whole update has reached the PS.
-            iterations = raw(self._trainer.model.optimizer.iterations)
+            iterations = raw(internals.iteration_variable(self._trainer.model.optimizer))
             steps, window_id = meta[1:2], meta[0] + 1  # the counters' advances: meta[1], meta[8:]
             with tf.device(self._cdev):
                 steps = tf.concat([steps, meta[8:]], 0)
@@ -415,6 +446,14 @@ class WindowFunction:
             strategy.staleness, strategy.max_staleness, self._trainer.outer,
             self._trainer.outer_slots, strategy.num_workers, also=also, ok=ok_ps,
             otherwise=otherwise)
+        done = tau
+        if self._averages:  # the EMA of the central variables after this push
+            with tf.device(self._cdev):
+                advances = tf.concat([meta[1:2], meta[8:]], 0) * tf.cast(ok_ps, tf.int64)
+                ticket = version + tau
+            ema = [op for a in self._averages for op in a.update(advances[a.index], ticket, tau)]
+            with tf.device(self._cdev), tf.control_dependencies(ema):
+                done = tf.identity(tau)
         flats = []
         for d in pull.transfer.devices():
             # After every write of the push (`tau` waits for them all; the
@@ -423,7 +462,7 @@ class WindowFunction:
                 go = meta[7] > 0 if d == self._cdev else arrived[len(pieces) + 1 + others.index(d)] > 0
                 flats += tf.cond(go, lambda d=d: pull.read(meta[5:7], d),
                                  lambda d=d: pull.transfer.empty(d))
-        return pull.to_worker(flats, tau)
+        return pull.to_worker(flats, done)
 
     def _write_worker_state(self, pushed, pulled, outgoing):
         """Writes the worker's own state: the data-shift flag, the local
