@@ -10,9 +10,11 @@ child process) and one `AsyncParameterServerStrategy`; the digits convnet
 (`--model`) trains on `--samples` digits (the 1,437 training images tiled),
 batch `--batch-size`, one pass per `fit`, once on arrays and once on a
 PyDataset of the same arrays, alternating, `--rounds` times, after a warm-up
-fit of each (the traces). Optional `--getitem-ms`: a per-batch sleep in
-`__getitem__` (Python-side loading, I/O-like, no CPU), with
-`--py-workers` threads of Keras's enqueuer (`PyDataset(workers=...)`).
+fit of each (the traces). Arrays make a new dataset on the workers at
+every `fit`, a fixed cost per fit: short fits favour the PyDataset.
+Optional `--getitem-ms`: a per-batch sleep in `__getitem__` (Python-side
+loading, I/O-like, no CPU), with `--py-workers` threads of Keras's
+enqueuer (`PyDataset(workers=...)`).
 
 Reports per worker count and input: samples/s (median of the rounds), the
 PyDataset / arrays ratio, the chief's and the task host's CPU seconds per
@@ -20,12 +22,13 @@ PyDataset / arrays ratio, the chief's and the task host's CPU seconds per
 per input, the speed-up from the smallest to the largest worker count, and
 where the PyDataset stops scaling: below the arrays' speed-up, with the
 chief's CPU near one core, the chief is the limit (its ceiling: 1000 /
-chief CPU ms per 1000 samples); with both flat, the machine is (the workers
-and the chief share `os.cpu_count()` cores).
+chief CPU ms per 1000 samples); below the arrays with the chief's CPU
+idle, the wait for `__getitem__` is; with both flat, the machine is (the
+workers and the chief share `os.cpu_count()` cores).
 
 Writes `python_inputs.csv` and `python_inputs.md` to `--out`.
 
-    python tools/python_inputs.py --workers 2,4 --samples 12800 --rounds 2
+    python tools/python_inputs.py --workers 2,4 --samples 38400 --rounds 3
 """
 
 import os
@@ -142,8 +145,14 @@ def verdict(summary):
         f"could send at most about {ceiling:.0f} samples/s at its measured CPU per sample.")
     cores = os.cpu_count()
     busy = py["chief_cpu_share"] + py["host_cpu_share"]
+    ratio = py["ratio_to_arrays"]
     if ups["PyDataset"] < 0.9 * ups["arrays"] and py["chief_cpu_share"] > 0.8:
         lines.append(f"The PyDataset stops scaling before {hi} workers: the chief is the limit.")
+    elif ratio < 0.8 and py["chief_cpu_share"] < 0.5:
+        lines.append(
+            f"The PyDataset gave {ratio:.2f} of the arrays' samples/s at {hi} workers with the "
+            "chief's CPU mostly idle: waiting for its batches (`__getitem__`, one at a time "
+            "unless `workers` > 1) bounds it, not the workers.")
     elif busy > 0.8 * cores:
         lines.append(
             f"Both are bound by the machine at {hi} workers: chief and tasks used {busy:.1f} of "
@@ -152,6 +161,11 @@ def verdict(summary):
         lines.append(f"The PyDataset scales less than arrays up to {hi} workers.")
     else:
         lines.append(f"The PyDataset scales as arrays do up to {hi} workers.")
+    load = os.getloadavg()[0]
+    if load > cores:
+        lines.append(
+            f"The machine was shared (load average {load:.1f} on {cores} cores): CPU shares "
+            "below what the runs could use, and idle time, may be other processes' doing.")
     return lines
 
 
@@ -160,10 +174,10 @@ def main(argv=None):
     p.add_argument("--out", default="results/python_inputs")
     p.add_argument("--model", default="digits_convnet")
     p.add_argument("--workers", type=_common.int_list, default=[2, 4])
-    p.add_argument("--samples", type=int, default=12800, help="training examples per fit")
+    p.add_argument("--samples", type=int, default=38400, help="training examples per fit")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--n-sync", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--getitem-ms", type=float, default=0.0,
                    help="sleep per PyDataset batch (Python-side loading)")
     p.add_argument("--py-workers", type=int, default=1,
