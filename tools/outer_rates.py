@@ -5,7 +5,8 @@ generated signals, batch 100) on N workers at `n_sync` with the user's
 optimizer unchanged, for `--steps` steps in all (default 6000: twice plain
 Keras's 3000), and evaluates the held-out set after every 300 steps. The
 outer rate is the default (`default`) or a constant per-push rate
-(`OuterSGD(rate)`); `limit` is `update_rules.stability_limit(N)`.
+(`OuterSGD(rate)`); `limit` is `update_rules.stability_limit(N)`. `--workers 0` runs plain
+Keras (no strategy) for half the steps, the reference.
 
 Per run it reports the final and best held-out accuracy and the largest
 fall below the running best after the first quarter of training (the
@@ -35,26 +36,48 @@ def _optimizer(name):
     return keras.optimizers.Adam(1e-2)
 
 
+def _fit(model, steps, eval_every, plain=False):
+    """`model.fit` on MNIST-1D: the held-out curve and the wall time. Plain
+    Keras reads the arrays shuffled and repeated (its `fit` on arrays stops
+    at one pass an epoch), batch 100, as the strategy's workers do."""
+    import tensorflow as tf
+
+    import tf_asgd
+
+    (x, y), (x_test, y_test) = tf_asgd.data.load_mnist1d()
+    data = dict(x=x, y=y, batch_size=100)
+    if plain:
+        data = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(100)
+                    .repeat())
+    start = time.time()
+    history = model.fit(**data, steps_per_epoch=eval_every, epochs=steps // eval_every,
+                        validation_data=(x_test, y_test), verbose=0)
+    return [float(a) for a in history.history["val_accuracy"]], time.time() - start
+
+
 def run(workers, n_sync, rate, optimizer, seed, steps, eval_every=300):
-    """One run's held-out curve: a dict of the run's settings and results."""
+    """One run's held-out curve: a dict of the run's settings and results.
+    `workers=0` is plain Keras (no strategy) for `steps / 2` steps."""
     import keras
 
     import tf_asgd
 
     keras.utils.set_random_seed(seed)
-    (x, y), (x_test, y_test) = tf_asgd.data.load_mnist1d()
+    if workers == 0:
+        model = _common.compile_classifier(tf_asgd.models.mnist1d_cnn(), _optimizer(optimizer),
+                                           metrics=["accuracy"])
+        curve, wall = _fit(model, steps // 2, eval_every, plain=True)
+        return dict(workers=0, n_sync=0, rate="plain Keras", rate_value=1.0, limit=1.0,
+                    optimizer=optimizer, seed=seed, final=round(curve[-1], 4),
+                    best=round(max(curve), 4), max_drop=0.0, wall_s=round(wall, 1),
+                    curve=[round(a, 3) for a in curve])
     outer = {} if rate == "default" else {"outer_optimizer": tf_asgd.OuterSGD(float(rate))}
     with _common.local_cluster(workers) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync, **outer)
         with strategy.scope():
             model = _common.compile_classifier(tf_asgd.models.mnist1d_cnn(), _optimizer(optimizer),
                                                metrics=["accuracy"])
-        start = time.time()
-        history = model.fit(x, y, batch_size=100, steps_per_epoch=eval_every,
-                            epochs=steps // eval_every, validation_data=(x_test, y_test),
-                            verbose=0)
-        wall = time.time() - start
-    curve = [float(a) for a in history.history["val_accuracy"]]
+        curve, wall = _fit(model, steps, eval_every)
     quarter = len(curve) // 4
     best = np.maximum.accumulate(curve)
     rate_value = (tf_asgd.update_rules.default_outer_learning_rate(workers) if rate == "default"
@@ -80,9 +103,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "runs.jsonl")
     for workers in args.workers:
-        for n_sync in args.n_sync:
+        for n_sync in args.n_sync if workers else [0]:
             for optimizer in args.optimizers:
-                for rate in args.rates:
+                for rate in args.rates if workers else ["plain"]:
                     for seed in range(args.seeds):
                         row = run(workers, n_sync, rate, optimizer, seed, args.steps)
                         with open(path, "a") as f:
@@ -106,6 +129,7 @@ def write_summary(runs_path, out_path):
         ["workers", "n_sync", "optimizer", "rate", "rate / limit", "seed", "final", "best",
          "largest fall (points)", "collapse"],
         [[r["workers"], r["n_sync"], OPTIMIZERS[r["optimizer"]],
+          r["rate"] if not r["workers"] else
           f"{r['rate_value']}{' (default)' if r['rate'] == 'default' else ''}",
           f"{r['rate_value'] / r['limit']:.2f}", r["seed"], f"{r['final']:.3f}",
           f"{r['best']:.3f}", f"{100 * r['max_drop']:.1f}",
