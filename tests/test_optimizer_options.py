@@ -2,6 +2,8 @@
 each honoured as plain Keras honours it (compared with plain Keras on the same
 data and seed), or refused before any window is scheduled."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -231,9 +233,11 @@ def test_gradient_accumulation_refuses_partial_cycles(cluster, digits, n_sync, b
     lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
     lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
     lambda: keras.optimizers.SGD(0.5, loss_scale_factor=128.0),
+    lambda: keras.optimizers.SGD(0.5, weight_decay=0.5),
     lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5),
                                                 initial_scale=1024.0),
-], ids=["clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor", "loss_scale_optimizer"])
+], ids=["clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor", "weight_decay",
+     "loss_scale_optimizer"])
 def test_option_matches_keras_exactly(cluster, digits, make):
     """One window of 3 steps on one repeated batch, pushed as is (outer SGD
     at rate 1): the central variables equal plain Keras's after 3 steps."""
@@ -300,7 +304,8 @@ def test_mixed_precision_matches_keras(cluster, digits, policy):
 
 
 class OwnStep(keras.Model):
-    """Keras's step written as a model's own `train_step`."""
+    """Keras's step written as a model's own `train_step` (the loss scaled by
+    the optimizer, as Keras's own step scales it)."""
 
     def __init__(self):
         super().__init__()
@@ -312,10 +317,41 @@ class OwnStep(keras.Model):
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
-        return {}
+        return self.compute_metrics(x, y, y_pred)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_in_own_train_step_matches_keras(cluster, digits, policy):
+    """Under a mixed policy a model's own `train_step` (its variables read as
+    casts of the window's tensors) that scales the loss and applies the
+    optimizer (float16: the automatic LossScaleOptimizer) trains as under
+    plain Keras: within 3 points."""
+    (x, y), (xt, yt) = _flat(digits)
+    float16 = policy == "mixed_float16"
+
+    def run(strategy=None):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = OwnStep()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), LOSS, metrics=["accuracy"])
+        model.fit(x, y, batch_size=32, epochs=6, verbose=0)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) == float16
+        return model.evaluate(xt, yt, verbose=0)[1], int(model.optimizer.iterations)
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        plain, _ = run()
+        ours, steps = run(tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    print(f"held-out accuracy: plain Keras {plain:.3f}, tf_asgd {ours:.3f}")
+    assert plain > 0.9 and ours > plain - 0.03, (plain, ours)
+    assert 0.9 * 6 * 45 <= steps <= 6 * 45 if float16 else steps == 6 * 45
 
 
 @pytest.mark.parametrize("case", ["gem-ema", "gem-mixed-float16", "own-step-ema",

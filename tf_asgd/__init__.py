@@ -31,6 +31,7 @@ _EXPORTS = {
     "MetricStateError": "tf_asgd.metric_states",
     "OuterSGD": "tf_asgd.update_rules",
     "TrainStepError": "tf_asgd.steps",
+    "UnsupportedFeatureError": "tf_asgd.optimizer_options",
     "WindowRecord": "tf_asgd.records",
     "parse_tf_config": "tf_asgd.cluster",
 }
@@ -78,6 +79,7 @@ __all__ = [
     "MetricStateError",
     "OuterSGD",
     "TrainStepError",
+    "UnsupportedFeatureError",
     "WindowRecord",
     "data",
     "gem",

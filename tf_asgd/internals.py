@@ -309,10 +309,12 @@ def differentiable_stateless_variables():
     base_handle = _TFVariable.__dict__["handle"]
 
     def value(self):
-        result = base_value.fget(self)
+        # Watched before it is read: under mixed precision the read is a
+        # cast of the mapped tensor, which a tape records only if it watches
+        # the tensor already.
         if self.trainable and _mapped(self) is not None:
             _tape.variable_accessed(self)
-        return result
+        return base_value.fget(self)
 
     def handle(self):
         mapped = _mapped(self)
