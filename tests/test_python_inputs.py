@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
+from tf_asgd import python_inputs, scheduling
 
 from conftest import compile_digits
 from test_errors import ERROR_BOUND_SECS, bounded
@@ -89,14 +90,22 @@ def _epochs(events):
     return epochs
 
 
-def test_py_dataset_trains_like_plain_keras(strategy, digits):
+def test_py_dataset_trains_like_plain_keras(strategy, digits, monkeypatch):
     (x, y), (xt, yt) = digits
+    held = []  # batches the chief holds as it reads each window's
+    read = python_inputs.ChiefFeed.read
+
+    def recording(feed, window_id, num_steps):
+        held.append(feed.batches_held)
+        return read(feed, window_id, num_steps)
+
     plain_data, data = DigitsPyDataset(x, y), DigitsPyDataset(x, y)
     plain = _convnet()
     plain.fit(plain_data, epochs=EPOCHS, verbose=0)
     plain_acc = plain.evaluate(xt, yt, verbose=0)[1]
 
     model = _convnet(strategy)
+    monkeypatch.setattr(python_inputs.ChiefFeed, "read", recording)
     history = model.fit(data, epochs=EPOCHS, verbose=0)
     acc = model.evaluate(xt, yt, verbose=0)[1]
     print(f"PyDataset: held-out {acc:.3f} under the strategy, {plain_acc:.3f} plain Keras")
@@ -110,6 +119,11 @@ def test_py_dataset_trains_like_plain_keras(strategy, digits):
     assert [e for e in data.events if isinstance(e, str)] == [
         e for e in plain_data.events if isinstance(e, str)]
     assert [sorted(e) for e in _epochs(data.events)] == [list(range(len(data)))] * EPOCHS
+    # Memory: the batches of the closures in flight and of the one being filled, at most.
+    closures = scheduling.MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers + 1
+    largest = max(strategy._trainer_of(model).closure_sizes) * strategy.n_sync
+    print(f"the chief held at most {max(held)} batches (bound {closures * largest})")
+    assert 0 < max(held) <= closures * largest
 
 
 def test_py_dataset_read_by_keras_processes_trains(strategy, digits):

@@ -294,6 +294,11 @@ class ChiefFeed:
 
     # ---- sending, to the closures -----------------------------------------
 
+    @property
+    def batches_held(self):
+        """Batches read and kept for windows whose results are not back yet."""
+        return sum(len(b) for b in self._windows.values())
+
     def holds(self, window_id):
         """Whether window `window_id`'s batches are here."""
         return window_id in self._windows
