@@ -18,7 +18,9 @@ arguments (`ClusterCoordinator.schedule` copies them to the worker):
   `scheduling.MAX_IN_FLIGHT_PER_WORKER` closures per worker are unfinished.
   A window's batches are kept until its result is back (a closure cut short
   by its time budget sends its windows' batches again), so the chief holds
-  the batches of at most those closures and the one it is filling.
+  the batches of at most those closures and the one it is filling
+  (`batches_held`), and TF's coordinator one packed copy of each closure
+  in flight (kept to run it again if its worker fails).
 - `ChiefFeed.pack` flattens a closure's batches, per component, into one
   1-D tensor of values and an `[N, rank]` matrix of their shapes: batches of
   any size (a `PyDataset`'s last partial batch, sequences padded per batch)
