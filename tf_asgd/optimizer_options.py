@@ -76,7 +76,7 @@ def check_compiled(optimizer):
                 "`mixed_float16` (a `LossScaleOptimizer`) with GEM",
                 "GEM's push rule runs its own local SGD and loss scaling would wrap "
                 "GEM's update, not that SGD.",
-                "train GEM under the float32 or mixed_bfloat16 policy.")
+                "train GEM under the float32 policy.")
         for option in ("use_ema", "gradient_accumulation_steps", "loss_scale_factor",
                        "weight_decay"):
             if getattr(gem, option, None):
