@@ -140,11 +140,16 @@ def _nonadditive(variables, update, arg_specs, skip):
     states, outs = traced["in"], traced["out"]
     graph = states[0].graph
     tainted = _reads_of(graph, {s.op.name for s in states})
+    # A model may list a metric twice (its `metrics` property adding one Keras
+    # already tracks): each of the variable's placeholders is its old state.
+    names = {}
+    for v, state in zip(variables, states):
+        names.setdefault(id(v), set()).add(state.op.name)
     found = []
-    for v, state, out in zip(variables, states, outs):
+    for v, out in zip(variables, outs):
         if id(v) in skip:
             continue
-        why = _why_not_additive(out, state, tainted)
+        why = _why_not_additive(out, names[id(v)], tainted)
         if why is not None:
             found.append((v, why))
     return found
@@ -162,15 +167,16 @@ def _reads_of(graph, sources):
     return tainted
 
 
-def _why_not_additive(out, state, tainted):
-    """None when `out` is `state` plus values that read no metric state
-    (`tainted` ops read one), else why not, in words."""
+def _why_not_additive(out, state_names, tainted):
+    """None when `out` is the old state (an op named in `state_names`) plus
+    values that read no metric state (`tainted` ops read one), else why not,
+    in words."""
     if out.op.name not in tainted:
         return ("is overwritten by its update (`v.assign(x)`, x not read from v): the "
                 "changes of successive parts do not add up")
     t = out
     while True:
-        if t.op.name == state.op.name:
+        if t.op.name in state_names:
             return None
         op = t.op
         if op.type in _PASS:
