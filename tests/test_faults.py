@@ -192,7 +192,10 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
     from tf_asgd import outer, scheduling
 
     with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
-        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1, staleness="none")
+        # Its only worker is down until restarted (up to 25 s on a loaded machine): a
+        # connect_timeout well above that, so the closure is waited for, not failed.
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=1, staleness="none", connect_timeout=120)
         opt = outer_opt or update_rules.OuterSGD()
         with strategy.scope():
             a, b = tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([3]))

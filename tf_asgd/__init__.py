@@ -33,6 +33,7 @@ _EXPORTS = {
     "TrainStepError": "tf_asgd.steps",
     "UnsupportedFeatureError": "tf_asgd.optimizer_options",
     "WindowRecord": "tf_asgd.records",
+    "WorkersLostError": "tf_asgd.connect",
     "parse_tf_config": "tf_asgd.cluster",
 }
 _SUBMODULES = ("data", "gem", "models", "network", "optimizers", "update_rules")
@@ -81,6 +82,7 @@ __all__ = [
     "TrainStepError",
     "UnsupportedFeatureError",
     "WindowRecord",
+    "WorkersLostError",
     "data",
     "gem",
     "models",

@@ -16,7 +16,9 @@ before TF is asked to connect: no coordinator thread, no server of this
 process.
 
 What this cannot bound: a task that stops between this wait and TF's own
-connection a moment later (TF then waits for it as before).
+connection a moment later (TF then waits for it as before). Tasks lost later,
+during training, are waited for with the same bound by `lost_workers`
+(`WorkersLostError`).
 """
 
 import concurrent.futures
@@ -56,6 +58,33 @@ class ClusterUnreachableError(ConnectionError):
             "Check that these tasks are running and that the cluster (TF_CONFIG, or the "
             "resolver's cluster spec) names their hosts and ports; connect_timeout sets "
             "how long to wait."
+        )
+
+
+class WorkersLostError(ClusterUnreachableError):
+    """No worker could run closures during `fit` (or evaluation on the
+    workers), and the tasks TF waits for to reconnect did not all answer
+    within the strategy's `connect_timeout` (see `lost_workers`).
+
+    Attributes:
+        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
+            answer and why (the last probe's error).
+        timeout: the seconds waited.
+    """
+
+    def __init__(self, tasks, timeout):
+        self.tasks, self.timeout = list(tasks), timeout
+        named = "; ".join(f"{job}:{i} at {address} ({reason})" for job, i, address, reason in tasks)
+        ConnectionError.__init__(
+            self,
+            f"Lost the workers: none could run for {timeout:g} s, and {len(self.tasks)} "
+            f"cluster task(s) did not answer: {named}. TensorFlow's coordinator runs "
+            "closures again only once every task answers. The windows (or evaluation "
+            "shards) not yet run were dropped; the pushes that finished are on the "
+            "parameter servers. Start these tasks again at the same addresses: this "
+            "strategy trains again once every task answers (until then each fit or "
+            "evaluate raises this after at most connect_timeout); or restart the job "
+            "from a checkpoint.",
         )
 
 
@@ -100,6 +129,21 @@ def probe(address, timeout=_ATTEMPT_SECS):
     if header is None or header[3] != _H2_SETTINGS:
         return "it accepts connections but does not answer as a gRPC server"
     return None
+
+
+def unanswered(tasks, pool, timeout=_ATTEMPT_SECS):
+    """One round of parallel probes: `{task: reason}` of the tasks
+    (`(job, index, address)`) that do not answer; a probe still running
+    after `timeout` plus a second counts as no answer. `pool`: a
+    `concurrent.futures.Executor` that runs the probes."""
+    futures = {task: pool.submit(probe, task[2], timeout) for task in tasks}
+    concurrent.futures.wait(futures.values(), timeout=timeout + 1.0)
+    reasons = {}
+    for task, future in futures.items():
+        reason = future.result() if future.done() else f"no answer in {timeout:g} s"
+        if reason is not None:
+            reasons[task] = reason
+    return reasons
 
 
 def _recv_exactly(sock, n):

@@ -14,8 +14,11 @@ versions it supports, not with an `ImportError` from deep inside Keras.
 import contextlib
 import inspect
 import os
+import queue
+import threading
 import time
 import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -356,6 +359,11 @@ def remote_value_ready(rv):
     return rv._status is not remote_value.RemoteValueStatus.NOT_READY
 
 
+def remote_value_failed(rv):
+    """Whether a `RemoteValue` is ready with an error (its `fetch` raises it)."""
+    return remote_value_ready(rv) and rv._error is not None
+
+
 def wait_briefly(rv, timeout=0.001):
     """Waits until `rv` is ready or `timeout` seconds pass (polling for any of
     several: TF has no wait-for-any on `RemoteValue`s)."""
@@ -593,3 +601,120 @@ def stop_coordinator(coordinator):
     """Stops a `ClusterCoordinator`'s threads, as only its destructor does."""
     if coordinator is not None:
         coordinator._cluster.stop()  # noqa: SLF001
+
+
+# ---- TF coordinator: reconnecting after a worker failure (lost_workers.py) ------
+# TF's coordinator has no public hook, bound or error for a worker that does not
+# come back. Its failure handler (`WorkerPreemptionHandler`, in its own thread)
+# reconnects with `context.update_server_def`, whose first RPC to each task
+# waits until the task answers, without a bound, while it holds the lock that
+# the workers' threads (waiting for the reconnection) and `Cluster.stop` need;
+# the closures of failed workers wait in the queue meanwhile, so `join` and
+# their `RemoteValue`s wait too. So the reconnection is gated here, and closures
+# that cannot run are failed here, through the coordinator's private state.
+
+_reconnect_gates = weakref.WeakKeyDictionary()  # failure handler's thread -> gate()
+
+
+def coordinator_cluster(coordinator):
+    """The coordinator's `Cluster` (its workers, closure queue and failure
+    handler): what the functions below take."""
+    return coordinator._cluster  # noqa: SLF001
+
+
+def gate_reconnection(coordinator, gate):
+    """Makes the coordinator's failure handler call `gate()` before each
+    reconnection to the cluster: True reconnects, False skips it (the
+    coordinator stops; TF's threads then end as after a reconnection). The
+    gate runs in the handler's thread, holding the handler's lock.
+
+    Returns:
+        False where the failure handler is of an unknown kind (no gate).
+    """
+    handler = coordinator_cluster(coordinator).failure_handler
+    thread = getattr(handler, "_preemption_handler_thread", None)
+    if thread is None or not hasattr(handler, "_should_preemption_thread_run"):
+        return False
+    from tensorflow.python.eager import context as eager_context  # the global eager context
+
+    context = eager_context.context()
+    if not getattr(context.update_server_def, "_tf_asgd_gated", False):
+        update = context.update_server_def
+
+        def update_server_def(*args, **kwargs):
+            gate_of_thread = _reconnect_gates.get(threading.current_thread())
+            if gate_of_thread is not None and not gate_of_thread():
+                return None
+            return update(*args, **kwargs)
+
+        update_server_def._tf_asgd_gated = True
+        context.update_server_def = update_server_def
+    _reconnect_gates[thread] = gate
+    return True
+
+
+def coordinator_stopping(cluster):
+    """Whether the coordinator of `cluster` (`coordinator_cluster`) stops."""
+    return not cluster.failure_handler._should_preemption_thread_run  # noqa: SLF001
+
+
+def stop_worker_threads(cluster):
+    """Tells the coordinator's worker threads to end after their current
+    closure (what `Cluster.stop` does next, after the failure handler)."""
+    for worker in cluster.workers:
+        worker.stop()
+
+
+def workers_awaiting_reconnection(cluster):
+    """Indices of the workers whose thread waits for the reconnection (its
+    last closure failed as a worker failure): they run no closure until then."""
+    return [w.worker_index for w in cluster.workers if w._is_dead_with_error]  # noqa: SLF001
+
+
+def fail_waiting_closures(cluster, error):
+    """Takes every closure waiting in the coordinator's queue out of it and
+    sets `error` on its `RemoteValue` (`fetch` raises it); the next `join`
+    (or `schedule`) raises it too, once, as TF does with a closure's error.
+
+    Returns:
+        How many closures were failed.
+    """
+    closures = cluster.closure_queue
+    failed = 0
+    with closures._queue_lock:  # noqa: SLF001
+        while True:
+            try:
+                closure = closures._queue.get(block=False)  # noqa: SLF001
+            except queue.Empty:
+                break
+            closure.maybe_call_with_output_remote_value(lambda rv: rv._set_error(error))
+            failed += 1
+        if failed:
+            closures._queue_free_slot_condition.notify_all()  # noqa: SLF001
+            if closures._error is None:  # noqa: SLF001
+                closures._error = error  # noqa: SLF001
+            closures._stop_waiting_condition.notify_all()  # noqa: SLF001
+    return failed
+
+
+def order_coordinator_stop(coordinator, before):
+    """Makes the coordinator's stop (`Cluster.stop`, also run by its
+    destructor) call `before()` first, then TF's own stop. `before` lets
+    worker threads that wait for a reconnection end cleanly: once the failure
+    handler's own stop has run, a worker thread woken from that wait fails an
+    assertion (`wait_on_failure` asserts that the handler still runs). Called
+    from the failure handler's own thread (a garbage collection inside a
+    gate), TF's stop would wait for the lock that thread holds: the handler
+    is then only told to stop."""
+    handler = coordinator_cluster(coordinator).failure_handler
+    tf_stop = handler.stop
+
+    def stop():
+        if threading.current_thread() is getattr(handler, "_preemption_handler_thread", None):
+            handler._should_preemption_thread_run = False  # noqa: SLF001
+            handler._cluster_due_for_update_or_finish.set()  # noqa: SLF001
+            return
+        before()
+        tf_stop()
+
+    handler.stop = stop

@@ -180,13 +180,18 @@ class WindowTrainer:
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
         if not steps or left <= 0 or len(self._queue) >= self._closure_size(len(self._queue) + left):
             self._flush(left)
-        self._drain(block=True, keep=self._max_in_flight)
+        # The epoch's last window: its logs are the epoch's, as in Keras (the
+        # epoch's end waits for these windows anyway).
+        last = bool(steps) and left <= 0
+        self._drain(block=True, keep=0 if last else self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
         # chief's time per window bounds throughput at small n_sync.
         now = time.perf_counter()
-        if self._logs is None or now - self._logs_at > 0.25:
+        if self._logs is None or now - self._logs_at > 0.25 or last:
             self._drain(block=False)
             self._logs, self._logs_at = self.logs(), now
+            if not self._epoch_windows:  # no window of the epoch finished: no metric yet
+                self._logs = {"windows": self._logs["windows"]}
         return self._logs
 
     def _pace(self):
@@ -307,6 +312,12 @@ class WindowTrainer:
                 return
             internals.wait_briefly(self._pending[0][0])
 
+    def drop_failed(self):
+        """Forgets the scheduled closures that failed (after a failed `fit`,
+        once they are all finished): their windows are not recorded, and the
+        next `fit` does not raise their errors again."""
+        self._pending = [p for p in self._pending if not internals.remote_value_failed(p[0])]
+
     def _record(self, packed, window_id=-1, steps=None):
         """Appends the `WindowRecord` of one window's fetched result, adds
         its metric deltas to the epoch's sums and its duration to its
@@ -397,7 +408,10 @@ class WindowTrainer:
             if not self._pending:
                 break
         self._epoch_step = 0
-        if self._epoch_windows and not any(r.pushed for r in self._epoch_windows):
+        # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
+        # ends `fit` as it would.)
+        if self._epoch_windows and not any(r.pushed for r in self._epoch_windows) and not (
+                self.model.stop_training):
             raise FloatingPointError(
                 f"All {len(self._epoch_windows)} windows of this epoch computed "
                 "updates with NaN or Inf; none was pushed. Lower the learning "

@@ -21,7 +21,7 @@ import weakref
 import tensorflow as tf
 
 from tf_asgd import cluster as cluster_lib
-from tf_asgd import connect, internals, keras_hook, python_inputs, update_rules
+from tf_asgd import connect, internals, keras_hook, lost_workers, python_inputs, update_rules
 from tf_asgd.counters import PushCounters
 from tf_asgd.evaluation import Evaluator, validate_evaluation
 from tf_asgd.scheduling import WindowTrainer, validate_windows_per_closure
@@ -192,11 +192,15 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         connect_timeout: seconds to wait for every ps and worker task to answer
             before connecting (tasks may start later); past it, a
             `tf_asgd.ClusterUnreachableError` names each silent task and address.
+            Also how long `fit` and `evaluate` wait, once no worker can run
+            (every worker lost), for the lost tasks to come back; past it, a
+            `tf_asgd.WorkersLostError` names each (see `lost_workers`).
 
     Attributes:
         n_sync, staleness, max_staleness, per_worker_dataset_fn,
-            outer_optimizer, worker_state, windows_per_closure, evaluation:
-            as given (`evaluation` may be set again later).
+            outer_optimizer, worker_state, windows_per_closure, evaluation,
+            connect_timeout: as given (`evaluation` and `connect_timeout` may
+            be set again later).
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
@@ -247,12 +251,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.worker_state = worker_state
         self.windows_per_closure = windows_per_closure
         self.evaluation = evaluation
+        self.connect_timeout = connect_timeout
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        # TF waits for a lost worker without a bound; this bounds it by connect_timeout.
+        self._reconnection_watch = lost_workers.ReconnectionWatch(
+            self, self.coordinator, cluster_resolver.cluster_spec().as_dict())
         coordinator = weakref.ref(self.coordinator)
         cluster_lib.before_stop(cluster_resolver.cluster_spec().as_dict(),
                                 lambda: internals.stop_coordinator(coordinator()))
@@ -265,6 +273,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self._last_repeated = None  # (a fit's dataset, its repeat())
         self._evaluators = weakref.WeakKeyDictionary()  # model -> its Evaluator
         self._outer_states = weakref.WeakKeyDictionary()  # model -> its outer_state
+
+    @property
+    def connect_timeout(self):
+        """Seconds to wait for unanswering cluster tasks (see the class's Args)."""
+        return self._connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, value):
+        connect.validate_connect_timeout(value)
+        self._connect_timeout = value
 
     @property
     def evaluation(self):

@@ -1,0 +1,186 @@
+"""Workers lost during `fit` are waited for at most `connect_timeout`: with
+every worker gone, `fit` and `evaluate` raise `WorkersLostError` naming each
+unreachable task and its address, and nothing of the strategy is left
+running; a worker that comes back in time is waited for, and after the error
+the strategy trains again once its workers answer."""
+
+import logging
+import os
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import tf_asgd
+from tf_asgd import connect
+
+pytestmark = pytest.mark.cluster  # every test here starts its own TF servers
+
+TIMEOUT = 3.0
+SLACK = 20.0  # what the bound may be overrun by: a probe round, the chief's join, a loaded machine
+# TF's coordinator threads, and the watch's probes.
+THREAD_PREFIXES = ("WorkerPreemptionHandler", "WorkerClosureProcessingLoop", "tf_asgd_probe")
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """A hang fails loudly: after 300 s the test process dumps its threads and
+    exits (its LocalCluster tasks follow through their stdin lifeline)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _coordinator_threads():
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIXES)]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                  keras.layers.Dense(10)])
+        model.compile(keras.optimizers.SGD(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    return model
+
+
+def _in_thread(events, fn):
+    """Runs `fn()` in a daemon thread; an error is kept in `events["error"]`."""
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # reported by the main thread
+            events["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _kill_after_windows(cluster, strategy, model, events, windows=3, restart=False):
+    """Kills worker:0 once `model` has `windows` more windows (and restarts it)."""
+    start = len(strategy.window_log(model))
+
+    def inject():
+        deadline = time.monotonic() + 120
+        while len(strategy.window_log(model)) < start + windows:
+            assert time.monotonic() < deadline, "no windows ran"
+            time.sleep(0.02)
+        cluster.kill_task("worker:0")
+        events["killed_at"] = time.perf_counter()
+        if restart:
+            cluster.restart_task("worker:0")
+            events["restarted_at"] = time.perf_counter()
+
+    return _in_thread(events, inject)
+
+
+def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_running(
+        digits, caplog):
+    (x, y), _ = digits
+    threads_before = len(_coordinator_threads())
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+        address = cluster.cluster_spec["worker"][0]
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=2, connect_timeout=TIMEOUT)
+        model = _model(strategy)
+        events = {}
+        helper = _kill_after_windows(cluster, strategy, model, events)
+        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+            with pytest.raises(tf_asgd.WorkersLostError) as info:
+                model.fit(x, y, batch_size=32, epochs=1000, steps_per_epoch=20, verbose=0)
+        raised_after = time.perf_counter() - events["killed_at"]
+        helper.join(10)
+        assert "error" not in events, events.get("error")
+        error = info.value
+        assert isinstance(error, tf_asgd.ClusterUnreachableError) and error.timeout == TIMEOUT
+        assert error.tasks == [("worker", 0, address, "Connection refused")]
+        assert f"worker:0 at {address} (Connection refused)" in str(error)
+        lines = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
+        waiting = [m for m in lines if m.startswith("No worker can run")]
+        assert waiting and f"waiting at most {TIMEOUT:g} s" in waiting[0]
+        assert f"worker:0 at {address}" in waiting[0]
+        assert len(waiting) <= 1 + TIMEOUT // connect.LOG_EVERY_SECS  # at most one per interval
+
+        # While the worker stays away, the next fit and evaluate fail at once.
+        t0 = time.perf_counter()
+        with pytest.raises(tf_asgd.WorkersLostError):
+            model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
+        fit_again = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with pytest.raises(tf_asgd.WorkersLostError):
+            model.evaluate(x, y, batch_size=64, verbose=0)
+        evaluate_secs = time.perf_counter() - t0
+        pids = cluster.pids()
+        t0 = time.perf_counter()
+    close_secs = time.perf_counter() - t0
+    deadline = time.monotonic() + 10
+    while len(_coordinator_threads()) > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [t.name for t in _coordinator_threads()]
+    print(f"every worker lost: fit raised {raised_after:.2f} s after the kill "
+          f"(connect_timeout {TIMEOUT:g} s); then fit raised in {fit_again:.2f} s, evaluate "
+          f"in {evaluate_secs:.2f} s; the cluster closed in {close_secs:.2f} s")
+    assert TIMEOUT <= raised_after < TIMEOUT + SLACK
+    assert fit_again < TIMEOUT + SLACK and evaluate_secs < TIMEOUT + SLACK
+    assert close_secs < 10
+    assert len(left) == threads_before, left  # this strategy's threads ended
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(digits, caplog):
+    (x, y), _ = digits
+    steps = 20  # 10 windows of 2 steps an epoch
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=2, connect_timeout=120)
+        model = _model(strategy)
+        # Killed and started again within the bound: waited for, every window runs.
+        events = {}
+        helper = _kill_after_windows(cluster, strategy, model, events, restart=True)
+        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+            history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=steps, verbose=0)
+        helper.join(60)
+        assert "error" not in events, events.get("error")
+        down = events["restarted_at"] - events["killed_at"]
+        assert len(history.history["loss"]) == 2 and np.isfinite(history.history["loss"]).all()
+        assert strategy.stats().windows == 2 * steps // 2
+        lines = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
+        assert any(m.startswith("No worker can run") for m in lines)
+        assert any(m.startswith("All 2 cluster task(s) answer again") for m in lines)
+
+        # Lost past the bound: the error; then, the worker back, it trains again.
+        strategy.connect_timeout = TIMEOUT
+        events = {}
+        helper = _kill_after_windows(cluster, strategy, model, events)
+        with pytest.raises(tf_asgd.WorkersLostError):
+            model.fit(x, y, batch_size=32, epochs=1000, steps_per_epoch=steps, verbose=0)
+        raised_after = time.perf_counter() - events["killed_at"]
+        helper.join(10)
+        cluster.restart_task("worker:0")
+        before = strategy.stats().windows
+        history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
+        after = strategy.stats().windows
+    print(f"lost worker back: down {down:.1f} s within the bound, the fit finished; past the "
+          f"bound fit raised {raised_after:.2f} s after the kill; after its restart a fit "
+          f"pushed {after - before} windows")
+    assert TIMEOUT <= raised_after < TIMEOUT + SLACK
+    assert np.isfinite(history.history["loss"][0])
+    assert after - before >= steps // 2  # (windows a failed fit queued but never scheduled run too)
