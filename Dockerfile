@@ -44,7 +44,7 @@ WORKDIR /app
 # The package and its requirements (with the CUDA wheels), pinned to a tested pair;
 # scikit-learn ships the digits data of configs/default.py. (DL3013: "." is this
 # checkout, not a registry package.)
-COPY setup.py README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY tf_asgd/ tf_asgd/
 # hadolint ignore=DL3013
 RUN pip install ".[and-cuda]" "tensorflow[and-cuda]==${TF_VERSION}" "keras==${KERAS_VERSION}" \

@@ -13,15 +13,6 @@ import tf_asgd  # noqa: E402
 CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "cluster4", "sharded_cluster"}
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "soak: bounded repeated fit/kill/restart cycles")
-    config.addinivalue_line(
-        "markers",
-        "cluster: starts TF servers, the launcher or a fresh TensorFlow process "
-        "(the fast tier is -m 'not cluster')",
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     # A test that takes a cluster fixture starts one; the rest mark themselves.
     for item in items:

@@ -1,5 +1,5 @@
 """The supported Keras / TensorFlow range: refused clearly outside it, the
-same range in setup.py and in the check (tools/compat.py measures it)."""
+same range in pyproject.toml and in the check (tools/compat.py measures it)."""
 
 import ast
 import os
@@ -56,9 +56,9 @@ def test_import_on_an_unsupported_keras_or_tf_names_the_range():
         assert 'pip install "keras>=3.13,<3.16" "tensorflow>=2.19,<2.22"' in line
 
 
-def test_setup_py_admits_exactly_the_supported_range():
+def test_pyproject_admits_exactly_the_supported_range():
     keras_minors, tf_minors = _supported()
-    with open(os.path.join(ROOT, "setup.py")) as f:
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
         text = f.read()
 
     def upper(minor):

@@ -4,7 +4,7 @@ For each TensorFlow version in `--tf`, one throwaway venv (`python -m venv`):
 TensorFlow and its TensorBoard go in first, then each Keras version in
 `--keras` in turn, each time together with this checkout's own requirements
 (`pip install "<repo>[test]"`, the `pip install -e ".[test]"` of the README
-resolved against the pinned TF and Keras; setup.py's ranges must admit the
+resolved against the pinned TF and Keras; pyproject.toml's ranges must admit the
 pair or pip refuses it). Then, with this checkout on the path:
 
 - `import tf_asgd` (the version check runs there);
@@ -117,7 +117,7 @@ def test_pair(venv, tf_version, keras_version, args, expect_refusal=False):
            "smoke": "", "result": "", "note": ""}
     t0 = time.time()
     reqs = [spec(tf_version, "tensorflow"), spec(keras_version, "keras")]
-    if expect_refusal:  # out of setup.py's range: install Keras alone
+    if expect_refusal:  # out of pyproject.toml's range: install Keras alone
         code, out = venv.pip(*reqs)
     else:
         code, out = venv.pip(*reqs, f"{ROOT}[test]")
