@@ -8,7 +8,11 @@ wrapper checks whether the model's strategy is an
 `AsyncParameterServerStrategy` and otherwise calls the original unchanged.
 
 For models of ours:
-- `fit` checks the model, puts the strategy in training mode (datasets are
+- `fit` checks the model, refuses compile options a window cannot honour
+  (`run_eagerly=True`; a `steps_per_execution` other than 1 or `n_sync`),
+  sets `steps_per_execution` to `n_sync` for the fit only (one Keras
+  execution is one window; batch-level callbacks then run once per window,
+  said once in the log), puts the strategy in training mode (datasets are
   then handed out as per-worker iterators) and drives windows;
 - `make_train_function` returns a function that schedules one window closure
   (`scheduling.WindowTrainer`) per `n_sync` steps and returns at once;
@@ -18,7 +22,7 @@ For models of ours:
   (`strategy._evaluator_for(model)`, see `evaluation`), or on the chief with
   `evaluation="chief"` and for what the workers cannot evaluate exactly;
 - `predict`, chief evaluation and `_maybe_symbolic_build` run on the chief
-  against the central variables, with datasets handed out as local iterators
+  against the central variables (without XLA), with datasets handed out as local iterators
   (a model that only overrides `train_step`, without `call`, is left for its
   first trace to build, as plain Keras without a strategy does);
 - `train_on_batch` is refused (windows need an iterator per worker);
@@ -42,6 +46,7 @@ import collections.abc
 import contextlib
 import functools
 import inspect
+import logging
 import threading
 import types
 
@@ -54,6 +59,7 @@ SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
 _installed = False
 _thread = threading.local()  # local-mode depth, per thread
+log = logging.getLogger("tf_asgd")
 
 
 def _asgd_strategy(strategy):
@@ -122,27 +128,94 @@ def _fit(original, model, *args, **kwargs):
         raise RuntimeError("fit is already running on this model.")
     if not model.compiled:
         raise ValueError("You must call `compile()` before using the model.")
-    if model.steps_per_execution != strategy.n_sync:
-        # One Keras "execution" is one window of n_sync steps.
-        model.steps_per_execution = strategy.n_sync
+    _refuse_compile_options(model, strategy)
     model.train_function = None
     kwargs = _steps_and_repeated_data(original, model, args, kwargs)
+    if model.steps_per_execution != strategy.n_sync:
+        _say_batch_callbacks_run_per_window(kwargs["callbacks"], strategy.n_sync)
     feed = python_inputs.feed_of(kwargs["x"])
     if feed is not None:  # Python-side data: the chief reads it and sends the batches
         feed.steps_per_epoch = kwargs["steps_per_epoch"]
         python_inputs.start_fit(model, feed)
     strategy._set_fitting(model, True, kwargs["steps_per_epoch"])
+    # One Keras "execution" is one window of n_sync steps, for this fit only.
+    users_steps_per_execution = model.steps_per_execution
+    model.steps_per_execution = strategy.n_sync
     failed = True
     try:
         result = original(model, **kwargs)
         failed = False
         return result
     finally:
+        model.steps_per_execution = users_steps_per_execution
         strategy._set_fitting(model, False)
         try:
             _join(strategy._trainer_of(model), failed)
         finally:
             python_inputs.end_fit(model, strategy._trainer_of(model))
+
+
+def _refuse_compile_options(model, strategy):
+    """Raises `ValueError`, before anything is scheduled, for compile options
+    that a window cannot honour.
+
+    - `run_eagerly=True` with Keras's own `train_step`: a window runs the steps
+      as a `tf.function` on a worker, so none of them would run eagerly (a
+      model's own `train_step` is refused by `steps.ModelStep`, as a
+      `TrainStepError`).
+    - `steps_per_execution` other than 1 (Keras's default) or `n_sync`: one
+      Keras execution is one window of `n_sync` steps.
+    """
+    if model.run_eagerly and type(model).train_step is keras.Model.train_step:
+        raise ValueError(
+            f"fit under AsyncParameterServerStrategy cannot honour `run_eagerly=True` "
+            f"(model {model.name!r}): each window runs the training steps as a tf.function "
+            "on a worker, so none of them would run eagerly. Compile with "
+            "`run_eagerly=False` (the default), or debug the step eagerly in plain Keras, "
+            "outside `strategy.scope()`."
+        )
+    spe = model.steps_per_execution
+    if spe not in (1, strategy.n_sync) or isinstance(spe, bool):
+        raise ValueError(
+            f"fit under AsyncParameterServerStrategy cannot honour `steps_per_execution="
+            f"{spe!r}` (model {model.name!r}): one Keras execution is one window of the "
+            f"strategy's n_sync={strategy.n_sync} steps (batch-level callbacks run once per "
+            "window). Compile with the default `steps_per_execution=1` or with "
+            f"`steps_per_execution={strategy.n_sync}`, or give the strategy "
+            f"`n_sync={spe!r}` for windows of that many steps."
+        )
+
+
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+_said_per_window = set()  # callback classes already named in the log, per process
+
+
+def _say_batch_callbacks_run_per_window(callbacks, n_sync):
+    """Logs once per callback class that its batch-level methods run once per
+    window of `n_sync` steps (Keras's `steps_per_execution` is `n_sync` during
+    `fit`), as in Keras with `compile(steps_per_execution=n_sync)`."""
+    if n_sync == 1 or not callbacks:
+        return
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    names = []
+    for callback in callbacks:
+        if getattr(callback, "save_freq", None) == "epoch" or getattr(
+                callback, "update_freq", None) == "epoch":
+            continue  # ModelCheckpoint, BackupAndRestore, TensorBoard: once per epoch
+        cls = type(callback)
+        if cls not in _said_per_window and any(
+                hook in vars(callback)  # e.g. LambdaCallback's
+                or getattr(cls, hook, None) is not getattr(keras.callbacks.Callback, hook)
+                for hook in _BATCH_HOOKS):
+            _said_per_window.add(cls)
+            names.append(cls.__name__)
+    if names:
+        log.warning(
+            "tf_asgd: %s: batch-level callback methods run once per window of n_sync=%d "
+            "steps, with `batch` the window's last step and the logs of the windows "
+            "finished so far (Keras's steps_per_execution is n_sync during fit).",
+            ", ".join(names), n_sync)
 
 
 def _join(trainer, failed):
@@ -358,8 +431,17 @@ def _evaluate(original, model, *args, **kwargs):
 
 
 def _on_chief(original, model, *args, **kwargs):
-    with local_mode():
-        return original(model, *args, **kwargs)
+    """Keras's own `predict` or `evaluate` on the chief, against the central
+    variables. Without XLA: an XLA-compiled function cannot read variables of
+    another task (the PS), so `jit_compile=True` (honoured in the windows)
+    is off for the call; the results are the same to float rounding."""
+    jit = model.jit_compile
+    model.jit_compile = False
+    try:
+        with local_mode():
+            return original(model, *args, **kwargs)
+    finally:
+        model.jit_compile = jit
 
 
 def _symbolic_build(original, model, iterator=None, data_batch=None):

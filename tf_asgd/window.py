@@ -347,8 +347,11 @@ class WindowFunction:
         `(weights, optimizer_values, metric_values)` after the last step."""
         metric_values = [tf.constant(m) for m in self._trainer.metric_init]
         weights, opt_values = list(pulled.weights), list(pulled.optimizer_values)
+        # `compile(jit_compile=True)`: each step XLA-compiled, as Keras compiles its step.
+        step = tf.function(self._step, jit_compile=True) if self._trainer.model.jit_compile \
+            else self._step
         for _ in tf.range(num_steps):
-            weights, opt_values, metric_values = self._step(
+            weights, opt_values, metric_values = step(
                 next(iterator), weights, opt_values, metric_values
             )
         return weights, opt_values, metric_values
