@@ -67,7 +67,7 @@ def _cycle(graph):
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state:
                 found = visit(dep)
                 if found:
@@ -103,10 +103,16 @@ def test_imports_run_one_way_through_the_core():
     assert "tf_asgd.scheduling" in graph["tf_asgd.strategy"]
     assert "tf_asgd.keras_hook" in graph["tf_asgd.strategy"]
     for low in ("tf_asgd.update_rules", "tf_asgd.counters", "tf_asgd.internals"):
-        assert not graph[low] & {"tf_asgd.scheduling", "tf_asgd.strategy", "tf_asgd.keras_hook"}, low
+        assert not graph[low] & {"tf_asgd.scheduling", "tf_asgd.strategy", "tf_asgd.keras_hook"}, (
+            low
+        )
     assert not graph["tf_asgd.keras_hook"] & {"tf_asgd.strategy", "tf_asgd.scheduling"}
     assert not graph["tf_asgd.scheduling"] & {"tf_asgd.strategy", "tf_asgd.keras_hook"}
-    assert not graph["tf_asgd.gem"] & {"tf_asgd.strategy", "tf_asgd.scheduling", "tf_asgd.keras_hook"}
+    assert not graph["tf_asgd.gem"] & {
+        "tf_asgd.strategy",
+        "tf_asgd.scheduling",
+        "tf_asgd.keras_hook",
+    }
 
 
 def test_private_tf_and_keras_imports_stay_in_few_modules():
@@ -124,11 +130,20 @@ def test_the_keras_version_check_runs_before_any_private_import():
         tree = ast.parse(f.read(), path)
     check = first_private = None
     for i, node in enumerate(tree.body):
-        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-                and getattr(node.value.func, "id", None) == "check_keras_version" and check is None):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", None) == "check_keras_version"
+            and check is None
+        ):
             check = i
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module] if isinstance(node, ast.ImportFrom) else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         if first_private is None and any(n.startswith(PRIVATE_PREFIXES) for n in names):
             first_private = i
     assert check is not None and first_private is not None and check < first_private

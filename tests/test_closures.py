@@ -25,7 +25,9 @@ from conftest import compile_digits
 def test_bad_windows_per_closure_is_rejected(value):
     # Validated before connecting: these addresses are never dialled.
     resolver = make_resolver({"worker": ["localhost:1"], "ps": ["localhost:2"]})
-    with pytest.raises(ValueError, match="windows_per_closure must be None .* or an integer from 1 to"):
+    with pytest.raises(
+        ValueError, match="windows_per_closure must be None .* or an integer from 1 to"
+    ):
         tf_asgd.AsyncParameterServerStrategy(resolver, windows_per_closure=value)
 
 
@@ -33,7 +35,8 @@ def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluste
     (x, y), _ = digits
     n_sync, k, steps, epochs = 2, 4, 47, 2  # 24 windows an epoch, the last of 1 step
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=n_sync, windows_per_closure=k, staleness="dynsgd")
+        cluster.resolver, n_sync=n_sync, windows_per_closure=k, staleness="dynsgd"
+    )
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
     history = model.fit(x, y, batch_size=32, epochs=epochs, steps_per_epoch=steps, verbose=0)
@@ -72,33 +75,60 @@ def test_windows_per_closure_is_automatic_by_default(cluster, digits):
     pace = trainer._pace()
     # About TARGET_CLOSURE_S of windows per closure, from the measured pace.
     assert trainer.windows_per_closure() == min(
-        scheduling.MAX_WINDOWS_PER_CLOSURE, max(1, round(scheduling.TARGET_CLOSURE_S / pace)))
+        scheduling.MAX_WINDOWS_PER_CLOSURE, max(1, round(scheduling.TARGET_CLOSURE_S / pace))
+    )
     assert trainer.windows_per_closure() > 1 and max(trainer.closure_sizes) > 1
     assert int(model.optimizer.iterations.numpy()) == 400
     assert strategy.stats().windows == 400
 
 
-@pytest.mark.parametrize("outer", [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
-                         ids=["add", "outer_nesterov"])
+@pytest.mark.parametrize(
+    "outer",
+    [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
+    ids=["add", "outer_nesterov"],
+)
 def test_gem_is_exact_with_several_windows_per_closure(cluster1, outer):
     """One worker runs a closure of 4 GEM windows an epoch: each window pulls
     what the previous one pushed and carries GEM's state to the next, as the
     NumPy reference does window by window (with outer state, the push is a
     `tf.cond` on the PS; without, branch-free)."""
-    from test_gem import LR, MU, KAPPA, N_SYNC, RecordWeights, ReferenceGEM, _tiny_model, _tiny_problem
+    from test_gem import (
+        LR,
+        MU,
+        KAPPA,
+        N_SYNC,
+        RecordWeights,
+        ReferenceGEM,
+        _tiny_model,
+        _tiny_problem,
+    )
 
     x, t = _tiny_problem()
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster1.resolver, n_sync=N_SYNC, staleness="dynsgd", outer_optimizer=outer,
-        windows_per_closure=4)
+        cluster1.resolver,
+        n_sync=N_SYNC,
+        staleness="dynsgd",
+        outer_optimizer=outer,
+        windows_per_closure=4,
+    )
     with strategy.scope():
         model = _tiny_model()
-        model.compile(tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse")
+        model.compile(
+            tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse"
+        )
     ref = ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
     recorder = RecordWeights()
     epochs = 3
-    model.fit(x, t, batch_size=8, epochs=epochs, steps_per_epoch=4 * N_SYNC, shuffle=False,
-              verbose=0, callbacks=[recorder])
+    model.fit(
+        x,
+        t,
+        batch_size=8,
+        epochs=epochs,
+        steps_per_epoch=4 * N_SYNC,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
     trainer = strategy._trainer_of(model)
     assert trainer.closure_sizes == [4] * epochs
     assert [run for _, _, run, _ in trainer.closure_log] == [4] * epochs
@@ -117,7 +147,8 @@ def test_nonfinite_windows_are_counted_never_pushed(cluster, digits, n_sync, win
     20 steps is dropped on its own, and none reaches the PS."""
     (x, y), _ = digits
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=n_sync, windows_per_closure=windows_per_closure)
+        cluster.resolver, n_sync=n_sync, windows_per_closure=windows_per_closure
+    )
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
     before = [v.numpy() for v in model.trainable_variables]
@@ -139,8 +170,11 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
     (x, y), _ = digits
     k, steps = 8, 160
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=1, windows_per_closure=k,
-        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(10, {1: 40.0}))
+        cluster.resolver,
+        n_sync=1,
+        windows_per_closure=k,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(10, {1: 40.0}),
+    )
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
     # A first fit measures the workers' paces (until then closures have no budget).
@@ -163,7 +197,7 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
     # 40x keeps the straggler's closure over budget up to ~120 ms of CPU a step.)
     at = 0
     for worker, asked, run, budget in closures:
-        records = log[at:at + run]
+        records = log[at : at + run]
         at += run
         assert all(r.worker == worker for r in records)
         assert records[-1].started_at - records[0].started_at < budget
@@ -186,8 +220,11 @@ def test_worker_killed_mid_closure_every_window_applied_exactly_once(digits):
     k, n_sync, steps = 8, 1, 48
     with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=n_sync, windows_per_closure=k,
-            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60))
+            cluster.resolver,
+            n_sync=n_sync,
+            windows_per_closure=k,
+            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60),
+        )
         with strategy.scope():
             model = compile_digits(tf_asgd.models.digits_convnet())
         events = {}
@@ -231,8 +268,10 @@ def test_worker_killed_mid_closure_every_window_applied_exactly_once(digits):
         log = strategy.window_log(model)
         stats = strategy.model_stats(model)
         replays = [r for r in log if r.replayed]
-        print(f"killed with {pushed_before_kill} of {len(ids)} windows of a closure pushed; "
-              f"{len(replays)} replays; closures {trainer.closure_log}")
+        print(
+            f"killed with {pushed_before_kill} of {len(ids)} windows of a closure pushed; "
+            f"{len(replays)} replays; closures {trainer.closure_log}"
+        )
         # The windows that had pushed before the kill were replayed, not re-applied.
         assert len(replays) >= pushed_before_kill >= 1
         assert {r.window_id for r in replays} <= set(ids)

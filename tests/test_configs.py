@@ -59,7 +59,12 @@ def test_papers_settings():
     assert (paine.n_sync, paine.num_workers, paine.gpus_per_worker) == (100, 8, 1)
     assert paine.ten_crop_eval and paine.augment
     default = load("default")
-    assert (default.num_workers, default.num_ps, default.n_sync, default.gem.enabled) == (2, 1, 10, True)
+    assert (default.num_workers, default.num_ps, default.n_sync, default.gem.enabled) == (
+        2,
+        1,
+        10,
+        True,
+    )
 
 
 def test_command_line_overrides():
@@ -98,19 +103,25 @@ def test_outer_optimizer_fields_build_the_strategys_outer_optimizer():
 
     assert train_lib.make_outer_optimizer(load("default")) is None  # the strategy's default
     c = load("default", "--config.outer.name=nesterov")
-    assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True)
+    assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD(
+        0.7, momentum=0.9, nesterov=True
+    )
     c = load("default", "--config.outer.name=sgd", "--config.outer.momentum=0.0")
     assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD()
     c = load("default", "--config.outer.name=delayed_nesterov", "--config.outer.learning_rate=0.5")
     assert train_lib.make_outer_optimizer(c) == update_rules.DelayedNesterov(0.5, momentum=0.9)
     c = load("default", "--config.outer.name=adamw")
-    with pytest.raises(ValueError, match="Unknown outer optimizer 'adamw'; expected one of default, sgd"):
+    with pytest.raises(
+        ValueError, match="Unknown outer optimizer 'adamw'; expected one of default, sgd"
+    ):
         train_lib.make_outer_optimizer(c)
 
 
 def test_gem_convnet_on_digits_is_refused_with_the_fix():
     c = load("default", "--config.model=gem_mnist_convnet")
-    with pytest.raises(ValueError, match="needs MNIST's 28x28 images; dataset 'digits'.*digits_convnet"):
+    with pytest.raises(
+        ValueError, match="needs MNIST's 28x28 images; dataset 'digits'.*digits_convnet"
+    ):
         train_lib.make_model(c)
 
 
@@ -119,8 +130,10 @@ def test_model_matches_its_data(name):
     c = load(name)
     model = train_lib.make_model(c)
     shape = {
-        "digits": (8, 8, 1), "mnist": (28, 28, 1),
-        "cifar10": (c.crop_size or 32,) * 2 + (3,), "imagenet": (c.crop_size,) * 2 + (3,),
+        "digits": (8, 8, 1),
+        "mnist": (28, 28, 1),
+        "cifar10": (c.crop_size or 32,) * 2 + (3,),
+        "imagenet": (c.crop_size,) * 2 + (3,),
     }[c.dataset]
     assert model.input_shape[1:] == shape
     assert model.output_shape[-1] == (1000 if c.dataset == "imagenet" else 10)
@@ -145,9 +158,13 @@ def test_missing_data_without_download_names_the_cache(tmp_path, monkeypatch):
 def test_mnist_from_a_local_keras_npz(tmp_path):
     rng = np.random.default_rng(0)
     path = tmp_path / "mnist.npz"
-    np.savez(path, x_train=rng.integers(0, 255, (70, 28, 28), dtype=np.uint8),
-             y_train=rng.integers(0, 10, 70), x_test=rng.integers(0, 255, (30, 28, 28), dtype=np.uint8),
-             y_test=rng.integers(0, 10, 30))
+    np.savez(
+        path,
+        x_train=rng.integers(0, 255, (70, 28, 28), dtype=np.uint8),
+        y_train=rng.integers(0, 10, 70),
+        x_test=rng.integers(0, 255, (30, 28, 28), dtype=np.uint8),
+        y_test=rng.integers(0, 10, 30),
+    )
     c = load("mnist_gem", f"--config.data_dir={path}", "--config.batch_size=16")
     d = input_pipeline.make_data(c)
     x, y = next(iter(d.train))
@@ -159,8 +176,10 @@ def test_mnist_from_a_local_keras_npz(tmp_path):
 def test_cifar10_from_local_python_batches_with_augmentation(tmp_path):
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 255, (8, 3072), dtype=np.uint8),
-                 b"labels": [int(v) for v in rng.integers(0, 10, 8)]}
+        batch = {
+            b"data": rng.integers(0, 255, (8, 3072), dtype=np.uint8),
+            b"labels": [int(v) for v in rng.integers(0, 10, 8)],
+        }
         with open(tmp_path / name, "wb") as f:
             pickle.dump(batch, f)
     c = load("cifar10_asgd", f"--config.data_dir={tmp_path}", "--config.batch_size=4")
@@ -183,8 +202,11 @@ def test_imagenet_from_a_class_directory(tmp_path):
                 img = rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)
                 keras.utils.save_img(str(tmp_path / split / wnid / f"{i}.png"), img)
     c = load(
-        "imagenet_paine2013", f"--config.data_dir={tmp_path}", "--config.image_size=36",
-        "--config.crop_size=32", "--config.batch_size=2",
+        "imagenet_paine2013",
+        f"--config.data_dir={tmp_path}",
+        "--config.image_size=36",
+        "--config.crop_size=32",
+        "--config.batch_size=2",
     )
     d = input_pipeline.make_data(c)
     x, y = next(iter(d.train))
@@ -205,7 +227,9 @@ def test_ten_crops_are_corners_centre_and_mirrors():
 
 
 def test_ten_crop_evaluate_averages_softmax_over_views():
-    model = keras.Sequential([keras.Input((3, 3, 1)), keras.layers.Flatten(), keras.layers.Dense(4)])
+    model = keras.Sequential(
+        [keras.Input((3, 3, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]
+    )
     rng = np.random.default_rng(1)
     x = rng.normal(size=(6, 5, 5, 1)).astype("float32")
     views = data.ten_crops(tf.constant(x), 3).numpy()
@@ -216,7 +240,9 @@ def test_ten_crop_evaluate_averages_softmax_over_views():
     got = input_pipeline.ten_crop_evaluate(model, ds, 3)
     assert got["ten_crop_accuracy"] == pytest.approx(4 / 6)
     top4 = np.argsort(-probs, -1)[:, :4]
-    assert got["ten_crop_top5_accuracy"] == pytest.approx(np.mean([y[i] in top4[i] for i in range(6)]))
+    assert got["ten_crop_top5_accuracy"] == pytest.approx(
+        np.mean([y[i] in top4[i] for i in range(6)])
+    )
 
 
 def test_cuda_convnet_lrn_layer_round_trips(tmp_path):

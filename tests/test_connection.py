@@ -79,8 +79,11 @@ def test_a_port_that_is_no_grpc_server_is_named_so():
 @pytest.mark.cluster
 def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
     chief, ps, w0, w1 = _pick_ports(4)  # nothing listens on them
-    spec = {"chief": [f"localhost:{chief}"], "ps": [f"localhost:{ps}"],
-            "worker": [f"localhost:{w0}", f"localhost:{w1}"]}
+    spec = {
+        "chief": [f"localhost:{chief}"],
+        "ps": [f"localhost:{ps}"],
+        "worker": [f"localhost:{w0}", f"localhost:{w1}"],
+    }
     error, secs = _connect_fails(make_resolver(spec), caplog)
     print(f"never-started cluster: raised after {secs:.2f} s (connect_timeout {TIMEOUT:g} s)")
     assert TIMEOUT - 0.1 <= secs < TIMEOUT + SLACK
@@ -89,8 +92,10 @@ def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
         assert f"{task} at localhost:{port} (Connection refused)" in message
     assert f"localhost:{chief}" not in message  # the chief is this process
     assert sorted(t[:3] for t in error.tasks) == [
-        ("ps", 0, f"localhost:{ps}"), ("worker", 0, f"localhost:{w0}"),
-        ("worker", 1, f"localhost:{w1}")]
+        ("ps", 0, f"localhost:{ps}"),
+        ("worker", 0, f"localhost:{w0}"),
+        ("worker", 1, f"localhost:{w1}"),
+    ]
     assert isinstance(error, ConnectionError) and error.timeout == TIMEOUT
     waiting = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
     assert waiting and all("Waiting for 3 of 3 cluster task(s)" in m for m in waiting)
@@ -132,21 +137,27 @@ def test_a_worker_that_starts_late_is_waited_for_then_trains(digits, caplog):
         helper.start()
         with caplog.at_level(logging.WARNING, logger="tf_asgd"):
             strategy = tf_asgd.AsyncParameterServerStrategy(
-                cluster.resolver, n_sync=2, connect_timeout=60)
+                cluster.resolver, n_sync=2, connect_timeout=60
+            )
         secs = time.perf_counter() - t0
         helper.join(60)
         assert "error" not in events, events.get("error")
-        print(f"late worker: connected after {secs:.2f} s, the worker was up after "
-              f"{events['up'] - t0:.2f} s")
+        print(
+            f"late worker: connected after {secs:.2f} s, the worker was up after "
+            f"{events['up'] - t0:.2f} s"
+        )
         assert secs >= 1.5
         lines = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
         assert "Waiting for 1 of 2 cluster task(s)" in lines[0] and "worker:0" in lines[0]
         assert lines[-1].startswith("All 2 cluster task(s) answer after")
         with strategy.scope():
-            model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                                      keras.layers.Dense(10)])
-            model.compile(keras.optimizers.SGD(0.05),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = keras.Sequential(
+                [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+            )
+            model.compile(
+                keras.optimizers.SGD(0.05),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
         assert np.isfinite(history.history["loss"][0])
         assert [r.worker for r in strategy.window_log(model)] == [0, 0]

@@ -12,10 +12,20 @@ def _held_out_curve(cluster, optimizer, n_sync=10, epochs=20, steps_per_epoch=30
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
     with strategy.scope():
         model = tf_asgd.models.mnist1d_cnn()
-        model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=100, steps_per_epoch=steps_per_epoch, epochs=epochs,
-                        validation_data=(x_test, y_test), verbose=0)
+        model.compile(
+            optimizer(),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    history = model.fit(
+        x,
+        y,
+        batch_size=100,
+        steps_per_epoch=steps_per_epoch,
+        epochs=epochs,
+        validation_data=(x_test, y_test),
+        verbose=0,
+    )
     return np.array(history.history["val_accuracy"])
 
 
@@ -28,7 +38,7 @@ def test_eight_workers_with_momentum_sgd_do_not_collapse():
     keras.utils.set_random_seed(0)
     with tf_asgd.LocalCluster(num_workers=8, num_ps=1, shared_process=True) as cluster:
         curve = _held_out_curve(cluster, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
-    after_first_quarter = curve[len(curve) // 4:]
-    running_best = np.maximum.accumulate(curve)[len(curve) // 4:]
+    after_first_quarter = curve[len(curve) // 4 :]
+    running_best = np.maximum.accumulate(curve)[len(curve) // 4 :]
     assert np.max(running_best - after_first_quarter) <= 0.05, curve
     assert curve[-1] >= 0.88, curve

@@ -82,8 +82,16 @@ def test_load_mnist1d_larger_training_set():
     assert counts.tolist() == [1700] * 10  # (16000 + 1000) / 10 per class
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_train=0), dict(num_test=-1), dict(num_train=4001),
-                                    dict(num_train=True), dict(num_test=2.5)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_train=0),
+        dict(num_test=-1),
+        dict(num_train=4001),
+        dict(num_train=True),
+        dict(num_test=2.5),
+    ],
+)
 def test_load_mnist1d_rejects_bad_sizes(kwargs):
     with pytest.raises(ValueError, match="num_t"):
         data.load_mnist1d(**kwargs)
@@ -121,9 +129,11 @@ def test_mnist1d_cnn_is_the_papers_and_learns(mnist1d):
     assert all(c.filters == 25 and c.strides == (2,) and c.padding == "same" for c in convs)
     assert model.output_shape == (None, 10)
     (x, y), (xt, yt) = mnist1d
-    model.compile(keras.optimizers.Adam(1e-2),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     model.fit(x, y, batch_size=100, epochs=4, verbose=0)  # 160 steps
     _, acc = model.evaluate(xt, yt, verbose=0)
     assert acc > 0.5, acc  # chance is 0.1
@@ -138,7 +148,8 @@ def test_resnet_bn_shape_parameters_and_residual_blocks():
     assert kinds.count("Add") == 3 and kinds.count("BatchNormalization") == 9
     (x, _), _ = data.load_digits_images(32)
     assert model(x[:4], training=False).shape == (4, 10)
-    deeper = models.resnet_bn(input_shape=(16, 16, 1), widths=(8, 16), blocks_per_stage=2,
-                              num_classes=3)
+    deeper = models.resnet_bn(
+        input_shape=(16, 16, 1), widths=(8, 16), blocks_per_stage=2, num_classes=3
+    )
     assert deeper.output_shape == (None, 3)
     assert [type(layer).__name__ for layer in deeper.layers].count("Add") == 4

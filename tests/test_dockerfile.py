@@ -23,8 +23,24 @@ from absl import flags
 from ml_collections import config_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INSTRUCTIONS = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "EXPOSE", "CMD",
-                "ENTRYPOINT", "USER", "LABEL", "VOLUME", "SHELL", "HEALTHCHECK", "STOPSIGNAL"}
+INSTRUCTIONS = {
+    "FROM",
+    "ARG",
+    "ENV",
+    "RUN",
+    "COPY",
+    "ADD",
+    "WORKDIR",
+    "EXPOSE",
+    "CMD",
+    "ENTRYPOINT",
+    "USER",
+    "LABEL",
+    "VOLUME",
+    "SHELL",
+    "HEALTHCHECK",
+    "STOPSIGNAL",
+}
 
 
 def parse_dockerfile(path):
@@ -72,7 +88,8 @@ def dockerignore(path):
             pattern = pattern.replace("**/", "*/") if pattern.startswith("**/") else pattern
             prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
             hit = any(fnmatch.fnmatch(p, pattern) for p in prefixes) or (
-                pattern.startswith("*/") and any(fnmatch.fnmatch(p, pattern[2:]) for p in parts))
+                pattern.startswith("*/") and any(fnmatch.fnmatch(p, pattern[2:]) for p in parts)
+            )
             if hit:
                 result = not negate
         return result
@@ -105,7 +122,7 @@ def _containers(tfjob):
 def test_the_dockerfile_parses_into_known_instructions(dockerfile):
     names = [i for i, _ in dockerfile]
     assert set(names) <= INSTRUCTIONS, set(names) - INSTRUCTIONS
-    assert all(n == "ARG" for n in names[:names.index("FROM")]), "only ARG may precede FROM"
+    assert all(n == "ARG" for n in names[: names.index("FROM")]), "only ARG may precede FROM"
     assert names.count("FROM") == 1
     for instruction, text in dockerfile:
         if instruction in ("CMD", "ENTRYPOINT") or (instruction == "RUN" and text.startswith("[")):
@@ -119,7 +136,9 @@ def test_gpu_base_with_tensorflow_cuda_wheels_at_supported_versions(dockerfile):
     args = _args(dockerfile)
     base = dict(dockerfile)["FROM"]
     base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
-    assert base.startswith("nvidia/cuda:") or (base.startswith("tensorflow/tensorflow:") and "gpu" in base)
+    assert base.startswith("nvidia/cuda:") or (
+        base.startswith("tensorflow/tensorflow:") and "gpu" in base
+    )
     keras_minors, tf_minors = _supported()
     assert ".".join(args["TF_VERSION"].split(".")[:2]) in tf_minors
     assert ".".join(args["KERAS_VERSION"].split(".")[:2]) in keras_minors
@@ -134,7 +153,9 @@ def test_the_tfjob_runs_this_image_as_written(dockerfile, tfjob, tmp_path):
     workdirs = [t for i, t in dockerfile if i == "WORKDIR"]
     assert "ENTRYPOINT" not in dict(dockerfile), "the manifest's command must not be prefixed"
     runs = " ".join(t for i, t in dockerfile if i == "RUN")
-    assert "PATH=/opt/venv/bin:" in env and "python3 -m venv /opt/venv" in runs  # `python` is the venv's
+    assert (
+        "PATH=/opt/venv/bin:" in env and "python3 -m venv /opt/venv" in runs
+    )  # `python` is the venv's
 
     # The image's /app: replay the COPY instructions (relative to WORKDIR) honouring .dockerignore.
     ignored = dockerignore(os.path.join(ROOT, ".dockerignore"))
@@ -149,25 +170,38 @@ def test_the_tfjob_runs_this_image_as_written(dockerfile, tfjob, tmp_path):
                 src = os.path.join(ROOT, source)
                 assert os.path.exists(src) and not ignored(source.rstrip("/")), source
                 if os.path.isdir(src):
-                    shutil.copytree(src, target, dirs_exist_ok=True, ignore=lambda d, names: [
-                        n for n in names if ignored(os.path.relpath(os.path.join(d, n), ROOT))])
+                    shutil.copytree(
+                        src,
+                        target,
+                        dirs_exist_ok=True,
+                        ignore=lambda d, names: [
+                            n for n in names if ignored(os.path.relpath(os.path.join(d, n), ROOT))
+                        ],
+                    )
                 else:
                     assert dest.endswith("/") or len(sources) == 1, text
                     into = target if dest.endswith("/") else target.parent
                     into.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(src, into / (os.path.basename(source) if dest.endswith("/") else target.name))
+                    shutil.copy(
+                        src,
+                        into / (os.path.basename(source) if dest.endswith("/") else target.name),
+                    )
 
     containers = list(_containers(tfjob))
     assert {role for role, _ in containers} == {"Chief", "PS", "Worker"}
     for role, container in containers:
-        assert container["image"].endswith(":0.1.0") and container["image"].split("/")[-1].startswith("tf-asgd")
+        assert container["image"].endswith(":0.1.0") and container["image"].split("/")[
+            -1
+        ].startswith("tf-asgd")
         assert container["workingDir"] == workdirs[-1] == "/app", role
         command = container["command"]
         assert command[:3] == ["python", "-m", "tf_asgd.launch"], role
         app = image / container["workingDir"].lstrip("/")
         assert (app / "pyproject.toml").exists() and (app / "tf_asgd" / "launch.py").exists()
         config = next(a.split("=", 1)[1] for a in command if a.startswith("--config="))
-        assert (app / config).exists(), f"{role}: {config} is not in the image's {container['workingDir']}"
+        assert (app / config).exists(), (
+            f"{role}: {config} is not in the image's {container['workingDir']}"
+        )
         # The config loads from the image's layout with the manifest's own overrides.
         overrides = [a for a in command[3:] if a.startswith("--config.")]
         argv = ["launch", f"--config={app / config}", *overrides]
@@ -178,5 +212,11 @@ def test_the_tfjob_runs_this_image_as_written(dockerfile, tfjob, tmp_path):
         if role == "Chief":
             assert fv.config.data_dir == "/shared/data/mnist.npz"
     # Nothing the image does not need travels into the build context.
-    assert ignored("results/compat/compat.csv") and ignored(".git/HEAD") and ignored("tests/test_dockerfile.py")
-    assert not ignored("tf_asgd/launch.py") and ignored("tf_asgd/__pycache__/launch.cpython-311.pyc")
+    assert (
+        ignored("results/compat/compat.csv")
+        and ignored(".git/HEAD")
+        and ignored("tests/test_dockerfile.py")
+    )
+    assert not ignored("tf_asgd/launch.py") and ignored(
+        "tf_asgd/__pycache__/launch.cpython-311.pyc"
+    )

@@ -62,12 +62,14 @@ def _strategy(cluster, **kwargs):
 
 def _digits_model(strategy, *extra_layers):
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((8, 8, 1)),
-            *extra_layers,
-            keras.layers.Flatten(),
-            keras.layers.Dense(10),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                *extra_layers,
+                keras.layers.Flatten(),
+                keras.layers.Dense(10),
+            ]
+        )
         return compile_digits(model, keras.optimizers.SGD(0.05))
 
 
@@ -77,7 +79,8 @@ def assert_next_fit_works(strategy, digits):
     (x, y), (xt, yt) = digits
     model = _digits_model(strategy)
     history, error, secs = bounded(
-        lambda: model.fit(x, y, batch_size=32, epochs=2, verbose=0), ERROR_BOUND_SECS * 2)
+        lambda: model.fit(x, y, batch_size=32, epochs=2, verbose=0), ERROR_BOUND_SECS * 2
+    )
     assert error is None, f"the next fit failed: {error!r}"
     loss = history.history["loss"]
     assert loss[-1] < loss[0]
@@ -92,7 +95,8 @@ class FailsOnData(keras.layers.Layer):
 
     def call(self, x):
         check = tf.debugging.assert_less(
-            tf.reduce_min(x), -1.0, message="injected failure in the model call")
+            tf.reduce_min(x), -1.0, message="injected failure in the model call"
+        )
         with tf.control_dependencies([check]):
             return tf.identity(x)
 
@@ -102,7 +106,8 @@ def test_error_in_the_model_on_a_worker_reaches_the_user(cluster, digits):
     strategy = _strategy(cluster)
     model = _digits_model(strategy, FailsOnData())
     _, error, secs = bounded(
-        lambda: model.fit(x, y, batch_size=32, epochs=2, verbose=0), ERROR_BOUND_SECS)
+        lambda: model.fit(x, y, batch_size=32, epochs=2, verbose=0), ERROR_BOUND_SECS
+    )
     print(f"worker error reached the user after {secs:.1f} s")
     assert isinstance(error, tf.errors.InvalidArgumentError), repr(error)
     assert "injected failure in the model call" in str(error)
@@ -133,9 +138,16 @@ def test_error_in_a_callback_reaches_the_user(cluster, digits):
     strategy = _strategy(cluster)
     model = _digits_model(strategy)
     _, error, secs = bounded(
-        lambda: model.fit(x, y, batch_size=32, epochs=3, verbose=0,
-                          callbacks=[RaisesAtEpochEnd(RuntimeError("injected in on_epoch_end"))]),
-        ERROR_BOUND_SECS)
+        lambda: model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[RaisesAtEpochEnd(RuntimeError("injected in on_epoch_end"))],
+        ),
+        ERROR_BOUND_SECS,
+    )
     print(f"callback error reached the user after {secs:.1f} s")
     assert isinstance(error, RuntimeError) and "injected in on_epoch_end" in str(error)
     assert not strategy._is_fitting(model)
@@ -147,9 +159,16 @@ def test_keyboard_interrupt_from_a_callback_reaches_the_user(cluster, digits):
     strategy = _strategy(cluster)
     model = _digits_model(strategy)
     _, error, secs = bounded(
-        lambda: model.fit(x, y, batch_size=32, epochs=3, verbose=0,
-                          callbacks=[RaisesAtBatchEnd(KeyboardInterrupt())]),
-        ERROR_BOUND_SECS)
+        lambda: model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[RaisesAtBatchEnd(KeyboardInterrupt())],
+        ),
+        ERROR_BOUND_SECS,
+    )
     print(f"KeyboardInterrupt reached the user after {secs:.1f} s")
     assert isinstance(error, KeyboardInterrupt), repr(error)
     assert not strategy._is_fitting(model)
@@ -161,7 +180,8 @@ def test_error_in_the_input_pipeline_reaches_the_user(cluster, digits):
 
     def bad(image, label):
         check = tf.debugging.assert_less(
-            tf.reduce_min(image), -1.0, message="injected failure in the input pipeline")
+            tf.reduce_min(image), -1.0, message="injected failure in the input pipeline"
+        )
         with tf.control_dependencies([check]):
             return tf.identity(image), label
 
@@ -169,7 +189,8 @@ def test_error_in_the_input_pipeline_reaches_the_user(cluster, digits):
     strategy = _strategy(cluster)
     model = _digits_model(strategy)
     _, error, secs = bounded(
-        lambda: model.fit(ds, epochs=2, steps_per_epoch=20, verbose=0), ERROR_BOUND_SECS)
+        lambda: model.fit(ds, epochs=2, steps_per_epoch=20, verbose=0), ERROR_BOUND_SECS
+    )
     print(f"input pipeline error reached the user after {secs:.1f} s")
     assert isinstance(error, tf.errors.InvalidArgumentError), repr(error)
     assert "injected failure in the input pipeline" in str(error)
@@ -185,7 +206,9 @@ def _refused(strategy, digits, make_input, steps_per_epoch=None):
     model = _digits_model(strategy)
     data = make_input()
     kwargs = {} if steps_per_epoch is None else {"steps_per_epoch": steps_per_epoch}
-    _, error, secs = bounded(lambda: model.fit(data, epochs=1, verbose=0, **kwargs), REFUSE_BOUND_SECS)
+    _, error, secs = bounded(
+        lambda: model.fit(data, epochs=1, verbose=0, **kwargs), REFUSE_BOUND_SECS
+    )
     assert isinstance(error, ValueError), repr(error)
     message = str(error)
     assert "runs Python" in message and "TFRecord" in message, message
@@ -196,7 +219,7 @@ def _refused(strategy, digits, make_input, steps_per_epoch=None):
 
 def _batches(x, y, batch=32):
     for i in range(0, len(x) - batch + 1, batch):
-        yield x[i:i + batch], y[i:i + batch]
+        yield x[i : i + batch], y[i : i + batch]
 
 
 @pytest.fixture(scope="module")
@@ -207,9 +230,14 @@ def shared_strategy(cluster):
 def test_from_generator_with_a_per_worker_fn_is_refused(shared_strategy, digits):
     (x, y), _ = digits
     signature = (tf.TensorSpec((None, 8, 8, 1), tf.float32), tf.TensorSpec((None,), tf.int64))
-    message, secs = _refused(shared_strategy, digits, lambda: tf.data.Dataset.from_generator(
-        lambda: _batches(x.astype("float32"), y.astype("int64")), output_signature=signature),
-        steps_per_epoch=10)
+    message, secs = _refused(
+        shared_strategy,
+        digits,
+        lambda: tf.data.Dataset.from_generator(
+            lambda: _batches(x.astype("float32"), y.astype("int64")), output_signature=signature
+        ),
+        steps_per_epoch=10,
+    )
     print(f"from_generator refused after {secs:.1f} s: {message}")
     assert "Dataset.from_generator" in message and "per_worker_dataset_fn" in message
 
@@ -238,7 +266,7 @@ class DigitsPyDataset(keras.utils.PyDataset):
         return len(self.x) // 32
 
     def __getitem__(self, i):
-        return self.x[i * 32:(i + 1) * 32], self.y[i * 32:(i + 1) * 32]
+        return self.x[i * 32 : (i + 1) * 32], self.y[i * 32 : (i + 1) * 32]
 
 
 def test_py_dataset_with_a_per_worker_fn_is_refused(shared_strategy, digits):
@@ -261,7 +289,9 @@ def test_tensor_pipelines_are_not_refused(shared_strategy, digits):
     """Stateful and random tensor ops (shuffle, random augmentation) are not Python."""
     (x, y), _ = digits
     ds = tf.data.Dataset.from_tensor_slices((x.astype("float32"), y))
-    ds = ds.shuffle(256).map(lambda a, b: (a + tf.random.uniform(tf.shape(a), 0, 0.01), b)).batch(32)
+    ds = (
+        ds.shuffle(256).map(lambda a, b: (a + tf.random.uniform(tf.shape(a), 0, 0.01), b)).batch(32)
+    )
     model = _digits_model(shared_strategy)
     _, error, _ = bounded(lambda: model.fit(ds, epochs=1, verbose=0), ERROR_BOUND_SECS * 2)
     assert error is None, repr(error)

@@ -73,8 +73,9 @@ def test_arrays_on_the_workers_equal_the_chief(cluster, digits, caplog):
 
     # Sample-weighted, another batch size; and the list form of the result.
     weights = np.random.default_rng(0).uniform(0.0, 2.0, len(x)).astype("float32")
-    on_workers, on_chief, shards = _both(strategy, model, x, y, sample_weight=weights,
-                                         batch_size=50)
+    on_workers, on_chief, shards = _both(
+        strategy, model, x, y, sample_weight=weights, batch_size=50
+    )
     _assert_same(on_workers, on_chief)
     _assert_exact_cover(shards, 8, strategy.num_workers)
     listed = model.evaluate(x, y, batch_size=50, sample_weight=weights, verbose=0)
@@ -103,8 +104,11 @@ def test_finite_dataset_on_the_workers_equals_the_chief(cluster, digits):
 
     # Sample weights in the dataset, a last partial batch, and a map on the worker.
     weights = np.linspace(0.0, 1.0, len(xt)).astype("float32")
-    ds = tf.data.Dataset.from_tensor_slices((xt, yt, weights)).map(
-        lambda a, b, w: (a * 1.0, b, w)).batch(32)  # 11 batches of 32 and one of 8
+    ds = (
+        tf.data.Dataset.from_tensor_slices((xt, yt, weights))
+        .map(lambda a, b, w: (a * 1.0, b, w))
+        .batch(32)
+    )  # 11 batches of 32 and one of 8
     on_workers, on_chief, shards = _both(strategy, model, ds)
     _assert_same(on_workers, on_chief)
     _assert_exact_cover(shards, 12, strategy.num_workers)
@@ -124,8 +128,15 @@ def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
     (x, y), (xt, yt) = digits
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
-    history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=20, verbose=0,
-                        validation_data=(xt[:357], yt[:357]))
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=2,
+        steps_per_epoch=20,
+        verbose=0,
+        validation_data=(xt[:357], yt[:357]),
+    )
     assert len(strategy._evaluator_for(model).last_shards) > strategy.num_workers
     strategy.evaluation = "chief"
     on_chief = model.evaluate(xt[:357], yt[:357], batch_size=32, verbose=0, return_dict=True)
@@ -136,8 +147,9 @@ def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
 
     # validation_split: the last 20% of the arrays, evaluated with fit's batch size.
     strategy.evaluation = "workers"
-    history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=10, verbose=0,
-                        validation_split=0.2)
+    history = model.fit(
+        x, y, batch_size=32, epochs=1, steps_per_epoch=10, verbose=0, validation_split=0.2
+    )
     split = int(len(x) * 0.8)
     strategy.evaluation = "chief"
     on_chief = model.evaluate(x[split:], y[split:], batch_size=32, verbose=0, return_dict=True)
@@ -146,8 +158,11 @@ def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
 
     # Compiled again with other metrics: nothing traced for the old compile is reused.
     with strategy.scope():
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)])
+        model.compile(
+            "sgd",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)],
+        )
     on_workers, on_chief, shards = _both(strategy, model, xt, yt, batch_size=32)
     assert "sparse_top_k_categorical_accuracy" in on_chief
     _assert_same(on_workers, on_chief)
@@ -190,8 +205,11 @@ def test_a_metric_that_does_not_add_runs_on_the_chief_with_a_log_line(cluster, d
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
     with strategy.scope():
         model = tf_asgd.models.digits_convnet()
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy", MaxLogit()])
+        model.compile(
+            "sgd",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy", MaxLogit()],
+        )
     _, (xt, yt) = digits
     with caplog.at_level(logging.WARNING, logger="tf_asgd"):
         logs = model.evaluate(xt, yt, verbose=0, return_dict=True)
@@ -221,8 +239,11 @@ def test_a_worker_killed_during_evaluation_changes_nothing(digits):
             model = compile_digits(tf_asgd.models.digits_convnet())
         # 100 ms per batch (tf.data sleep, on whichever task reads the data):
         # 23 batches in 4 shards take a few seconds on the workers.
-        slow = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(16).apply(
-            tf_asgd.data.sleep_transformation(100_000))
+        slow = (
+            tf.data.Dataset.from_tensor_slices((xt, yt))
+            .batch(16)
+            .apply(tf_asgd.data.sleep_transformation(100_000))
+        )
         fast = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(16)
         model.evaluate(fast, verbose=0)  # traced, the model built
         events = {}

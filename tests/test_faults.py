@@ -96,7 +96,9 @@ def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(digits):
                 events["error"] = e
 
         def rejoined(log):
-            return sum(r.worker == 1 and r.seen_at > events.get("restarted_at", np.inf) for r in log)
+            return sum(
+                r.worker == 1 and r.seen_at > events.get("restarted_at", np.inf) for r in log
+            )
 
         class StopWhenProven(keras.callbacks.Callback):
             """Ends fit at the first epoch end after `min_epochs` once worker 1
@@ -110,7 +112,12 @@ def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(digits):
         helper.start()
         t0 = time.perf_counter()
         history = model.fit(
-            x, y, batch_size=32, epochs=max_epochs, steps_per_epoch=steps, verbose=0,
+            x,
+            y,
+            batch_size=32,
+            epochs=max_epochs,
+            steps_per_epoch=steps,
+            verbose=0,
             callbacks=[StopWhenProven()],
         )
         fit_secs = time.perf_counter() - t0
@@ -157,8 +164,11 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     version = strategy.stats().windows
     before = [v.numpy() for v in model.trainable_variables]
     steps = int(model.optimizer.iterations.numpy())
-    iterator = iter(strategy.coordinator.create_per_worker_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()))
+    iterator = iter(
+        strategy.coordinator.create_per_worker_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+        )
+    )
 
     next_id = trainer._next_window_id
     trainer._next_window_id = 2  # an id that pushed during fit: a re-run
@@ -180,8 +190,11 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     assert strategy.stats().windows == version + 1
 
 
-@pytest.mark.parametrize("outer_opt", [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
-                         ids=["add", "outer_nesterov"])
+@pytest.mark.parametrize(
+    "outer_opt",
+    [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
+    ids=["add", "outer_nesterov"],
+)
 def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(outer_opt):
     """A push writes nothing until every piece of the update is on the PS.
     Here variable `a`'s update is ready at once and `b`'s only after the
@@ -195,20 +208,32 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
         # Its only worker is down until restarted (up to 25 s on a loaded machine): a
         # connect_timeout well above that, so the closure is waited for, not failed.
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=1, staleness="none", connect_timeout=120)
+            cluster.resolver, n_sync=1, staleness="none", connect_timeout=120
+        )
         opt = outer_opt or update_rules.OuterSGD()
         with strategy.scope():
             a, b = tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([3]))
             slots = [[outer.create_slots(opt, a)], [outer.create_slots(opt, b)]]
-        slow = tf.data.Dataset.from_tensors(tf.ones([3])).repeat().apply(
-            tf_asgd.data.sleep_transformation(8_000_000))
+        slow = (
+            tf.data.Dataset.from_tensors(tf.ones([3]))
+            .repeat()
+            .apply(tf_asgd.data.sleep_transformation(8_000_000))
+        )
         iterator = iter(strategy.coordinator.create_per_worker_dataset(slow))
 
         @tf.function
         def push(iterator):
             ops, tau = scheduling.push_update(
-                [a, b], [tf.ones([3]), next(iterator)], tf.constant(0, tf.int64),
-                strategy.counters, "none", None, opt, slots, 1)
+                [a, b],
+                [tf.ones([3]), next(iterator)],
+                tf.constant(0, tf.int64),
+                strategy.counters,
+                "none",
+                None,
+                opt,
+                slots,
+                1,
+            )
             with tf.control_dependencies(ops):
                 return tf.identity(tau)
 
@@ -236,7 +261,9 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
 # A straggler
 
 
-def test_a_straggler_does_not_hold_back_the_others_and_its_stale_pushes_are_dropped(cluster3, digits):
+def test_a_straggler_does_not_hold_back_the_others_and_its_stale_pushes_are_dropped(
+    cluster3, digits
+):
     """Worker 2's minibatches take 10x the emulated device time of workers 0
     and 1 (tf.data sleep per batch, no CPU used). The fast workers keep
     training while its window is in flight: they run several times as many
@@ -245,7 +272,10 @@ def test_a_straggler_does_not_hold_back_the_others_and_its_stale_pushes_are_drop
     (x, y), (x_test, y_test) = digits
     step_ms, slow, max_staleness, epochs = 40, 10.0, 4, 2
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster3.resolver, n_sync=5, staleness="dynsgd", max_staleness=max_staleness,
+        cluster3.resolver,
+        n_sync=5,
+        staleness="dynsgd",
+        max_staleness=max_staleness,
         per_worker_dataset_fn=tf_asgd.data.emulated_device_time(step_ms, {2: slow}),
     )
     with strategy.scope():
@@ -296,8 +326,9 @@ class Launch:
 
     def __init__(self, args):
         cmd, env = launcher(args)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.log = []
 
     def wait_for(self, pattern, count=1, timeout=180):
@@ -306,7 +337,9 @@ class Launch:
         while found < count:
             line = self.proc.stderr.readline()  # the launcher logs at least per epoch
             if not line or time.time() > deadline:
-                raise AssertionError(f"no {count}x {pattern!r} in the launcher log:\n" + "".join(self.log[-40:]))
+                raise AssertionError(
+                    f"no {count}x {pattern!r} in the launcher log:\n" + "".join(self.log[-40:])
+                )
             self.log.append(line)
             found += bool(re.search(pattern, line))
 
@@ -333,8 +366,10 @@ def _run(args, timeout=240):
     return launch, launch.finish(timeout)
 
 
-_NOISE = re.compile(r"E0000 .*Failed to remove function remotely|Additional GRPC error|"
-                    r":UNKNOWN:Error received from peer|This could happen if the remote target")
+_NOISE = re.compile(
+    r"E0000 .*Failed to remove function remotely|Additional GRPC error|"
+    r":UNKNOWN:Error received from peer|This could happen if the remote target"
+)
 
 
 def _tail(log, chars=3000):
@@ -369,8 +404,11 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
     print(f"PS killed: launcher exited {launch.proc.returncode} after {stop_secs:.1f} s")
     assert launch.proc.returncode == 1
     assert stop_secs < 60
-    assert re.search(r"tf_asgd.launch: Training stopped: lost contact with the cluster "
-                     r"\(unreachable: ps:0 \(localhost:\d+\)\).*rerun with --resume", log), _tail(log)
+    assert re.search(
+        r"tf_asgd.launch: Training stopped: lost contact with the cluster "
+        r"\(unreachable: ps:0 \(localhost:\d+\)\).*rerun with --resume",
+        log,
+    ), _tail(log)
     assert_all_stopped(ports)
 
     # --resume: a fresh cluster, central variables, version and epoch restored.
@@ -381,7 +419,9 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
     assert epoch >= 3 and version > 0 and version % epoch == 0
     per_epoch = version // epoch
     r = _results(workdir)
-    print(f"PS killed at epoch {epoch} (version {version}); resumed: accuracy {r['test_accuracy']:.3f}")
+    print(
+        f"PS killed at epoch {epoch} (version {version}); resumed: accuracy {r['test_accuracy']:.3f}"
+    )
     assert r["initial_epoch"] == epoch and r["epochs"] == epochs
     assert r["version"] == version + (epochs - epoch) * per_epoch
     assert r["test_accuracy"] >= 0.95
@@ -404,8 +444,11 @@ def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
     assert launch.proc.returncode != 0
     # A new checkpoint, or (when no window was pushed since the epoch's
     # checkpoint, as on a slow machine) the word that the newest holds them all.
-    m = re.search(r"saved checkpoint (\S+) \(interrupted\)|"
-                  r"interrupted: the newest checkpoint (\S+) already holds every pushed window", log)
+    m = re.search(
+        r"saved checkpoint (\S+) \(interrupted\)|"
+        r"interrupted: the newest checkpoint (\S+) already holds every pushed window",
+        log,
+    )
     assert m, _tail(log)
     interrupted = m.group(1) or m.group(2)
     assert_all_stopped(ports)
@@ -450,8 +493,11 @@ def _resources():
 
 def _children():
     out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines()[1:]
-            if int(line.split()[1]) == os.getpid() and "tf_asgd.task_server" in line}
+    return {
+        int(line.split()[0])
+        for line in out.splitlines()[1:]
+        if int(line.split()[1]) == os.getpid() and "tf_asgd.task_server" in line
+    }
 
 
 @pytest.mark.soak
@@ -478,10 +524,12 @@ def test_soak_fit_kill_restart_cycles_leak_nothing(digits):
         assert not _children() - others and not any(_alive(p) for p in pids)
     secs = time.time() - t0
     first, last = samples[0], samples[-1]
-    print(f"soak: {cycles} cycles in {secs:.0f} s, {len(pids)} task processes started and "
-          f"stopped; after cycle 1 -> {cycles}: fds {first['fds']} -> {last['fds']}, "
-          f"threads {first['threads']} -> {last['threads']}, RSS {first['rss_mb']:.0f} -> "
-          f"{last['rss_mb']:.0f} MB")
+    print(
+        f"soak: {cycles} cycles in {secs:.0f} s, {len(pids)} task processes started and "
+        f"stopped; after cycle 1 -> {cycles}: fds {first['fds']} -> {last['fds']}, "
+        f"threads {first['threads']} -> {last['threads']}, RSS {first['rss_mb']:.0f} -> "
+        f"{last['rss_mb']:.0f} MB"
+    )
     # Stated bounds per extra cycle (cycle 1 warms TF up). Each strategy's
     # ClusterCoordinator keeps its threads (TF 2.21 does not stop them for a
     # cluster that is gone): measured ~96 threads and ~45 MB a cycle here.

@@ -54,8 +54,14 @@ class ReferenceGEM:
             pushed, state["m"][i], _ = update_rules.gem_step(g[i], state["m"][i], dc, MU, KAPPA)
             # tau = 0: one window at a time; the PS's outer optimizer (default: add).
             self.central[i], self.outer_state[i] = update_rules.ps_push(
-                self.central[i], pushed, 0, self.ticket, self.outer_state[i], "dynsgd",
-                outer=self.outer)
+                self.central[i],
+                pushed,
+                0,
+                self.ticket,
+                self.outer_state[i],
+                "dynsgd",
+                outer=self.outer,
+            )
         state["prev"] = pulled
         self.ticket += 1
 
@@ -70,26 +76,41 @@ class RecordWeights(keras.callbacks.Callback):
 
 
 @pytest.mark.cluster  # the cluster fixture is looked up by name, so conftest cannot see it
-@pytest.mark.parametrize("cluster_name,outer", [
-    ("cluster1", None), ("cluster3", None),
-    ("cluster3", update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)),
-    ("cluster3", update_rules.DelayedNesterov(0.7, 0.9, delay=2)),
-])
+@pytest.mark.parametrize(
+    "cluster_name,outer",
+    [
+        ("cluster1", None),
+        ("cluster3", None),
+        ("cluster3", update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)),
+        ("cluster3", update_rules.DelayedNesterov(0.7, 0.9, delay=2)),
+    ],
+)
 def test_gem_matches_numpy_reference(request, cluster_name, outer):
     cluster = request.getfixturevalue(cluster_name)
     x, t = _tiny_problem()
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=N_SYNC, staleness="dynsgd", outer_optimizer=outer)
+        cluster.resolver, n_sync=N_SYNC, staleness="dynsgd", outer_optimizer=outer
+    )
     with strategy.scope():
         model = _tiny_model()
-        model.compile(tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse")
+        model.compile(
+            tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse"
+        )
     ref = ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
     recorder = RecordWeights()
     # One window per epoch, and fit joins at each epoch's end: a fixed push
     # order; the window log says which worker ran each window.
     epochs = 12
-    model.fit(x, t, batch_size=8, epochs=epochs, steps_per_epoch=N_SYNC, shuffle=False,
-              verbose=0, callbacks=[recorder])
+    model.fit(
+        x,
+        t,
+        batch_size=8,
+        epochs=epochs,
+        steps_per_epoch=N_SYNC,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
     log = strategy.window_log(model)
     assert len(log) == epochs and all(r.pushed for r in log)
     for record, weights in zip(log, recorder.weights):
@@ -137,8 +158,14 @@ def test_gem_trains_digits_and_reports_pi(cluster, digits, tmp_path):
     # starts slowly (loss 2.2, 1.8, 0.9 over the first 3 epochs), so a slow
     # schedule leaves it short. 15 gave 0.978 to 0.989 (6 runs, 2 CPU hogs beside).
     epochs = 15
-    history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0,
-                        callbacks=[tf_asgd.gem.PiMonitor(str(tmp_path / "pi"))])
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=epochs,
+        verbose=0,
+        callbacks=[tf_asgd.gem.PiMonitor(str(tmp_path / "pi"))],
+    )
     assert model.evaluate(xt, yt, verbose=0)[1] >= 0.95
     for key in ("gem_pi_mean", "gem_pi_zero", "gem_pi_max"):
         assert len(history.history[key]) == epochs
@@ -152,12 +179,16 @@ def test_gem_trains_digits_and_reports_pi(cluster, digits, tmp_path):
     loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, tf_asgd.optimizers.GEM)
     assert loaded.optimizer.kappa == 1.0 and loaded.optimizer.momentum == 0.9
-    np.testing.assert_allclose(loaded.predict(xt, verbose=0), model.predict(xt, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        loaded.predict(xt, verbose=0), model.predict(xt, verbose=0), atol=1e-5
+    )
 
 
 def test_gem_config_round_trip_with_schedule():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=100, decay_rate=0.5)
-    opt = tf_asgd.optimizers.GEM(keras.optimizers.SGD(schedule, momentum=0.8), kappa=1.5, pi_max=3.0)
+    opt = tf_asgd.optimizers.GEM(
+        keras.optimizers.SGD(schedule, momentum=0.8), kappa=1.5, pi_max=3.0
+    )
     again = tf_asgd.optimizers.GEM.from_config(opt.get_config())
     assert (again.kappa, again.pi_max, again.momentum) == (1.5, 3.0, 0.8)
     assert isinstance(again.inner._learning_rate, keras.optimizers.schedules.ExponentialDecay)
@@ -167,14 +198,33 @@ def test_gem_config_round_trip_with_schedule():
 
 @pytest.mark.parametrize(
     "make,match",
-    [(lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1)), "momentum > 0"),
-     (lambda: tf_asgd.optimizers.GEM(keras.optimizers.Adam()), "momentum > 0"),
-     (lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)), "nesterov"),
-     (lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=0), "kappa must be a finite number > 0"),
-     (lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=-1), "kappa"),
-     (lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), pi_max=float("inf")), "pi_max"),
-     (lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), pi_max=0), "pi_max"),
-     (lambda: tf_asgd.optimizers.GEM("sgd"), "wraps a Keras optimizer")],
+    [
+        (lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1)), "momentum > 0"),
+        (lambda: tf_asgd.optimizers.GEM(keras.optimizers.Adam()), "momentum > 0"),
+        (
+            lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)),
+            "nesterov",
+        ),
+        (
+            lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=0),
+            "kappa must be a finite number > 0",
+        ),
+        (
+            lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=-1),
+            "kappa",
+        ),
+        (
+            lambda: tf_asgd.optimizers.GEM(
+                keras.optimizers.SGD(0.1, momentum=0.9), pi_max=float("inf")
+            ),
+            "pi_max",
+        ),
+        (
+            lambda: tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), pi_max=0),
+            "pi_max",
+        ),
+        (lambda: tf_asgd.optimizers.GEM("sgd"), "wraps a Keras optimizer"),
+    ],
 )
 def test_gem_bad_input(make, match):
     with pytest.raises(ValueError, match=match):

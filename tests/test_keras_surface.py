@@ -47,8 +47,9 @@ def flat():
 
 
 def _mlp():
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                             keras.layers.Dense(10)])
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
+    )
 
 
 def _sgd(epochs=6):
@@ -56,8 +57,9 @@ def _sgd(epochs=6):
     (held-out accuracy then ends within about a point of plain Keras over
     16 seeds; at a constant rate plain Keras's own last epoch varies by 4)."""
     steps = math.ceil(1438 / BATCH)
-    return keras.optimizers.SGD(keras.optimizers.schedules.CosineDecay(0.1, epochs * steps),
-                                momentum=0.9)
+    return keras.optimizers.SGD(
+        keras.optimizers.schedules.CosineDecay(0.1, epochs * steps), momentum=0.9
+    )
 
 
 def _build(strategy, build, compile_kw):
@@ -125,25 +127,34 @@ def _same(a, b):
 def _two_outputs():
     inp = keras.Input((64,), name="pixels")
     hidden = keras.layers.Dense(64, activation="relu")(inp)
-    return keras.Model(inp, {"digit": keras.layers.Dense(10, name="digit")(hidden),
-                             "parity": keras.layers.Dense(2, name="parity")(hidden)})
+    return keras.Model(
+        inp,
+        {
+            "digit": keras.layers.Dense(10, name="digit")(hidden),
+            "parity": keras.layers.Dense(2, name="parity")(hidden),
+        },
+    )
 
 
 @pytest.mark.parametrize("weights", [(1.0, 0.0), (1.0, 0.3)])
 def test_loss_weights_of_a_two_output_model(strategy, flat, weights):
     (x, y), (xt, yt) = flat
-    compile_kw = dict(loss={"digit": SCCE, "parity": SCCE},
-                      loss_weights={"digit": weights[0], "parity": weights[1]},
-                      metrics={"digit": ["accuracy"], "parity": ["accuracy"]})
-    x, y = x[:44 * BATCH], y[:44 * BATCH]  # whole batches: Keras's losses then add up exactly
+    compile_kw = dict(
+        loss={"digit": SCCE, "parity": SCCE},
+        loss_weights={"digit": weights[0], "parity": weights[1]},
+        metrics={"digit": ["accuracy"], "parity": ["accuracy"]},
+    )
+    x, y = x[: 44 * BATCH], y[: 44 * BATCH]  # whole batches: Keras's losses then add up exactly
     initial = _build(None, _two_outputs, compile_kw).get_layer("parity").get_weights()
-    runs = _both(strategy, (x, {"digit": y, "parity": y % 2}), dict(epochs=6), _two_outputs,
-                 compile_kw)
+    runs = _both(
+        strategy, (x, {"digit": y, "parity": y % 2}), dict(epochs=6), _two_outputs, compile_kw
+    )
     for model, history in runs:
         logs = {k: v[-1] for k, v in history.history.items()}
         # The loss is the weighted sum of the outputs' losses.
         assert logs["loss"] == pytest.approx(
-            weights[0] * logs["digit_loss"] + weights[1] * logs["parity_loss"], rel=1e-4)
+            weights[0] * logs["digit_loss"] + weights[1] * logs["parity_loss"], rel=1e-4
+        )
         parity = model.get_layer("parity").get_weights()
         if weights[1] == 0:  # no gradient reaches the parity head: exactly as initialised
             assert _same(parity, initial)
@@ -153,8 +164,10 @@ def test_loss_weights_of_a_two_output_model(strategy, flat, weights):
     for i, name in enumerate(["digit", "parity"]):
         if weights[i]:
             labels = yt if name == "digit" else yt % 2
-            acc = [float(np.mean(np.argmax(m.predict(xt, verbose=0)[name], -1) == labels))
-                   for m in (ours, plain)]
+            acc = [
+                float(np.mean(np.argmax(m.predict(xt, verbose=0)[name], -1) == labels))
+                for m in (ours, plain)
+            ]
             _assert_close_to_keras(*acc, f"held-out {name} accuracy")
 
 
@@ -167,35 +180,41 @@ def test_class_and_sample_weights_and_weighted_metrics(strategy, flat, weighting
     """Weight 0 for the digits 0 to 4: both learn only 5 to 9; the weighted
     accuracy counts those alone."""
     (x, y), (xt, yt) = flat
-    weights = ({"class_weight": {c: float(c >= 5) for c in range(10)}}
-               if weighting == "class_weight" else {"sample_weight": _zero_for_low_digits(y)})
+    weights = (
+        {"class_weight": {c: float(c >= 5) for c in range(10)}}
+        if weighting == "class_weight"
+        else {"sample_weight": _zero_for_low_digits(y)}
+    )
     compile_kw = dict(weighted_metrics=["accuracy"])
     runs = _both(strategy, (x, y), dict(epochs=6, **weights), compile_kw=compile_kw)
     (ours, h_ours), (plain, h_plain) = runs
     high = yt >= 5
     for part, name in [(high, "digits 5-9"), (~high, "digits 0-4")]:
-        _assert_close_to_keras(_accuracy(ours, xt[part], yt[part]),
-                               _accuracy(plain, xt[part], yt[part]), f"held-out {name}")
+        _assert_close_to_keras(
+            _accuracy(ours, xt[part], yt[part]),
+            _accuracy(plain, xt[part], yt[part]),
+            f"held-out {name}",
+        )
     assert _accuracy(ours, xt[~high], yt[~high]) < 0.2  # never learned
     for key in ("accuracy", "weighted_accuracy"):
-        _assert_close_to_keras(h_ours.history[key][-1], h_plain.history[key][-1],
-                               f"training {key}")
+        _assert_close_to_keras(h_ours.history[key][-1], h_plain.history[key][-1], f"training {key}")
     assert h_ours.history["weighted_accuracy"][-1] > h_ours.history["accuracy"][-1] + 0.3
 
 
 @pytest.mark.parametrize("weighting", ["class_weight", "sample_weight"])
-def test_weighted_training_metrics_are_keras_exactly_at_learning_rate_0(strategy, flat,
-                                                                         weighting):
+def test_weighted_training_metrics_are_keras_exactly_at_learning_rate_0(strategy, flat, weighting):
     """With learning rate 0 and every batch the same 32 rows, an epoch's
     training loss and metrics do not depend on which worker ran which batch:
     they equal plain Keras's to float rounding."""
     (x, y), _ = flat
     x, y = np.tile(x[:BATCH], (20, 1)), np.tile(y[:BATCH], 20)
-    weights = ({"class_weight": {c: 0.5 + c for c in range(10)}}
-               if weighting == "class_weight" else {"sample_weight": (y % 3).astype("float32")})
+    weights = (
+        {"class_weight": {c: 0.5 + c for c in range(10)}}
+        if weighting == "class_weight"
+        else {"sample_weight": (y % 3).astype("float32")}
+    )
     compile_kw = dict(optimizer=lambda: keras.optimizers.SGD(0.0), weighted_metrics=["accuracy"])
-    runs = _both(strategy, (x, y), dict(epochs=1, shuffle=False, **weights),
-                 compile_kw=compile_kw)
+    runs = _both(strategy, (x, y), dict(epochs=1, shuffle=False, **weights), compile_kw=compile_kw)
     (_, ours), (_, plain) = runs
     for key in ("loss", "accuracy", "weighted_accuracy"):
         assert ours.history[key][0] == pytest.approx(plain.history[key][0], rel=1e-5, abs=1e-6)
@@ -258,8 +277,9 @@ def test_steps_per_execution(strategy, flat, caplog):
     refused; the user's value is the model's again after `fit`."""
     (x, y), _ = flat
     refused = _build(strategy, _mlp, dict(steps_per_execution=4))
-    _refused_before_any_window(strategy, refused, x, y,
-                               r"`steps_per_execution=4`.*n_sync=10.*`n_sync=4`")
+    _refused_before_any_window(
+        strategy, refused, x, y, r"`steps_per_execution=4`.*n_sync=10.*`n_sync=4`"
+    )
 
     ours, plain = [], []
     with caplog.at_level(logging.WARNING, logger="tf_asgd"):
@@ -271,15 +291,18 @@ def test_steps_per_execution(strategy, flat, caplog):
             model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[stops])
             out += [model, ends, stops, int(model.optimizer.iterations.numpy())]
     assert "BatchEnds: batch-level callback methods run once per window of n_sync=10" in (
-        caplog.text)
+        caplog.text
+    )
     assert ours[1].batches == plain[1].batches == [9, 19, 29, 39, 49] * 2
     # A stop set at batch 15 ends training after its window (steps 10 to 19).
     assert ours[2].batches == plain[2].batches == [9, 19]
     assert ours[3] == plain[3] == 90 + 20
     # Batch logs hold the windows finished so far: no made-up values before
     # the first, and the epoch's last batch sees the epoch's metrics.
-    for batch_logs, epoch_logs in [(ours[1].logs[4], ours[1].epoch_logs[0]),
-                                   (ours[1].logs[9], ours[1].epoch_logs[1])]:
+    for batch_logs, epoch_logs in [
+        (ours[1].logs[4], ours[1].epoch_logs[0]),
+        (ours[1].logs[9], ours[1].epoch_logs[1]),
+    ]:
         for key in ("loss", "accuracy"):
             assert batch_logs[key] == pytest.approx(epoch_logs[key], rel=1e-6)
     assert all(logs.get("loss", 1.0) > 0 for logs in ours[1].logs)
@@ -316,11 +339,13 @@ def test_validation_freq(strategy, flat, freq):
     (x, y), (xt, yt) = flat
     runs = _both(strategy, (x, y), dict(epochs=6, validation_data=(xt, yt), validation_freq=freq))
     (_, ours), (_, plain) = runs
-    assert len(ours.history["val_loss"]) == len(plain.history["val_loss"]) == (
-        3 if freq == 2 else 2)
+    assert (
+        len(ours.history["val_loss"]) == len(plain.history["val_loss"]) == (3 if freq == 2 else 2)
+    )
     assert len(ours.history["loss"]) == 6
-    _assert_close_to_keras(ours.history["val_accuracy"][-1], plain.history["val_accuracy"][-1],
-                           "last val_accuracy")
+    _assert_close_to_keras(
+        ours.history["val_accuracy"][-1], plain.history["val_accuracy"][-1], "last val_accuracy"
+    )
 
 
 def test_validation_split_trains_on_the_first_rows_only(strategy, flat):
@@ -328,7 +353,7 @@ def test_validation_split_trains_on_the_first_rows_only(strategy, flat):
     on it would cost accuracy on the held-out set."""
     (x, y), (xt, yt) = flat
     n = len(x) // 4
-    xs, ys = np.concatenate([x[:3 * n], x[:n]]), np.concatenate([y[:3 * n], (y[:n] + 1) % 10])
+    xs, ys = np.concatenate([x[: 3 * n], x[:n]]), np.concatenate([y[: 3 * n], (y[:n] + 1) % 10])
     runs = _both(strategy, (xs, ys), dict(epochs=6, validation_split=0.25))
     for model, history in runs:
         assert int(model.optimizer.iterations.numpy()) == 6 * math.ceil(3 * n / BATCH)
@@ -366,14 +391,22 @@ def test_learning_rate_callbacks_set_the_rate_every_window_trains_with(strategy,
 
     def callbacks():
         recorders.append(WeightsPerEpoch())
-        return [keras.callbacks.LearningRateScheduler(lambda e, lr: schedule.get(e, 0.8 * lr)),
-                # No epoch improves by 1e9: the rate becomes 0 at the second validation.
-                keras.callbacks.ReduceLROnPlateau("val_loss", factor=0.0, patience=0,
-                                                  min_delta=1e9, min_lr=0.0),
-                recorders[-1]]
+        return [
+            keras.callbacks.LearningRateScheduler(lambda e, lr: schedule.get(e, 0.8 * lr)),
+            # No epoch improves by 1e9: the rate becomes 0 at the second validation.
+            keras.callbacks.ReduceLROnPlateau(
+                "val_loss", factor=0.0, patience=0, min_delta=1e9, min_lr=0.0
+            ),
+            recorders[-1],
+        ]
 
-    _both(strategy, (x, y), dict(epochs=6, validation_data=(xt, yt), validation_freq=2),
-          compile_kw=dict(optimizer=lambda: keras.optimizers.SGD(0.05)), callbacks=callbacks)
+    _both(
+        strategy,
+        (x, y),
+        dict(epochs=6, validation_data=(xt, yt), validation_freq=2),
+        compile_kw=dict(optimizer=lambda: keras.optimizers.SGD(0.05)),
+        callbacks=callbacks,
+    )
     expected = [0.05, 0.0, 0.05, 0.04, 0.0, 0.0]
     for recorder in recorders:
         np.testing.assert_allclose(recorder.lrs, expected, rtol=1e-6)
@@ -388,16 +421,23 @@ def test_decaying_learning_rate_and_plateau_match_keras(strategy, flat):
     (x, y), (xt, yt) = flat
 
     def callbacks():
-        return [keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.8 if e else lr),
-                keras.callbacks.ReduceLROnPlateau("val_loss", factor=0.5, patience=1, min_lr=0.0)]
+        return [
+            keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.8 if e else lr),
+            keras.callbacks.ReduceLROnPlateau("val_loss", factor=0.5, patience=1, min_lr=0.0),
+        ]
 
-    runs = _both(strategy, (x, y), dict(epochs=12, validation_data=(xt, yt), validation_freq=2),
-                 compile_kw=dict(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
-                 callbacks=callbacks)
+    runs = _both(
+        strategy,
+        (x, y),
+        dict(epochs=12, validation_data=(xt, yt), validation_freq=2),
+        compile_kw=dict(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+        callbacks=callbacks,
+    )
     (ours, h_ours), (plain, _) = runs
     assert len(h_ours.history["learning_rate"]) == 12
     assert float(ours.optimizer.learning_rate.numpy()) == pytest.approx(
-        h_ours.history["learning_rate"][-1], rel=1e-6)
+        h_ours.history["learning_rate"][-1], rel=1e-6
+    )
     _assert_close_to_keras(_accuracy(ours, xt, yt), _accuracy(plain, xt, yt), "held-out")
 
 
@@ -407,11 +447,14 @@ def test_early_stopping_restores_the_best_weights(strategy, flat):
 
     def callbacks():
         recorders.append(WeightsPerEpoch())
-        return [recorders[-1], keras.callbacks.EarlyStopping(
-            "val_loss", min_delta=0.02, patience=1, restore_best_weights=True)]
+        return [
+            recorders[-1],
+            keras.callbacks.EarlyStopping(
+                "val_loss", min_delta=0.02, patience=1, restore_best_weights=True
+            ),
+        ]
 
-    runs = _both(strategy, (x, y), dict(epochs=20, validation_data=(xt, yt)),
-                 callbacks=callbacks)
+    runs = _both(strategy, (x, y), dict(epochs=20, validation_data=(xt, yt)), callbacks=callbacks)
     for (model, history), recorder in zip(runs, recorders):
         val = history.history["val_loss"]
         assert len(val) < 20  # stopped early
@@ -431,8 +474,10 @@ def test_model_checkpoint_save_best_only_then_load(strategy, flat, tmp_path):
     def callbacks():
         recorders.append(WeightsPerEpoch())
         paths.append(tmp_path / f"best{len(paths)}.keras")
-        return [recorders[-1], keras.callbacks.ModelCheckpoint(
-            paths[-1], monitor="val_accuracy", save_best_only=True)]
+        return [
+            recorders[-1],
+            keras.callbacks.ModelCheckpoint(paths[-1], monitor="val_accuracy", save_best_only=True),
+        ]
 
     runs = _both(strategy, (x, y), dict(epochs=6, validation_data=(xt, yt)), callbacks=callbacks)
     loaded = []
@@ -442,8 +487,9 @@ def test_model_checkpoint_save_best_only_then_load(strategy, flat, tmp_path):
         assert _same(model.get_weights(), recorder.weights[best])
         assert model.steps_per_execution == 1  # the user's, not n_sync
         loaded.append(model)
-    _assert_close_to_keras(_accuracy(loaded[0], xt, yt), _accuracy(loaded[1], xt, yt),
-                           "held-out of the loaded best")
+    _assert_close_to_keras(
+        _accuracy(loaded[0], xt, yt), _accuracy(loaded[1], xt, yt), "held-out of the loaded best"
+    )
 
 
 class ZeroTheHeadThenStop(keras.callbacks.Callback):
@@ -464,11 +510,18 @@ def test_a_callback_that_writes_weights_and_stops_training(strategy, flat):
     (x, y), _ = flat
 
     def callbacks():
-        return [ZeroTheHeadThenStop(),
-                keras.callbacks.LearningRateScheduler(lambda e, lr: 0.0 if e else 0.05)]
+        return [
+            ZeroTheHeadThenStop(),
+            keras.callbacks.LearningRateScheduler(lambda e, lr: 0.0 if e else 0.05),
+        ]
 
-    runs = _both(strategy, (x, y), dict(epochs=5),
-                 compile_kw=dict(optimizer=lambda: keras.optimizers.SGD(0.05)), callbacks=callbacks)
+    runs = _both(
+        strategy,
+        (x, y),
+        dict(epochs=5),
+        compile_kw=dict(optimizer=lambda: keras.optimizers.SGD(0.05)),
+        callbacks=callbacks,
+    )
     for model, history in runs:
         assert history.epoch == [0, 1]
         assert int(model.optimizer.iterations.numpy()) == 2 * math.ceil(len(x) / BATCH)
@@ -482,13 +535,19 @@ def test_terminate_on_nan_stops_training(strategy, flat):
     (x, y), _ = flat
 
     def regression():
-        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                                 keras.layers.Dense(1)])
+        return keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)]
+        )
 
     dropped = strategy.stats().dropped_nonfinite
-    runs = _both(strategy, (x, y.astype("float32")), dict(epochs=3), regression,
-                 dict(optimizer=lambda: keras.optimizers.SGD(100.0), loss="mse", metrics=[]),
-                 callbacks=lambda: [keras.callbacks.TerminateOnNaN()])
+    runs = _both(
+        strategy,
+        (x, y.astype("float32")),
+        dict(epochs=3),
+        regression,
+        dict(optimizer=lambda: keras.optimizers.SGD(100.0), loss="mse", metrics=[]),
+        callbacks=lambda: [keras.callbacks.TerminateOnNaN()],
+    )
     for model, history in runs:
         assert history.epoch == [0]
         assert not np.isfinite(history.history["loss"][0])

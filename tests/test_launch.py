@@ -54,8 +54,9 @@ def _default_signals():
 def start_launcher(args, **popen_kwargs):
     """The launcher as a child that receives Ctrl-C like a terminal's foreground job."""
     cmd, env = launcher(args)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, preexec_fn=_default_signals,
-                            **popen_kwargs)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, text=True, preexec_fn=_default_signals, **popen_kwargs
+    )
 
 
 def local_cluster_ports(log):
@@ -79,7 +80,7 @@ def task_server_processes(ports):
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "tf_asgd.task_server" in cmd and all(f":{p}\"" in cmd for p in ports):
+        if "tf_asgd.task_server" in cmd and all(f':{p}"' in cmd for p in ports):
             found.append((pid, cmd))
     return found
 
@@ -95,16 +96,32 @@ def test_help_lists_every_flag_and_loads_no_tensorflow():
     """The launcher reads its flags and config before it imports TensorFlow
     (it may re-execute itself in a network namespace first)."""
     cmd, env = launcher(["--help"])
-    proc = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [cmd[0], "-X", "importtime", *cmd[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode in (0, 1), proc.stderr  # absl's --help exits 1
     out = proc.stdout + proc.stderr
     for flag in ("--config", "--workdir", "--[no]resume", "--gpus_per_worker"):
         assert flag in out
-    for field in ("n_sync", "staleness", "gem.enabled", "num_workers", "batch_size", "steps_per_epoch"):
+    for field in (
+        "n_sync",
+        "staleness",
+        "gem.enabled",
+        "num_workers",
+        "batch_size",
+        "steps_per_epoch",
+    ):
         assert field in out
-    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "tf_asgd.config_fields" in imported
     assert not imported & {"tensorflow", "keras"}
 
@@ -150,7 +167,9 @@ def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path
 
     # The evaluator role reads the same checkpoints: the newest one gives the
     # chief's final test metrics (central variables restored exactly).
-    spec = importlib.util.spec_from_file_location("default_config", os.path.join(ROOT, "configs", "default.py"))
+    spec = importlib.util.spec_from_file_location(
+        "default_config", os.path.join(ROOT, "configs", "default.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
@@ -199,9 +218,17 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
     machine's own loopback. With --isolate_network=no they can (TF listens
     on 0.0.0.0). Either way Ctrl-C stops every process."""
     stop_timeout = 30  # the launcher's own bound on stopping (--stop_timeout)
-    proc = start_launcher([*SHORT, "--config.epochs=1000", f"--workdir={tmp_path}",
-                           f"--isolate_network={isolate}", f"--stop_timeout={stop_timeout}"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_launcher(
+        [
+            *SHORT,
+            "--config.epochs=1000",
+            f"--workdir={tmp_path}",
+            f"--isolate_network={isolate}",
+            f"--stop_timeout={stop_timeout}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         log = []
         for line in proc.stderr:  # wait until training runs
@@ -214,7 +241,9 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
         assert isolated == (isolate == "auto" and _userns_available()), "".join(log)[-3000:]
         ours = os.readlink("/proc/self/ns/net")
         pids = [proc.pid] + [int(pid) for pid, _ in task_server_processes(ports)]
-        assert [os.readlink(f"/proc/{pid}/ns/net") != ours for pid in pids] == [isolated] * len(pids)
+        assert [os.readlink(f"/proc/{pid}/ns/net") != ours for pid in pids] == [isolated] * len(
+            pids
+        )
         if isolated:
             # The job's listening sockets exist in its namespace and not in
             # ours (compared by socket inode: a port *number* the job picked
@@ -258,8 +287,14 @@ def test_default_run_prints_no_errors_and_no_tf_noise(tmp_path):
     is the config, the progress and the results: no error line, no TF INFO
     line, none of TF's start-up lines (the launcher loads TF quietly, after
     its re-exec)."""
-    cmd, env = launcher(["--config=configs/default.py", "--config.epochs=6",
-                         "--config.steps_per_epoch=10", f"--workdir={tmp_path}"])
+    cmd, env = launcher(
+        [
+            "--config=configs/default.py",
+            "--config.epochs=6",
+            "--config.steps_per_epoch=10",
+            f"--workdir={tmp_path}",
+        ]
+    )
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
@@ -298,10 +333,15 @@ def test_isolate_network_yes_without_unshare_stops_with_a_clear_error(tmp_path):
     path = os.path.join(str(tmp_path), "bin")  # a PATH with python but no `unshare`
     os.makedirs(path)
     os.symlink(sys.executable, os.path.join(path, "python"))
-    proc = run_launcher([*SHORT, "--config.epochs=1", f"--workdir={tmp_path}/run",
-                         "--isolate_network=yes"], extra_env={"PATH": path})
+    proc = run_launcher(
+        [*SHORT, "--config.epochs=1", f"--workdir={tmp_path}/run", "--isolate_network=yes"],
+        extra_env={"PATH": path},
+    )
     assert proc.returncode != 0
-    assert "--isolate_network=yes, but the `unshare` command (util-linux) is not installed" in proc.stderr
+    assert (
+        "--isolate_network=yes, but the `unshare` command (util-linux) is not installed"
+        in proc.stderr
+    )
     assert "local cluster" not in proc.stderr  # nothing was started
 
 
@@ -327,8 +367,9 @@ def test_tf_config_roles_on_loopback(tmp_path):
     def start(task_type, extra=()):
         cmd, env = launcher([*SHORT, "--config.epochs=1", *extra])
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": 0}})
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
 
     servers = [start("ps"), start("worker")]
     try:
@@ -359,11 +400,16 @@ def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog)
     import tensorflow as tf
 
     step = tf.Variable(5, dtype=tf.int64)
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(step=step), str(tmp_path), max_to_keep=3)
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(step=step), str(tmp_path), max_to_keep=3
+    )
     first = train_lib.save_checkpoint(manager, 5, "epoch 1")
     with caplog.at_level(py_logging.INFO):
         train_lib.checkpoint_on_interrupt(manager, lambda: 5)
     assert manager.checkpoints == [first]
-    assert f"interrupted: the newest checkpoint {first} already holds every pushed window" in caplog.text
+    assert (
+        f"interrupted: the newest checkpoint {first} already holds every pushed window"
+        in caplog.text
+    )
     train_lib.checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
     assert manager.latest_checkpoint.endswith("-7")

@@ -41,9 +41,12 @@ def penalised_mlp(rate, regularizers=True, cls=keras.Model):
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.Flatten()(inputs)
     h = keras.layers.Dense(
-        32, activation="relu", name="hidden",
+        32,
+        activation="relu",
+        name="hidden",
         kernel_regularizer=keras.regularizers.L2(1e-3) if regularizers else None,
-        activity_regularizer=keras.regularizers.L1(1e-3) if regularizers else None)(h)
+        activity_regularizer=keras.regularizers.L1(1e-3) if regularizers else None,
+    )(h)
     h = ActivityPenalty(rate, name="penalty")(h)
     return cls(inputs, keras.layers.Dense(10, name="logits")(h))
 
@@ -68,9 +71,11 @@ class OwnTrainStep(keras.Model):
 
 
 def _compile(model, optimizer=None, metrics=("accuracy",)):
-    model.compile(optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=list(metrics))
+    model.compile(
+        optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=list(metrics),
+    )
     return model
 
 
@@ -78,7 +83,7 @@ def _mean_squared_activation(model, x):
     """Mean of the hidden layer's squared activations on `x` (NumPy, from the weights)."""
     kernel, bias = model.get_layer("hidden").get_weights()
     h = np.maximum(x.reshape(len(x), -1) @ kernel + bias, 0.0)
-    return float(np.mean(h ** 2))
+    return float(np.mean(h**2))
 
 
 class RunningMax(keras.metrics.Metric):
@@ -131,7 +136,8 @@ def test_add_loss_and_regularizers_in_a_window_step_equal_plain_keras(cluster, d
     (x, y), _ = digits
     x2, y2 = np.concatenate([x[:32], x[:32]]), np.concatenate([y[:32], y[:32]])
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=1, outer_optimizer=tf_asgd.OuterSGD())
+        cluster.resolver, n_sync=1, outer_optimizer=tf_asgd.OuterSGD()
+    )
     with strategy.scope():
         model = _compile(penalised_mlp(rate=5.0, cls=cls), keras.optimizers.SGD(0.5))
     plain = _compile(penalised_mlp(rate=5.0, cls=cls), keras.optimizers.SGD(0.5))
@@ -144,8 +150,7 @@ def test_add_loss_and_regularizers_in_a_window_step_equal_plain_keras(cluster, d
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, atol=TOL)
     # The penalties matter: plain Keras's step without them is another step.
-    bare = _compile(penalised_mlp(rate=0.0, regularizers=False, cls=cls),
-                    keras.optimizers.SGD(0.5))
+    bare = _compile(penalised_mlp(rate=0.0, regularizers=False, cls=cls), keras.optimizers.SGD(0.5))
     bare.set_weights(initial)
     bare_history = bare.fit(x2, y2, **fit)
     assert expected.history["loss"][0] - bare_history.history["loss"][0] > 0.1
@@ -168,12 +173,16 @@ def test_add_loss_penalty_trained_as_in_plain_keras(cluster, digits):
     with strategy.scope():
         model = _compile(penalised_mlp(rate=1.0, regularizers=False))
     model.fit(x, y, **fit)
-    msa = {name: _mean_squared_activation(m, xt)
-           for name, m in (("asgd", model), ("plain", plain), ("without", without))}
+    msa = {
+        name: _mean_squared_activation(m, xt)
+        for name, m in (("asgd", model), ("plain", plain), ("without", without))
+    }
     assert msa["asgd"] < 2.0 * msa["plain"] + 0.02, msa
     assert msa["asgd"] < 0.5 * msa["without"], msa
-    accuracy = {name: m.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"]
-                for name, m in (("asgd", model), ("plain", plain))}
+    accuracy = {
+        name: m.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"]
+        for name, m in (("asgd", model), ("plain", plain))
+    }
     assert accuracy["asgd"] >= accuracy["plain"] - 0.03, accuracy
 
 
@@ -188,14 +197,20 @@ def test_a_running_max_is_refused_in_training(cluster, digits, aggregation):
     (x, y), _ = digits
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
     with strategy.scope():
-        model = _compile(penalised_mlp(rate=0.0, regularizers=False),
-                         metrics=["accuracy", RunningMax(aggregation)])
+        model = _compile(
+            penalised_mlp(rate=0.0, regularizers=False),
+            metrics=["accuracy", RunningMax(aggregation)],
+        )
     why = "Maximum" if aggregation == "sum" else f"aggregation '{aggregation}'"
     with pytest.raises(MetricStateError, match=why) as raised:
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     message = str(raised.value)
-    for text in ("metric 'running_max'", "variable 'running_max/top'", "callback",
-                 "model.evaluate"):
+    for text in (
+        "metric 'running_max'",
+        "variable 'running_max/top'",
+        "callback",
+        "model.evaluate",
+    ):
         assert text in message, message
     assert isinstance(raised.value, ValueError)
     assert strategy.window_log(model) == []
@@ -233,13 +248,27 @@ def test_builtin_metrics_train_and_merge_on_the_workers(cluster, digits, caplog)
     yb, ybt = (y % 2 == 0).astype("float32")[:, None], (yt % 2 == 0).astype("float32")[:, None]
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                                  keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1, activation="sigmoid")])
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "binary_crossentropy",
-                      metrics=["accuracy", "mae", keras.metrics.AUC(), keras.metrics.Precision(),
-                               keras.metrics.Recall(), keras.metrics.F1Score(threshold=0.5),
-                               keras.metrics.BinaryIoU()])
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1, activation="sigmoid"),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            "binary_crossentropy",
+            metrics=[
+                "accuracy",
+                "mae",
+                keras.metrics.AUC(),
+                keras.metrics.Precision(),
+                keras.metrics.Recall(),
+                keras.metrics.F1Score(threshold=0.5),
+                keras.metrics.BinaryIoU(),
+            ],
+        )
     with caplog.at_level(logging.WARNING, logger="tf_asgd"):
         history = model.fit(x, yb, batch_size=32, epochs=2, verbose=0)
         on_workers = model.evaluate(xt, ybt, verbose=0, return_dict=True)
@@ -278,16 +307,22 @@ RULES = {
     "max": (lambda m, x: m.state.assign(keras.ops.maximum(m.state, x)), "Maximum"),
     "moving_average": (lambda m, x: m.state.assign(0.9 * m.state + 0.1 * x), "Mul"),
     "overwrite": (lambda m, x: m.state.assign(x), "overwritten"),
-    "reads_another": (lambda m, x: (m.count.assign_add(1.0), m.state.assign_add(x * m.count)),
-                      "reads a metric state"),
+    "reads_another": (
+        lambda m, x: (m.count.assign_add(1.0), m.state.assign_add(x * m.count)),
+        "reads a metric state",
+    ),
 }
 
 
 def _built(metrics, y, loss="sparse_categorical_crossentropy", units=10):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(units, activation="softmax" if units > 1
-                                                 else "sigmoid")])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(units, activation="softmax" if units > 1 else "sigmoid"),
+        ]
+    )
     model.compile("sgd", loss, metrics=metrics)
     x = np.random.default_rng(0).random((32, 8, 8, 1), np.float32)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # builds the metrics
@@ -302,8 +337,10 @@ def _found(model, x, y):
     def specs(vs):
         return [tf.TensorSpec(v.shape, v.dtype) for v in vs]
 
-    batch = (tf.TensorSpec([None, 8, 8, 1], tf.float32),
-             tf.TensorSpec([None] + list(y.shape[1:]), tf.as_dtype(y.dtype)))
+    batch = (
+        tf.TensorSpec([None, 8, 8, 1], tf.float32),
+        tf.TensorSpec([None] + list(y.shape[1:]), tf.as_dtype(y.dtype)),
+    )
 
     def train(args, states):
         return steps.keras_step(model, model.optimizer, args[0], args[1], args[2], states)[2]
@@ -311,9 +348,12 @@ def _found(model, x, y):
     def test(args, states):
         return evaluation._test_step_states(model, variables, args[1], args[0], states)
 
-    return (metric_states.unmergeable(model, train, (batch, specs(variables),
-                                                     specs(model.optimizer.variables))),
-            metric_states.unmergeable(model, test, (batch, specs(variables))))
+    return (
+        metric_states.unmergeable(
+            model, train, (batch, specs(variables), specs(model.optimizer.variables))
+        ),
+        metric_states.unmergeable(model, test, (batch, specs(variables))),
+    )
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -334,20 +374,47 @@ def test_builtin_metrics_are_additive():
     """Keras's metrics as users compile them pass the rule, in training and
     in evaluation: sparse and one-hot labels, binary heads."""
     y = np.arange(32) % 10
-    sparse, x = _built(["accuracy", "sparse_categorical_accuracy",
-                        keras.metrics.SparseTopKCategoricalAccuracy(3),
-                        keras.metrics.MeanIoU(10, sparse_y_pred=False)], y)
+    sparse, x = _built(
+        [
+            "accuracy",
+            "sparse_categorical_accuracy",
+            keras.metrics.SparseTopKCategoricalAccuracy(3),
+            keras.metrics.MeanIoU(10, sparse_y_pred=False),
+        ],
+        y,
+    )
     onehot_y = np.eye(10, dtype=np.float32)[y]
-    onehot, _ = _built(["accuracy", "categorical_accuracy", keras.metrics.F1Score(),
-                        keras.metrics.AUC(multi_label=True), keras.metrics.KLDivergence(),
-                        keras.metrics.OneHotMeanIoU(10)], onehot_y,
-                       loss="categorical_crossentropy")
+    onehot, _ = _built(
+        [
+            "accuracy",
+            "categorical_accuracy",
+            keras.metrics.F1Score(),
+            keras.metrics.AUC(multi_label=True),
+            keras.metrics.KLDivergence(),
+            keras.metrics.OneHotMeanIoU(10),
+        ],
+        onehot_y,
+        loss="categorical_crossentropy",
+    )
     binary_y = (y % 2).astype(np.float32)[:, None]
-    binary, _ = _built(["accuracy", "mae", "mse", keras.metrics.AUC(),
-                        keras.metrics.AUC(curve="PR"), keras.metrics.Precision(),
-                        keras.metrics.Recall(), keras.metrics.F1Score(threshold=0.5),
-                        keras.metrics.PrecisionAtRecall(0.5), keras.metrics.BinaryIoU(),
-                        keras.metrics.R2Score()], binary_y, loss="binary_crossentropy", units=1)
+    binary, _ = _built(
+        [
+            "accuracy",
+            "mae",
+            "mse",
+            keras.metrics.AUC(),
+            keras.metrics.AUC(curve="PR"),
+            keras.metrics.Precision(),
+            keras.metrics.Recall(),
+            keras.metrics.F1Score(threshold=0.5),
+            keras.metrics.PrecisionAtRecall(0.5),
+            keras.metrics.BinaryIoU(),
+            keras.metrics.R2Score(),
+        ],
+        binary_y,
+        loss="binary_crossentropy",
+        units=1,
+    )
     for model, labels in ((sparse, y), (onehot, onehot_y), (binary, binary_y)):
         assert len(model.metrics_variables) > 6
         assert _found(model, x, labels) == ([], []), model.metrics_names

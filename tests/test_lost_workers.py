@@ -53,16 +53,20 @@ def _alive(pid):
 
 def _model(strategy):
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                                  keras.layers.Dense(10)])
-        model.compile(keras.optimizers.SGD(0.05),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model = keras.Sequential(
+            [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     return model
 
 
 def _in_thread(events, fn):
     """Runs `fn()` in a daemon thread; an error is kept in `events["error"]`."""
+
     def run():
         try:
             fn()
@@ -93,13 +97,15 @@ def _kill_after_windows(cluster, strategy, model, events, windows=3, restart=Fal
 
 
 def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_running(
-        digits, caplog):
+    digits, caplog
+):
     (x, y), _ = digits
     threads_before = len(_coordinator_threads())
     with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
         address = cluster.cluster_spec["worker"][0]
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=2, connect_timeout=TIMEOUT)
+            cluster.resolver, n_sync=2, connect_timeout=TIMEOUT
+        )
         model = _model(strategy)
         events = {}
         helper = _kill_after_windows(cluster, strategy, model, events)
@@ -135,9 +141,11 @@ def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_
     while len(_coordinator_threads()) > threads_before and time.monotonic() < deadline:
         time.sleep(0.05)
     left = [t.name for t in _coordinator_threads()]
-    print(f"every worker lost: fit raised {raised_after:.2f} s after the kill "
-          f"(connect_timeout {TIMEOUT:g} s); then fit raised in {fit_again:.2f} s, evaluate "
-          f"in {evaluate_secs:.2f} s; the cluster closed in {close_secs:.2f} s")
+    print(
+        f"every worker lost: fit raised {raised_after:.2f} s after the kill "
+        f"(connect_timeout {TIMEOUT:g} s); then fit raised in {fit_again:.2f} s, evaluate "
+        f"in {evaluate_secs:.2f} s; the cluster closed in {close_secs:.2f} s"
+    )
     assert TIMEOUT <= raised_after < TIMEOUT + SLACK
     assert fit_again < TIMEOUT + SLACK and evaluate_secs < TIMEOUT + SLACK
     assert close_secs < 10
@@ -150,7 +158,8 @@ def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(digits, ca
     steps = 20  # 10 windows of 2 steps an epoch
     with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=2, connect_timeout=120)
+            cluster.resolver, n_sync=2, connect_timeout=120
+        )
         model = _model(strategy)
         # Killed and started again within the bound: waited for, every window runs.
         events = {}
@@ -178,9 +187,11 @@ def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(digits, ca
         before = strategy.stats().windows
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
         after = strategy.stats().windows
-    print(f"lost worker back: down {down:.1f} s within the bound, the fit finished; past the "
-          f"bound fit raised {raised_after:.2f} s after the kill; after its restart a fit "
-          f"pushed {after - before} windows")
+    print(
+        f"lost worker back: down {down:.1f} s within the bound, the fit finished; past the "
+        f"bound fit raised {raised_after:.2f} s after the kill; after its restart a fit "
+        f"pushed {after - before} windows"
+    )
     assert TIMEOUT <= raised_after < TIMEOUT + SLACK
     assert np.isfinite(history.history["loss"][0])
     assert after - before >= steps // 2  # (windows a failed fit queued but never scheduled run too)

@@ -31,15 +31,23 @@ def _available():
 def test_reexec_runs_the_same_program_again_with_only_loopback():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop(network.ENV_MARKER, None)
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "--flag", "x"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, "--flag", "x"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     lines = out.splitlines()
     # The program ran twice in one process (exec keeps the PID), the second
     # time in a namespace whose only interface is loopback, with its arguments.
-    assert lines == [f"before {proc.pid}", f"before {proc.pid}",
-                     f"inside {proc.pid} ['lo'] ['--flag', 'x']"], out
+    assert lines == [
+        f"before {proc.pid}",
+        f"before {proc.pid}",
+        f"inside {proc.pid} ['lo'] ['--flag', 'x']",
+    ], out
 
 
 def test_check_available_names_what_is_missing(monkeypatch):

@@ -23,8 +23,9 @@ def _flat(digits):
 
 
 def _mlp():
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                             keras.layers.Dense(10)])
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
+    )
 
 
 def _plain(make_optimizer, digits, **fit):
@@ -51,17 +52,30 @@ def _windowed(cluster, make_optimizer, digits, n_sync=10, **fit):
 
 # ---- the stateless step a window runs, against Keras's own apply (no cluster) --
 
-GRADS = [[1.0, 2.0, 3.0], [0.5, -1.0, 2.0], [np.inf, 1.0, 1.0], [3.0, 3.0, 3.0],
-         [1.0, 0.0, -1.0], [2.0, 2.0, 2.0], [1.0, 1.0, 1.0]]
+GRADS = [
+    [1.0, 2.0, 3.0],
+    [0.5, -1.0, 2.0],
+    [np.inf, 1.0, 1.0],
+    [3.0, 3.0, 3.0],
+    [1.0, 0.0, -1.0],
+    [2.0, 2.0, 2.0],
+    [1.0, 1.0, 1.0],
+]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2,
-                                 clipnorm=1.0),
-    lambda: keras.optimizers.Adam(0.1, gradient_accumulation_steps=3, weight_decay=0.1),
-    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.5),
-                                                initial_scale=4.0, dynamic_growth_steps=2),
-], ids=["sgd-accumulation-clipnorm", "adam-accumulation-weight-decay", "loss-scale"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.SGD(
+            0.1, momentum=0.9, gradient_accumulation_steps=2, clipnorm=1.0
+        ),
+        lambda: keras.optimizers.Adam(0.1, gradient_accumulation_steps=3, weight_decay=0.1),
+        lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.5), initial_scale=4.0, dynamic_growth_steps=2
+        ),
+    ],
+    ids=["sgd-accumulation-clipnorm", "adam-accumulation-weight-decay", "loss-scale"],
+)
 def test_window_step_equals_keras_apply(make):
     """`internals.stateless_apply` (what each local step runs) leaves the
     variable and every optimizer variable (accumulators, loss scale, step
@@ -111,8 +125,14 @@ class _Record(keras.callbacks.Callback):
 
     def _take(self):
         self.central.append([v.numpy() for v in self.model.trainable_variables])
-        self.average.append([v.numpy() for _, v in internals.moving_averages(
-            internals.wrapped_optimizers(self.model.optimizer)[-1])])
+        self.average.append(
+            [
+                v.numpy()
+                for _, v in internals.moving_averages(
+                    internals.wrapped_optimizers(self.model.optimizer)[-1]
+                )
+            ]
+        )
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.per_epoch:
@@ -136,8 +156,9 @@ def test_ema_reference_is_keras_per_step_ema(digits):
     model = _mlp()
     model.compile(keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9), LOSS)
     record = _Record(per_epoch=False)
-    model.fit(x[:192], y[:192], batch_size=32, epochs=1, shuffle=False, verbose=0,
-              callbacks=[record])
+    model.fit(
+        x[:192], y[:192], batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[record]
+    )
     for got, want in zip(record.average, _ema_reference(record.central, [1] * 6, 0.9)):
         _assert_close(got, want)
 
@@ -155,8 +176,10 @@ def test_ema_follows_the_central_variables_at_each_push(cluster, digits):
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
     with strategy.scope():
         model = _mlp()
-        model.compile(keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9,
-                                           ema_overwrite_frequency=10), LOSS)
+        model.compile(
+            keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=10),
+            LOSS,
+        )
     record = _Record(per_epoch=True)
     model.fit(x, y, batch_size=32, epochs=6, steps_per_epoch=5, verbose=0, callbacks=[record])
     averages = internals.moving_averages(model.optimizer)
@@ -167,11 +190,14 @@ def test_ema_follows_the_central_variables_at_each_push(cluster, digits):
         if t % 2:  # steps 10, 20, 30: overwritten with the average
             _assert_close(record.central[t], record.average[t])
         else:
-            want = _ema_reference([record.central[t]], [5], 0.9,
-                                  start=record.average[t - 1], before=5 * t)
+            want = _ema_reference(
+                [record.central[t]], [5], 0.9, start=record.average[t - 1], before=5 * t
+            )
             _assert_close(record.average[t], want[0])
-            assert max(np.abs(c - a).max()
-                       for c, a in zip(record.central[t], record.average[t])) > 1e-4
+            assert (
+                max(np.abs(c - a).max() for c, a in zip(record.central[t], record.average[t]))
+                > 1e-4
+            )
     _assert_close([v.numpy() for v in model.trainable_variables], record.average[-1])
 
 
@@ -180,6 +206,7 @@ def test_ema_accuracy_matches_keras(cluster, digits):
     epochs: the averaged model `fit` leaves behind is within 3 points of
     plain Keras's (it was at chance while the workers' EMA copies were
     never written back)."""
+
     def make():
         return keras.optimizers.Adam(1e-3, use_ema=True)
 
@@ -197,6 +224,7 @@ def test_gradient_accumulation_matches_keras(cluster, digits):
     an epoch, windows of 10): within 3 points of plain Keras, and the step
     counters mean what they mean in Keras: `iterations` counts updates
     (steps / 2), the counter schedules read counts steps."""
+
     def make():
         return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
 
@@ -208,8 +236,7 @@ def test_gradient_accumulation_matches_keras(cluster, digits):
     assert int(model.optimizer.iterations) == 10 * 40 // 2
 
 
-@pytest.mark.parametrize("n_sync, batch_size", [(5, 36), (10, 32)],
-                         ids=["n_sync", "epoch"])
+@pytest.mark.parametrize("n_sync, batch_size", [(5, 36), (10, 32)], ids=["n_sync", "epoch"])
 def test_gradient_accumulation_refuses_partial_cycles(cluster, digits, n_sync, batch_size):
     """Windows that are not whole accumulation cycles (n_sync 5, or an epoch
     of 45 steps) are refused before any window is scheduled."""
@@ -228,16 +255,27 @@ def test_gradient_accumulation_refuses_partial_cycles(cluster, digits, n_sync, b
 # ---- clipping, loss scale factor, explicit loss scaling: exact ---------------
 
 
-@pytest.mark.parametrize("make", [
-    lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
-    lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
-    lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
-    lambda: keras.optimizers.SGD(0.5, loss_scale_factor=128.0),
-    lambda: keras.optimizers.SGD(0.5, weight_decay=0.5),
-    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5),
-                                                initial_scale=1024.0),
-], ids=["clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor", "weight_decay",
-     "loss_scale_optimizer"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+        lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
+        lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
+        lambda: keras.optimizers.SGD(0.5, loss_scale_factor=128.0),
+        lambda: keras.optimizers.SGD(0.5, weight_decay=0.5),
+        lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.5), initial_scale=1024.0
+        ),
+    ],
+    ids=[
+        "clipnorm",
+        "clipvalue",
+        "global_clipnorm",
+        "loss_scale_factor",
+        "weight_decay",
+        "loss_scale_optimizer",
+    ],
+)
 def test_option_matches_keras_exactly(cluster, digits, make):
     """One window of 3 steps on one repeated batch, pushed as is (outer SGD
     at rate 1): the central variables equal plain Keras's after 3 steps."""
@@ -257,7 +295,8 @@ def test_option_matches_keras_exactly(cluster, digits, make):
     moved = max(np.abs(a - b.numpy()).max() for a, b in zip(want, unclipped.weights))
 
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=3, outer_optimizer=tf_asgd.OuterSGD())
+        cluster.resolver, n_sync=3, outer_optimizer=tf_asgd.OuterSGD()
+    )
     with strategy.scope():
         model = _mlp()
         model.set_weights(start)
@@ -280,6 +319,7 @@ def test_mixed_precision_matches_keras(cluster, digits, policy):
     """Under a mixed policy (float16: Keras wraps the optimizer in a
     LossScaleOptimizer) the central variables stay float32 and the model is
     within 3 points of plain Keras's; the loss scale is the workers' own."""
+
     def make():
         return keras.optimizers.SGD(0.05, momentum=0.9)
 
@@ -296,7 +336,7 @@ def test_mixed_precision_matches_keras(cluster, digits, policy):
     if policy == "mixed_float16":
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         # The PS copy of the scale is untouched: each worker keeps its own.
-        assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** 15
+        assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**15
         # Steps with non-finite gradients are skipped (and not counted, as in Keras).
         assert 0.9 * MIXED_EPOCHS * 45 <= steps <= MIXED_EPOCHS * 45
     else:
@@ -358,13 +398,22 @@ def test_mixed_precision_in_own_train_step_matches_keras(cluster, digits, policy
     assert 0.9 * total <= steps <= total if float16 else steps == total
 
 
-@pytest.mark.parametrize("case", ["gem-ema", "gem-mixed-float16", "own-step-ema",
-                                  "own-step-accumulation", "loss-scale-accumulation"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "gem-ema",
+        "gem-mixed-float16",
+        "own-step-ema",
+        "own-step-accumulation",
+        "loss-scale-accumulation",
+    ],
+)
 def test_refused_before_any_window(cluster, digits, case):
     """What windows cannot honour raises `UnsupportedFeatureError`, naming
     the option, at `fit`, before any window is scheduled."""
     (x, y), _ = _flat(digits)
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+
     def proxy():
         return keras.optimizers.SGD(0.05, momentum=0.9)
 
@@ -373,12 +422,17 @@ def test_refused_before_any_window(cluster, digits, case):
         "gem-mixed-float16": (lambda: tf_asgd.optimizers.GEM(proxy()), _mlp, "mixed_float16"),
         "own-step-ema": (lambda: keras.optimizers.SGD(0.1, use_ema=True), OwnStep, "use_ema"),
         "own-step-accumulation": (
-            lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=5), OwnStep,
-            "gradient_accumulation_steps"),
+            lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=5),
+            OwnStep,
+            "gradient_accumulation_steps",
+        ),
         "loss-scale-accumulation": (
             lambda: keras.optimizers.LossScaleOptimizer(
-                keras.optimizers.SGD(0.1, gradient_accumulation_steps=5)), _mlp,
-            "gradient_accumulation_steps` with a `LossScaleOptimizer"),
+                keras.optimizers.SGD(0.1, gradient_accumulation_steps=5)
+            ),
+            _mlp,
+            "gradient_accumulation_steps` with a `LossScaleOptimizer",
+        ),
     }[case]
     if case == "gem-mixed-float16":
         keras.mixed_precision.set_global_policy("mixed_float16")

@@ -38,8 +38,9 @@ def test_tf_ops_match_the_numpy_rule(opt):
         tau = int(rng.integers(0, 4))
         scale = update_rules.staleness_scale(tau, rule)
         push(tf.constant(update), tf.constant(scale), tf.constant(ticket, tf.int64))
-        central, state = update_rules.ps_push(central, update, tau, ticket, state, rule,
-                                              outer=opt, num_workers=workers)
+        central, state = update_rules.ps_push(
+            central, update, tau, ticket, state, rule, outer=opt, num_workers=workers
+        )
         np.testing.assert_allclose(var.numpy(), central, rtol=1e-5, atol=1e-6)
         for name, slot in slots.items():
             np.testing.assert_allclose(slot.numpy(), state[name], rtol=1e-5, atol=1e-6)
@@ -76,8 +77,18 @@ def test_default_outer_learning_rate():
     got = [update_rules.default_outer_learning_rate(n) for n in (1, 2, 3, 4, 5, 8, 16, 32)]
     limit = update_rules.stability_limit
     np.testing.assert_allclose(
-        got, [1.0, 0.5, 1 / 3, 0.25, 2 / 3 * limit(5), 2 / 3 * limit(8), 2 / 3 * limit(16),
-              2 / 3 * limit(32)])
+        got,
+        [
+            1.0,
+            0.5,
+            1 / 3,
+            0.25,
+            2 / 3 * limit(5),
+            2 / 3 * limit(8),
+            2 / 3 * limit(16),
+            2 / 3 * limit(32),
+        ],
+    )
     for n in range(2, 101):
         rate = update_rules.default_outer_learning_rate(n)
         assert 1 / n <= rate < limit(n)
@@ -104,19 +115,32 @@ def test_default_outer_optimizer_rises_over_the_first_round_then_falls():
     assert update_rules.default_outer_optimizer(1) == update_rules.OuterSGD(1.0)
     assert update_rules.default_outer_optimizer(2) == update_rules.OuterSGD(0.5)
     # The ramp is applied to the pseudo-gradient push by push.
-    theta, _ = update_rules.outer_step(update_rules.default_outer_optimizer(4),
-                                       np.zeros(2, np.float32), np.ones(2, np.float32), {}, 2, 4)
+    theta, _ = update_rules.outer_step(
+        update_rules.default_outer_optimizer(4),
+        np.zeros(2, np.float32),
+        np.ones(2, np.float32),
+        {},
+        2,
+        4,
+    )
     assert theta.dtype == np.float32
     np.testing.assert_allclose(theta, [-(0.25 + limit4) / 2] * 2, rtol=1e-6)
     # The same rate, traced as the PS computes it.
-    rates = [float(outer.effective_learning_rate(update_rules.default_outer_optimizer(4), 4,
-                                                 tf.constant(t, tf.int64)))
-             for t in (0, 2, 4, 24, 44, 1000)]
+    rates = [
+        float(
+            outer.effective_learning_rate(
+                update_rules.default_outer_optimizer(4), 4, tf.constant(t, tf.int64)
+            )
+        )
+        for t in (0, 2, 4, 24, 44, 1000)
+    ]
     np.testing.assert_allclose(rates, expected)
 
 
 def test_schedule_is_normalised_so_equal_optimizers_compare_equal():
-    assert update_rules.OuterSGD(0.5, schedule=[[4, 1]]) == update_rules.OuterSGD(0.5, schedule=((4, 1.0),))
+    assert update_rules.OuterSGD(0.5, schedule=[[4, 1]]) == update_rules.OuterSGD(
+        0.5, schedule=((4, 1.0),)
+    )
 
 
 def test_delayed_nesterov_is_diloco_over_each_group():
@@ -134,18 +158,48 @@ def test_delayed_nesterov_is_diloco_over_each_group():
             np.testing.assert_allclose(theta, [ref])
 
 
-@pytest.mark.parametrize("make,error,match", [
-    (lambda: update_rules.OuterSGD(0.0), ValueError, "learning_rate must be a number > 0"),
-    (lambda: update_rules.OuterSGD(1.0, momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
-    (lambda: update_rules.OuterSGD(1.0, nesterov=True), ValueError, "needs momentum > 0"),
-    (lambda: update_rules.DelayedNesterov(delay=0), ValueError, "delay must be a positive integer"),
-    (lambda: update_rules.OuterSGD(1.0, schedule=((0, 0.5),)), ValueError, "pushes must be a positive integer"),
-    (lambda: update_rules.OuterSGD(1.0, schedule=((8, 0.0),)), ValueError,
-     "schedule start_rate must be a number > 0"),
-    (lambda: update_rules.OuterSGD(1.0, schedule=(8, 0.5)), ValueError, r"sequence of \(pushes, start_rate\) pairs"),
-    (lambda: update_rules.validate_outer_optimizer("adam"), TypeError, "outer_optimizer must be"),
-    (lambda: update_rules.validate_worker_state("zero"), ValueError, "Unknown worker_state 'zero'"),
-])
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: update_rules.OuterSGD(0.0), ValueError, "learning_rate must be a number > 0"),
+        (
+            lambda: update_rules.OuterSGD(1.0, momentum=1.0),
+            ValueError,
+            r"momentum must be in \[0, 1\)",
+        ),
+        (lambda: update_rules.OuterSGD(1.0, nesterov=True), ValueError, "needs momentum > 0"),
+        (
+            lambda: update_rules.DelayedNesterov(delay=0),
+            ValueError,
+            "delay must be a positive integer",
+        ),
+        (
+            lambda: update_rules.OuterSGD(1.0, schedule=((0, 0.5),)),
+            ValueError,
+            "pushes must be a positive integer",
+        ),
+        (
+            lambda: update_rules.OuterSGD(1.0, schedule=((8, 0.0),)),
+            ValueError,
+            "schedule start_rate must be a number > 0",
+        ),
+        (
+            lambda: update_rules.OuterSGD(1.0, schedule=(8, 0.5)),
+            ValueError,
+            r"sequence of \(pushes, start_rate\) pairs",
+        ),
+        (
+            lambda: update_rules.validate_outer_optimizer("adam"),
+            TypeError,
+            "outer_optimizer must be",
+        ),
+        (
+            lambda: update_rules.validate_worker_state("zero"),
+            ValueError,
+            "Unknown worker_state 'zero'",
+        ),
+    ],
+)
 def test_bad_outer_configuration(make, error, match):
     with pytest.raises(error, match=match):
         make()
@@ -171,7 +225,8 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
 
     partitioner = tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=16)
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        sharded_cluster.resolver, n_sync=1, staleness="dynsgd", variable_partitioner=partitioner)
+        sharded_cluster.resolver, n_sync=1, staleness="dynsgd", variable_partitioner=partitioner
+    )
     rng = np.random.default_rng(2)
     init = [rng.normal(size=(6, 2)).astype(np.float32), rng.normal(size=(1,)).astype(np.float32)]
     with strategy.scope():
@@ -181,8 +236,9 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
 
     @tf.function
     def push_once(u0, u1, pulled_version):
-        ops, tau = push.push_update(variables, [u0, u1], pulled_version, strategy.counters,
-                                    "dynsgd", None, opt, slots, 4)
+        ops, tau = push.push_update(
+            variables, [u0, u1], pulled_version, strategy.counters, "dynsgd", None, opt, slots, 4
+        )
         with tf.control_dependencies(ops):
             return tf.identity(tau)
 
@@ -191,16 +247,25 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
     for ticket, p in enumerate(pulled):
         updates = [rng.normal(size=v.shape).astype(np.float32) for v in init]
         tau = strategy.coordinator.schedule(
-            push_once, args=(*map(tf.constant, updates), tf.constant(p, tf.int64)))
+            push_once, args=(*map(tf.constant, updates), tf.constant(p, tf.int64))
+        )
         strategy.coordinator.join()  # one push at a time: a fixed ticket order
         assert int(tau.fetch()) == ticket - p
         for i in range(2):
             central[i], state[i] = update_rules.ps_push(
-                central[i], updates[i], ticket - p, ticket, state[i], "dynsgd",
-                outer=opt, num_workers=4)
+                central[i],
+                updates[i],
+                ticket - p,
+                ticket,
+                state[i],
+                "dynsgd",
+                outer=opt,
+                num_workers=4,
+            )
     for v, c in zip(variables, central):
-        np.testing.assert_allclose(push.read(v).numpy() if hasattr(v, "variables") else v.numpy(),
-                                   c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            push.read(v).numpy() if hasattr(v, "variables") else v.numpy(), c, rtol=1e-5, atol=1e-6
+        )
     for var_slots, st in zip(slots, state):
         for name in opt.slots:
             got = np.concatenate([s[name].numpy() for s in var_slots], axis=0)
@@ -219,12 +284,16 @@ def test_outer_state_round_trips_through_a_checkpoint(sharded_cluster, tmp_path)
 
     def build():
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            sharded_cluster.resolver, n_sync=5, outer_optimizer=opt)
+            sharded_cluster.resolver, n_sync=5, outer_optimizer=opt
+        )
         with strategy.scope():
-            model = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Flatten(),
-                                      keras.layers.Dense(10)])
-            model.compile(keras.optimizers.SGD(0.05),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = keras.Sequential(
+                [keras.Input(x.shape[1:]), keras.layers.Flatten(), keras.layers.Dense(10)]
+            )
+            model.compile(
+                keras.optimizers.SGD(0.05),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         return strategy, model
 
     strategy, model = build()
@@ -235,7 +304,8 @@ def test_outer_state_round_trips_through_a_checkpoint(sharded_cluster, tmp_path)
     # A momentum slot per trainable variable (kernel, bias), and it moved.
     assert len(saved) == 2 and all(np.abs(v).max() > 0 for v in saved)
     path = tf.train.Checkpoint(model=model, outer=strategy.outer_state(model)).save(
-        str(tmp_path / "ckpt"))
+        str(tmp_path / "ckpt")
+    )
 
     strategy, model = build()
     state = strategy.outer_state(model)

@@ -45,7 +45,7 @@ class DigitsPyDataset(keras.utils.PyDataset):
         self.events.append(i)
         if i == self.fail_at:
             raise ValueError(f"injected failure in batch {i} of the PyDataset")
-        return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
+        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
 
     def on_epoch_begin(self):
         self.events.append("begin")
@@ -57,7 +57,7 @@ class DigitsPyDataset(keras.utils.PyDataset):
 def _batches(x, y):
     """Every batch of the training set, the last one partial."""
     for i in range(0, len(x), BATCH):
-        yield x[i:i + BATCH], y[i:i + BATCH]
+        yield x[i : i + BATCH], y[i : i + BATCH]
 
 
 SIGNATURE = (tf.TensorSpec((None, 8, 8, 1), tf.float32), tf.TensorSpec((None,), tf.int64))
@@ -117,7 +117,8 @@ def test_py_dataset_trains_like_plain_keras(strategy, digits, monkeypatch):
     assert len(history.history["loss"]) == EPOCHS
     assert int(model.optimizer.iterations.numpy()) == EPOCHS * len(data)
     assert [e for e in data.events if isinstance(e, str)] == [
-        e for e in plain_data.events if isinstance(e, str)]
+        e for e in plain_data.events if isinstance(e, str)
+    ]
     assert [sorted(e) for e in _epochs(data.events)] == [list(range(len(data)))] * EPOCHS
     # Memory: the batches of the closures in flight and of the one being filled, at most.
     closures = scheduling.MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers + 1
@@ -144,8 +145,9 @@ def test_from_generator_trains_like_plain_keras(strategy, digits):
     steps = -(-len(x) // BATCH)
 
     def dataset():  # repeated: plain Keras needs that with steps_per_epoch
-        return tf.data.Dataset.from_generator(lambda: _batches(x, y),
-                                              output_signature=SIGNATURE).repeat()
+        return tf.data.Dataset.from_generator(
+            lambda: _batches(x, y), output_signature=SIGNATURE
+        ).repeat()
 
     plain = _convnet()
     plain.fit(dataset(), epochs=EPOCHS, steps_per_epoch=steps, verbose=0)
@@ -170,7 +172,8 @@ def test_py_function_pipeline_is_read_by_the_chief(strategy, digits):
         return image.numpy()
 
     ds = tf.data.Dataset.from_tensor_slices((x, y)).map(
-        lambda a, b: (tf.ensure_shape(tf.py_function(scale, [a], tf.float32), (8, 8, 1)), b))
+        lambda a, b: (tf.ensure_shape(tf.py_function(scale, [a], tf.float32), (8, 8, 1)), b)
+    )
     model = _convnet(strategy)
     model.fit(ds.batch(BATCH), epochs=3, verbose=0)
     assert len(seen) == 3 * len(x)
@@ -217,10 +220,14 @@ def test_batches_of_every_shape_are_sent_as_they_are(strategy):
     once, the partial last batch included, and sums their labels exactly."""
     data = Sequences()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((None, 3)), keras.layers.GlobalAveragePooling1D(),
-                                  keras.layers.Dense(1)])
-        model.compile(keras.optimizers.SGD(1e-3), "mse",
-                      metrics=[SampleCount(), SampleCount("label_sum", label_sum=True)])
+        model = keras.Sequential(
+            [keras.Input((None, 3)), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)]
+        )
+        model.compile(
+            keras.optimizers.SGD(1e-3),
+            "mse",
+            metrics=[SampleCount(), SampleCount("label_sum", label_sum=True)],
+        )
     history = model.fit(data, epochs=2, verbose=0)
     assert history.history["samples"] == [data.n] * 2
     assert history.history["label_sum"] == [data.n * (data.n + 1) / 2] * 2
@@ -240,8 +247,11 @@ def _left_running(before, seconds=5.0):
 
 
 # Keras's own PyDataset options: read inline, by 2 threads, by 2 processes.
-READERS = {"inline": {}, "threads": dict(workers=2),
-           "processes": dict(workers=2, use_multiprocessing=True)}
+READERS = {
+    "inline": {},
+    "threads": dict(workers=2),
+    "processes": dict(workers=2, use_multiprocessing=True),
+}
 
 
 @pytest.mark.parametrize("readers", sorted(READERS))
@@ -253,7 +263,8 @@ def test_error_in_a_py_dataset_reaches_the_user(strategy, digits, readers):
     before = set(threading.enumerate())
     data = DigitsPyDataset(x, y, fail_at=2, **READERS[readers])
     _, error, secs = bounded(
-        lambda: model.fit(data, epochs=2, shuffle=False, verbose=0), ERROR_BOUND_SECS)
+        lambda: model.fit(data, epochs=2, shuffle=False, verbose=0), ERROR_BOUND_SECS
+    )
     print(f"PyDataset error reached the user after {secs:.1f} s")
     assert isinstance(error, ValueError), repr(error)
     assert "injected failure in batch 2 of the PyDataset" in str(error)
@@ -261,7 +272,8 @@ def test_error_in_a_py_dataset_reaches_the_user(strategy, digits, readers):
     assert _left_running(before) == []
 
     history, error, _ = bounded(
-        lambda: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0), ERROR_BOUND_SECS * 2)
+        lambda: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0), ERROR_BOUND_SECS * 2
+    )
     assert error is None, f"the next fit failed: {error!r}"
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert model.evaluate(xt, yt, verbose=0)[1] > 0.5
@@ -272,8 +284,9 @@ def test_a_generator_that_runs_out_stops_training_with_keras_warning(strategy, d
     model = _convnet(strategy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = model.fit(_batches(x[:12 * BATCH], y[:12 * BATCH]), steps_per_epoch=5,
-                            epochs=4, verbose=0)
+        history = model.fit(
+            _batches(x[: 12 * BATCH], y[: 12 * BATCH]), steps_per_epoch=5, epochs=4, verbose=0
+        )
     assert any("ran out of data" in str(w.message) for w in caught)
     # The 12 batches it gave, in 3 epochs (5, 5, 2); then training stopped.
     assert int(model.optimizer.iterations.numpy()) == 12

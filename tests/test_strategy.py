@@ -30,7 +30,14 @@ def test_digits_convnet_fit_evaluate_predict_save(cluster, digits, tmp_path):
     epochs = 15
     history = model.fit(x, y, batch_size=32, epochs=epochs, validation_data=(xt, yt), verbose=0)
 
-    assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy", "staleness", "windows"}
+    assert set(history.history) >= {
+        "loss",
+        "accuracy",
+        "val_loss",
+        "val_accuracy",
+        "staleness",
+        "windows",
+    }
     assert all(len(v) == epochs for v in history.history.values())
     assert history.history["loss"][-1] < history.history["loss"][0]
     loss, acc = model.evaluate(xt, yt, verbose=0)
@@ -110,7 +117,9 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
         tau = strategy.coordinator.schedule(push, args=(tf.constant(u), tf.constant(p, tf.int64)))
         strategy.coordinator.join()  # one push at a time: a fixed ticket order
         assert int(tau.fetch()) == i - p
-        expected = update_rules.apply_push(expected, u, tau=i - p, rule=rule, max_staleness=max_staleness)
+        expected = update_rules.apply_push(
+            expected, u, tau=i - p, rule=rule, max_staleness=max_staleness
+        )
     np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6, atol=1e-6)
 
     stats = strategy.stats()
@@ -123,11 +132,13 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"n_sync": 0}, "n_sync must be a positive integer"),
-     ({"n_sync": -3}, "n_sync must be a positive integer"),
-     ({"staleness": "fancy"}, "Unknown staleness rule 'fancy'"),
-     ({"max_staleness": -1}, "max_staleness must be >= 0"),
-     ({"worker_state": "zero"}, "Unknown worker_state 'zero'")],
+    [
+        ({"n_sync": 0}, "n_sync must be a positive integer"),
+        ({"n_sync": -3}, "n_sync must be a positive integer"),
+        ({"staleness": "fancy"}, "Unknown staleness rule 'fancy'"),
+        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+        ({"worker_state": "zero"}, "Unknown worker_state 'zero'"),
+    ],
 )
 def test_bad_strategy_arguments(cluster, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -151,21 +162,34 @@ def test_each_worker_trains_on_its_own_shard(cluster, digits, source):
         data = dict(x=x[:n], y=y, batch_size=32, shuffle=False)
     with strategy.scope():
         model = tf_asgd.models.digits_convnet()
-        model.compile(keras.optimizers.SGD(0.05),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=[keras.metrics.MeanMetricWrapper(
-                          lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[
+                keras.metrics.MeanMetricWrapper(
+                    lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean"
+                )
+            ],
+        )
     model.fit(epochs=2, verbose=0, **data)
     log = strategy.window_log(model)
-    means = {w: {strategy.window_results(model, r)["label_mean"] for r in log if r.worker == w}
-             for w in (0, 1)}
+    means = {
+        w: {strategy.window_results(model, r)["label_mean"] for r in log if r.worker == w}
+        for w in (0, 1)
+    }
     assert means == {0: {0.0}, 1: {1.0}}
 
 
 @pytest.mark.parametrize(
     "fn,error,match",
-    [(lambda d, i: d.unbatch(), ValueError, "per_worker_dataset_fn must keep the dataset's element_spec"),
-     (lambda d, i: 3, TypeError, "per_worker_dataset_fn must return a tf.data.Dataset, got int")],
+    [
+        (
+            lambda d, i: d.unbatch(),
+            ValueError,
+            "per_worker_dataset_fn must keep the dataset's element_spec",
+        ),
+        (lambda d, i: 3, TypeError, "per_worker_dataset_fn must return a tf.data.Dataset, got int"),
+    ],
 )
 def test_bad_per_worker_dataset_fn(cluster, digits, fn, error, match):
     (x, y), _ = digits
@@ -223,7 +247,9 @@ def test_dataset_shape_mismatch(cluster, digits):
     strategy = _strategy(cluster, n_sync=10)
     with strategy.scope():
         model = compile_digits(tf_asgd.models.gem_mnist_convnet())  # expects 28x28x1
-    with pytest.raises(ValueError, match=r"input shape \(None, 8, 8, 1\) does not match .*\(None, 28, 28, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"input shape \(None, 8, 8, 1\) does not match .*\(None, 28, 28, 1\)"
+    ):
         model.fit(x, y, epochs=1, verbose=0)
     assert strategy.stats().windows == 0  # nothing was pushed
 
@@ -257,20 +283,23 @@ def test_variables_sharded_over_two_ps(digits, partitioned):
     are scaled and applied on the PS that holds each shard."""
     (x, y), (xt, yt) = digits
     partitioner = (
-        tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=1024, max_shards=2)
-        if partitioned else None
+        tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=1024, max_shards=2
+        )
+        if partitioned
+        else None
     )
     with tf_asgd.LocalCluster(num_workers=2, num_ps=2, shared_process=True) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=10, variable_partitioner=partitioner)
+            cluster.resolver, n_sync=10, variable_partitioner=partitioner
+        )
         with strategy.scope():
             model = compile_digits(tf_asgd.models.digits_convnet())
-        shards = [
-            s for v in model.variables
-            for s in getattr(v.value, "variables", [v.value])
-        ]
+        shards = [s for v in model.variables for s in getattr(v.value, "variables", [v.value])]
         assert {s.device.split("/device")[0] for s in shards} == {
-            "/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+            "/job:ps/replica:0/task:0",
+            "/job:ps/replica:0/task:1",
+        }
         assert (len(shards) > len(model.variables)) == partitioned
         model.fit(x, y, batch_size=32, epochs=8, verbose=0)
         # Trains (the accuracy bar of record is the single-PS test's 0.95).
@@ -290,8 +319,14 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
     (x, y), (xt, yt) = digits
     strategy = _strategy(cluster4, n_sync=10)
     with strategy.scope():
-        model = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Flatten(),
-                                  keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+        model = keras.Sequential(
+            [
+                keras.Input(x.shape[1:]),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
         compile_digits(model)
     history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(xt, yt), verbose=0)
     val_loss = history.history["val_loss"]
@@ -300,7 +335,9 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
 
 
 @pytest.mark.parametrize("worker_state,momentum_seen", [("keep", 0.9), ("reset", 0.0)])
-def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(cluster1, worker_state, momentum_seen):
+def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(
+    cluster1, worker_state, momentum_seen
+):
     """One worker, windows of 3 steps: with `worker_state="keep"` training is
     exactly plain Keras `SGD(0.1, momentum=0.9)`; with `"reset"` each window
     starts the momentum from zero, which for windows of 1 step is plain SGD
@@ -338,16 +375,23 @@ def test_a_later_fit_on_the_same_dataset_continues_the_workers_stream(cluster1):
     strategy = _strategy(cluster1, n_sync=1)
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8)])
-        model.compile(keras.optimizers.SGD(0.01),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=[keras.metrics.MeanMetricWrapper(
-                          lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean")])
+        model.compile(
+            keras.optimizers.SGD(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[
+                keras.metrics.MeanMetricWrapper(
+                    lambda y_true, y_pred: tf.cast(y_true, "float32"), name="label_mean"
+                )
+            ],
+        )
 
     def batches_of_fit(data):
         seen = len(strategy.window_log(model))
         model.fit(data, steps_per_epoch=3, epochs=1, verbose=0)
-        return [strategy.window_results(model, r)["label_mean"]
-                for r in strategy.window_log(model)[seen:]]
+        return [
+            strategy.window_results(model, r)["label_mean"]
+            for r in strategy.window_log(model)[seen:]
+        ]
 
     ds = dataset()
     assert batches_of_fit(ds) == [0.0, 1.0, 2.0]

@@ -17,7 +17,9 @@ CLUSTER = {
 
 
 def tf_config(cluster=CLUSTER, task_type="worker", index=0):
-    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+    return {
+        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+    }
 
 
 def test_unset_or_empty_means_local():
@@ -29,7 +31,9 @@ def test_unset_or_empty_means_local():
     "task_type,index", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]
 )
 def test_good_roles(task_type, index):
-    cluster, got_type, got_index = cluster_lib.tf_config_role(tf_config(task_type=task_type, index=index))
+    cluster, got_type, got_index = cluster_lib.tf_config_role(
+        tf_config(task_type=task_type, index=index)
+    )
     assert cluster == CLUSTER
     assert (got_type, got_index) == (task_type, index)
 
@@ -41,11 +45,23 @@ def test_good_roles(task_type, index):
         (tf_config(task_type="master"), "'master'"),
         (tf_config(task_type="worker", index=2), "index 2 is out of range for job 'worker'"),
         (tf_config(task_type="ps", index=-1), "index -1"),
-        (tf_config(cluster={"chief": ["a:1"], "worker": ["b:1"]}, task_type="chief"), "no 'ps' task"),
+        (
+            tf_config(cluster={"chief": ["a:1"], "worker": ["b:1"]}, task_type="chief"),
+            "no 'ps' task",
+        ),
         (tf_config(cluster={"chief": ["a:1"], "ps": ["b:1"]}, task_type="ps"), "no 'worker' task"),
-        (tf_config(cluster={"worker": ["a:1"], "ps": ["b:1"]}, task_type="ps"), "exactly one 'chief'"),
-        (tf_config(cluster={**CLUSTER, "chief": ["a:1", "b:1"]}, task_type="ps"), "exactly one 'chief'"),
-        (tf_config(cluster={**CLUSTER, "trainer": ["a:1"]}, task_type="ps"), "unknown job 'trainer'"),
+        (
+            tf_config(cluster={"worker": ["a:1"], "ps": ["b:1"]}, task_type="ps"),
+            "exactly one 'chief'",
+        ),
+        (
+            tf_config(cluster={**CLUSTER, "chief": ["a:1", "b:1"]}, task_type="ps"),
+            "exactly one 'chief'",
+        ),
+        (
+            tf_config(cluster={**CLUSTER, "trainer": ["a:1"]}, task_type="ps"),
+            "unknown job 'trainer'",
+        ),
         (tf_config(cluster={**CLUSTER, "ps": ["no-port"]}, task_type="ps"), "'host:port'"),
     ],
 )
@@ -58,9 +74,18 @@ def test_bad_tf_config_quotes_the_problem(environ, quoted):
 def test_launcher_fails_at_once_on_malformed_tf_config(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **tf_config(task_type="worker", index=5))
     proc = subprocess.run(
-        [sys.executable, "-m", "tf_asgd.launch", "--config=configs/default.py", f"--workdir={tmp_path}"],
+        [
+            sys.executable,
+            "-m",
+            "tf_asgd.launch",
+            "--config=configs/default.py",
+            f"--workdir={tmp_path}",
+        ],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "bad TF_CONFIG" in proc.stderr

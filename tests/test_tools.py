@@ -21,8 +21,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _run(tool, *args, timeout=240):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(TOOLS, tool), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, tool), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert proc.returncode == 0, _errors(proc.stderr)
     return proc
 
@@ -30,8 +36,12 @@ def _run(tool, *args, timeout=240):
 def _errors(stderr):
     """The tool's stderr without TF's shutdown noise (lines about functions
     it could not remove from tasks already stopped), head and tail."""
-    noise = ("Failed to remove function remotely", "GRPC error information", "Error received from peer",
-             "remote target has been disconnected")
+    noise = (
+        "Failed to remove function remotely",
+        "GRPC error information",
+        "Error received from peer",
+        "remote target has been disconnected",
+    )
     lines = [line for line in stderr.splitlines() if not any(n in line for n in noise)]
     text = "\n".join(lines)
     return text if len(text) < 6000 else text[:3000] + "\n[...]\n" + text[-3000:]
@@ -58,11 +68,23 @@ def _positive(rows, key):
 
 
 def test_simulate_tool(tmp_path):
-    _run("simulate.py", "--out", str(tmp_path), "--workers", "16,32", "--etas", "0.1",
-         "--pushes", "60", "--eval-every", "20")
+    _run(
+        "simulate.py",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "16,32",
+        "--etas",
+        "0.1",
+        "--pushes",
+        "60",
+        "--eval-every",
+        "20",
+    )
     stab = _csv(tmp_path / "stability.csv", ["method", "workers", "eta", "final_loss", "stable"])
     assert {(r["method"], r["workers"]) for r in stab} == {
-        (m, w) for m in ("downpour", "dynsgd", "gem") for w in ("16", "32")}
+        (m, w) for m in ("downpour", "dynsgd", "gem") for w in ("16", "32")
+    }
     curves = _csv(tmp_path / "curves.csv", ["method", "push", "samples", "loss", "accuracy"])
     assert len(curves) == 6 * 4  # 6 runs x (initial + 3 evaluations)
     pi = _csv(tmp_path / "pi.csv", ["push", "dense_1/kernel:mean", "dense_2/bias:median"])
@@ -74,34 +96,84 @@ def test_simulate_tool(tmp_path):
 
 
 def test_simulate_outer_study(tmp_path):
-    _run("simulate.py", "--outer-study", "--out", str(tmp_path), "--workers", "3",
-         "--n-sync", "10", "--seeds", "1", "--steps", "60")
+    _run(
+        "simulate.py",
+        "--outer-study",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "3",
+        "--n-sync",
+        "10",
+        "--seeds",
+        "1",
+        "--steps",
+        "60",
+    )
     rows = _csv(tmp_path / "outer.csv", ["inner", "workers", "setup", "seed", "accuracy", "loss"])
     setups = {r["setup"] for r in rows}
-    assert {"sequential", "default (rise and fall, warm-up)", "capped, warm-up (default to session 7)",
-            "delayed Nesterov 0.7/0.9"} <= setups
+    assert {
+        "sequential",
+        "default (rise and fall, warm-up)",
+        "capped, warm-up (default to session 7)",
+        "delayed Nesterov 0.7/0.9",
+    } <= setups
     assert len(rows) == 2 * len(setups)  # momentum SGD and Adam, one seed each
     assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
-    assert "| Adam 1e-3 | 3 | default (rise and fall, warm-up) |" in (tmp_path / "outer.md").read_text()
+    assert (
+        "| Adam 1e-3 | 3 | default (rise and fall, warm-up) |"
+        in (tmp_path / "outer.md").read_text()
+    )
     _png(tmp_path / "outer.png")
 
 
 def test_convergence_tool_and_merge(tmp_path):
     run = tmp_path / "run"
-    _run("convergence.py", "--out", str(run), "--models", "mlp", "--optimizers", "sgd",
-         "--workers", "2", "--n-sync", "10", "--setups", "default,capped", "--seeds", "1",
-         "--epochs", "2")
-    summary = _csv(run / "summary.csv", ["setup", "workers", "seed", "final_accuracy",
-                                         "plain_accuracy", "gap_points", "diverged", "samples_ratio"])
+    _run(
+        "convergence.py",
+        "--out",
+        str(run),
+        "--models",
+        "mlp",
+        "--optimizers",
+        "sgd",
+        "--workers",
+        "2",
+        "--n-sync",
+        "10",
+        "--setups",
+        "default,capped",
+        "--seeds",
+        "1",
+        "--epochs",
+        "2",
+    )
+    summary = _csv(
+        run / "summary.csv",
+        [
+            "setup",
+            "workers",
+            "seed",
+            "final_accuracy",
+            "plain_accuracy",
+            "gap_points",
+            "diverged",
+            "samples_ratio",
+        ],
+    )
     assert sorted(r["setup"] for r in summary) == ["capped", "default"]
     for r in summary:
         assert 0 <= float(r["final_accuracy"]) <= 1 and 0 <= float(r["plain_accuracy"]) <= 1
-        assert math.isclose(float(r["gap_points"]),
-                            100 * (float(r["plain_accuracy"]) - float(r["final_accuracy"])), abs_tol=1e-3)
+        assert math.isclose(
+            float(r["gap_points"]),
+            100 * (float(r["plain_accuracy"]) - float(r["final_accuracy"])),
+            abs_tol=1e-3,
+        )
     curves = _csv(run / "curves.csv", ["setup", "epoch", "samples", "val_loss", "val_accuracy"])
     # Plain Keras and both setups, 2 epochs of one pass (45 steps of 32) each.
     assert sorted((r["setup"], r["samples"]) for r in curves) == sorted(
-        (s, str(e * 45 * 32)) for s in ("plain", "default", "capped") for e in (1, 2))
+        (s, str(e * 45 * 32)) for s in ("plain", "default", "capped") for e in (1, 2)
+    )
     assert "| mlp | sgd | 10 | 2 | capped | 1 |" in (run / "summary.md").read_text()
     _png(run / "curves_mlp_sgd_n10.png")
     # Merging a directory with itself keeps each curve once and every summary row.
@@ -121,14 +193,38 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
     for _ in ds.take(4):
         pass
     assert time.perf_counter() - t >= 4 * 0.03  # the device time is really spent
-    _run("scaleout.py", "--out", str(tmp_path), "--workers", "1,2", "--n-sync", "2",
-         "--step-ms", "2", "--seconds", "0.2", "--max-pushes", "8", "--ceiling")
-    rows = _csv(tmp_path / "scaleout.csv", ["workers", "n_sync", "samples_per_s", "speedup",
-                                            "chief_cpu_ms_per_push", "host_cpu_ms_per_push",
-                                            "windows_per_closure"])
+    _run(
+        "scaleout.py",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "1,2",
+        "--n-sync",
+        "2",
+        "--step-ms",
+        "2",
+        "--seconds",
+        "0.2",
+        "--max-pushes",
+        "8",
+        "--ceiling",
+    )
+    rows = _csv(
+        tmp_path / "scaleout.csv",
+        [
+            "workers",
+            "n_sync",
+            "samples_per_s",
+            "speedup",
+            "chief_cpu_ms_per_push",
+            "host_cpu_ms_per_push",
+            "windows_per_closure",
+        ],
+    )
     assert all(float(r["windows_per_closure"]) >= 1 for r in rows)
     assert {(r["kind"], r["workers"]) for r in rows} == {
-        (k, w) for k in ("emulated", "ceiling") for w in ("1", "2")}
+        (k, w) for k in ("emulated", "ceiling") for w in ("1", "2")
+    }
     _positive(rows, "samples_per_s")
     _positive(rows, "mb_per_push")
     assert "| emulated | 2 | 2 |" in (tmp_path / "scaleout.md").read_text()
@@ -136,38 +232,98 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
 
 
 def test_push_floor_tool(tmp_path):
-    _run("push_floor.py", "--out", str(tmp_path), "--iterations", "8", "--rounds", "1",
-         "--bodies", "local,round_trip,push_pull_x2")
-    rows = _csv(tmp_path / "push_floor.csv", ["body", "us_per_round_trip",
-                                              "host_cpu_us_per_round_trip", "round_trips_per_s"])
+    _run(
+        "push_floor.py",
+        "--out",
+        str(tmp_path),
+        "--iterations",
+        "8",
+        "--rounds",
+        "1",
+        "--bodies",
+        "local,round_trip,push_pull_x2",
+    )
+    rows = _csv(
+        tmp_path / "push_floor.csv",
+        ["body", "us_per_round_trip", "host_cpu_us_per_round_trip", "round_trips_per_s"],
+    )
     assert [r["body"] for r in rows] == ["local", "round_trip", "push_pull_x2"]
     _positive(rows, "us_per_round_trip")
     assert "| push_pull_x2 |" in (tmp_path / "push_floor.md").read_text()
 
 
 def test_bench_tool(tmp_path):
-    _run("bench.py", "--out", str(tmp_path), "--workers", "1", "--n-sync", "2",
-         "--modes", "keras,pss,asgd", "--rounds", "1", "--seconds", "0.2",
-         "--processes", "shared", "--pss-spe", "1")
-    rows = _csv(tmp_path / "summary.csv", ["mode", "workers", "n_sync", "samples_per_s",
-                                           "ratio_to_keras", "ratio_to_pss", "bytes_pulled_per_sample",
-                                           "processes", "windows_per_closure", "ratio_to_best_pss"])
+    _run(
+        "bench.py",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "1",
+        "--n-sync",
+        "2",
+        "--modes",
+        "keras,pss,asgd",
+        "--rounds",
+        "1",
+        "--seconds",
+        "0.2",
+        "--processes",
+        "shared",
+        "--pss-spe",
+        "1",
+    )
+    rows = _csv(
+        tmp_path / "summary.csv",
+        [
+            "mode",
+            "workers",
+            "n_sync",
+            "samples_per_s",
+            "ratio_to_keras",
+            "ratio_to_pss",
+            "bytes_pulled_per_sample",
+            "processes",
+            "windows_per_closure",
+            "ratio_to_best_pss",
+        ],
+    )
     assert [(r["mode"], r["n_sync"]) for r in rows] == [("keras", "0"), ("pss", "1"), ("asgd", "2")]
     assert [r["processes"] for r in rows] == ["one", "shared", "shared"]
     _positive(rows, "samples_per_s")
     asgd = rows[2]
     # One pull and one push of the whole model per window of 2 steps of 64 samples.
     assert float(asgd["bytes_pulled_per_sample"]) == pytest.approx(
-        float(rows[1]["bytes_pulled_per_sample"]) / 2, rel=1e-5)
+        float(rows[1]["bytes_pulled_per_sample"]) / 2, rel=1e-5
+    )
     assert float(rows[0]["ratio_to_keras"]) == 1.0 and float(rows[1]["ratio_to_pss"]) == 1.0
     assert len(_csv(tmp_path / "raw.csv", ["mode", "round", "seconds"])) == 3
     assert "| asgd | 1 | 2 |" in (tmp_path / "summary.md").read_text()
 
 
 def test_experiments_tool(tmp_path):
-    _run("experiments.py", "--out", str(tmp_path), "--sweeps", "nsync,start", "--nsyncs", "1,4",
-         "--nsync-workers", "2", "--start-workers", "2", "--start-nsync", "4", "--warm-steps", "8",
-         "--steps", "40", "--step-ms", "0", "--smooth", "8")
+    _run(
+        "experiments.py",
+        "--out",
+        str(tmp_path),
+        "--sweeps",
+        "nsync,start",
+        "--nsyncs",
+        "1,4",
+        "--nsync-workers",
+        "2",
+        "--start-workers",
+        "2",
+        "--start-nsync",
+        "4",
+        "--warm-steps",
+        "8",
+        "--steps",
+        "40",
+        "--step-ms",
+        "0",
+        "--smooth",
+        "8",
+    )
     windows = _csv(tmp_path / "windows.csv", ["run", "time", "samples", "error", "loss"])
     runs = {r["run"] for r in windows}
     assert runs == {"nsync:n_sync=1", "nsync:n_sync=4", "start:cold start", "start:warm start"}
@@ -183,11 +339,31 @@ def test_experiments_tool(tmp_path):
 
 
 def test_straggler_tool(tmp_path):
-    _run("straggler.py", "--out", str(tmp_path), "--workers", "3", "--step-ms", "2",
-         "--steps", "60", "--rounds", "1")
-    rows = _csv(tmp_path / "straggler.csv", ["config", "seconds", "samples_per_s",
-                                             "fast_windows_per_worker_s", "slow_windows",
-                                             "dropped_stale", "test_accuracy"])
+    _run(
+        "straggler.py",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "3",
+        "--step-ms",
+        "2",
+        "--steps",
+        "60",
+        "--rounds",
+        "1",
+    )
+    rows = _csv(
+        tmp_path / "straggler.csv",
+        [
+            "config",
+            "seconds",
+            "samples_per_s",
+            "fast_windows_per_worker_s",
+            "slow_windows",
+            "dropped_stale",
+            "test_accuracy",
+        ],
+    )
     assert [r["config"] for r in rows] == ["uniform", "straggler", "straggler_drop"]
     # nan where a loaded machine left the fast workers under 2 windows
     rates = [float(r["fast_windows_per_worker_s"]) for r in rows]
@@ -199,8 +375,19 @@ def test_straggler_tool(tmp_path):
 
 
 def test_evaluation_tool(tmp_path):
-    _run("evaluation.py", "--out", str(tmp_path), "--workers", "2", "--step-ms", "2",
-         "--examples", "100", "--rounds", "1")
+    _run(
+        "evaluation.py",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "2",
+        "--step-ms",
+        "2",
+        "--examples",
+        "100",
+        "--rounds",
+        "1",
+    )
     rows = _csv(tmp_path / "evaluation.csv", ["workers", "mode", "seconds", "max_metric_diff"])
     assert sorted(r["mode"] for r in rows) == ["chief", "workers"]
     _positive(rows, "seconds")
@@ -213,11 +400,32 @@ def test_time_to_accuracy_tool(tmp_path):
     proc = _run("time_to_accuracy.py", "--quick", "--out", str(tmp_path))
     lines = [line for line in proc.stdout.splitlines() if "seed 0:" in line]
     assert len(lines) == 2 and "plain seed 0" in lines[0] and "2w n_sync 10" in lines[1], lines
-    runs = _csv(tmp_path / "runs.csv", [
-        "setup", "method", "workers", "n_sync", "seed", "device_ms", "train_s", "startup_s",
-        "cpu_util", "cpu_bound", "device_fraction", "final_accuracy", "target",
-        "time_to_target_s", "speedup", "samples_to_target", "samples_ratio",
-        "worst_drop_points", "stable", "final_ok", "must_hold"])
+    runs = _csv(
+        tmp_path / "runs.csv",
+        [
+            "setup",
+            "method",
+            "workers",
+            "n_sync",
+            "seed",
+            "device_ms",
+            "train_s",
+            "startup_s",
+            "cpu_util",
+            "cpu_bound",
+            "device_fraction",
+            "final_accuracy",
+            "target",
+            "time_to_target_s",
+            "speedup",
+            "samples_to_target",
+            "samples_ratio",
+            "worst_drop_points",
+            "stable",
+            "final_ok",
+            "must_hold",
+        ],
+    )
     assert [(r["method"], r["workers"]) for r in runs] == [("plain", "1"), ("tf_asgd", "2")]
     plain, asgd = runs
     assert int(asgd["samples"]) == 2 * int(plain["samples"])  # tf_asgd's budget: 2x samples
@@ -241,8 +449,7 @@ def test_time_to_accuracy_tool(tmp_path):
     assert math.isclose(float(asgd["plain_time_to_target_s"]), t_plain, rel_tol=1e-4)
     if math.isfinite(t_asgd):
         assert math.isclose(float(asgd["speedup"]), t_plain / t_asgd, rel_tol=1e-4)
-        assert math.isclose(float(asgd["samples_ratio"]), first(ca, 1) / first(cp, 1),
-                            rel_tol=1e-4)
+        assert math.isclose(float(asgd["samples_ratio"]), first(ca, 1) / first(cp, 1), rel_tol=1e-4)
     else:
         assert float(asgd["speedup"]) == 0 and "never reached" in lines[1]
     best, drop = 0.0, 0.0
@@ -261,12 +468,24 @@ def test_time_to_accuracy_tool(tmp_path):
 
 
 def test_python_inputs_tool(tmp_path):
-    proc = _run("python_inputs.py", "--workers", "1,2", "--samples", "640", "--rounds", "1",
-                "--out", str(tmp_path))
-    rows = _csv(tmp_path / "python_inputs.csv",
-                ["workers", "input", "samples_per_s", "chief_cpu_ms_per_1000", "host_cpu_share"])
+    proc = _run(
+        "python_inputs.py",
+        "--workers",
+        "1,2",
+        "--samples",
+        "640",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
+    rows = _csv(
+        tmp_path / "python_inputs.csv",
+        ["workers", "input", "samples_per_s", "chief_cpu_ms_per_1000", "host_cpu_share"],
+    )
     assert {(int(r["workers"]), r["input"]) for r in rows} == {
-        (w, name) for w in (1, 2) for name in ("arrays", "PyDataset")}
+        (w, name) for w in (1, 2) for name in ("arrays", "PyDataset")
+    }
     _positive(rows, "samples_per_s")
     md = (tmp_path / "python_inputs.md").read_text()
     assert "| 2 | PyDataset |" in md and "2 workers gave" in md

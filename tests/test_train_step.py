@@ -32,8 +32,9 @@ class HeadOnly(keras.Model):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.body = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu")],
-                                     name="body")
+        self.body = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(32, activation="relu")], name="body"
+        )
         self.head = keras.Sequential([keras.Input((32,)), keras.layers.Dense(10)], name="head")
 
     def call(self, x, training=False):
@@ -55,9 +56,11 @@ class HeadOnly(keras.Model):
 
 
 def _compile_head_only(model):
-    model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        keras.optimizers.SGD(0.1, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -101,11 +104,17 @@ class GAN(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.generator = keras.Sequential(
-            [keras.Input((LATENT,)), keras.layers.Dense(16, activation="relu"),
-             keras.layers.Dense(64, activation="sigmoid")], name="generator")
+            [
+                keras.Input((LATENT,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(64, activation="sigmoid"),
+            ],
+            name="generator",
+        )
         self.discriminator = keras.Sequential(
             [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)],
-            name="discriminator")
+            name="discriminator",
+        )
         self.seed_generator = keras.random.SeedGenerator(1337)
 
     def compile(self, d_optimizer, g_optimizer):
@@ -127,7 +136,8 @@ class GAN(keras.Model):
         fake = self.generator(z)
         combined = keras.ops.concatenate([fake, real], axis=0)
         labels = keras.ops.concatenate(
-            [keras.ops.ones((batch_size, 1)), keras.ops.zeros((batch_size, 1))], axis=0)
+            [keras.ops.ones((batch_size, 1)), keras.ops.zeros((batch_size, 1))], axis=0
+        )
         labels += 0.05 * keras.random.uniform(keras.ops.shape(labels), seed=self.seed_generator)
         with tf.GradientTape() as tape:
             d_loss = self.loss_fn(labels, self.discriminator(combined))
@@ -199,7 +209,9 @@ def test_gan_two_workers_trains_both_sub_models(cluster, digits):
     log = strategy.window_log(gan)
     assert {r.worker for r in log} == {0, 1} and all(r.pushed for r in log)
     steps = 2 * int(np.ceil(len(x) / 32))  # both workers' steps, counted on the PS
-    assert int(gan.d_optimizer.iterations.numpy()) == int(gan.g_optimizer.iterations.numpy()) == steps
+    assert (
+        int(gan.d_optimizer.iterations.numpy()) == int(gan.g_optimizer.iterations.numpy()) == steps
+    )
     assert int(gan.optimizer.iterations.numpy()) == 0
 
 
@@ -215,8 +227,14 @@ class Super(keras.Sequential):
 
 
 def _bn_net(cls):
-    model = cls([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
-                 keras.layers.Dense(2)])
+    model = cls(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
     model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse", metrics=["mae"])
     return model
 
@@ -353,24 +371,29 @@ class Counting(HeadOnly):
         return super().train_step(data)
 
 
-@pytest.mark.parametrize("variant,match", [
-    ("numpy", "numpy"),
-    ("tf_variable", "writes a TF variable directly"),
-    ("tf_variable_in_cond", "writes a TF variable directly"),
-    ("uncarried_metric", "does not carry: hidden"),
-    ("py_function", "calls Python"),
-    ("run_eagerly", "run_eagerly=True"),
-    ("gem", "push rule"),
-])
+@pytest.mark.parametrize(
+    "variant,match",
+    [
+        ("numpy", "numpy"),
+        ("tf_variable", "writes a TF variable directly"),
+        ("tf_variable_in_cond", "writes a TF variable directly"),
+        ("uncarried_metric", "does not carry: hidden"),
+        ("py_function", "calls Python"),
+        ("run_eagerly", "run_eagerly=True"),
+        ("gem", "push rule"),
+    ],
+)
 def test_train_step_that_cannot_run_in_a_window_is_refused(cluster, digits, variant, match):
     (x, y), _ = _flat(digits)
     strategy = _strategy(cluster, n_sync=5)
     with strategy.scope():
         model = Counting(variant)
         sgd = keras.optimizers.SGD(0.1, momentum=0.9)
-        model.compile(tf_asgd.optimizers.GEM(sgd) if variant == "gem" else sgd,
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      run_eagerly=variant == "run_eagerly")
+        model.compile(
+            tf_asgd.optimizers.GEM(sgd) if variant == "gem" else sgd,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            run_eagerly=variant == "run_eagerly",
+        )
     model(x[:1])
     before = [v.numpy() for v in model.weights]
     start = time.perf_counter()

@@ -46,9 +46,11 @@ def test_gem_pi_by_hand():
 
 @pytest.mark.parametrize(
     "rule,max_staleness,match",
-    [("adagrad", None, "Unknown staleness rule 'adagrad'"),
-     ("dynsgd", -1, "max_staleness must be >= 0"),
-     ("none", 1.5, "max_staleness must be a non-negative integer")],
+    [
+        ("adagrad", None, "Unknown staleness rule 'adagrad'"),
+        ("dynsgd", -1, "max_staleness must be >= 0"),
+        ("none", 1.5, "max_staleness must be a non-negative integer"),
+    ],
 )
 def test_bad_staleness_config(rule, max_staleness, match):
     with pytest.raises(ValueError, match=match):

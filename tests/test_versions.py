@@ -46,13 +46,18 @@ def test_import_on_an_unsupported_keras_or_tf_names_the_range():
         "    for m in [m for m in sys.modules if m.startswith('tf_asgd')]: del sys.modules[m]\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300).stdout
-    lines = [ln for ln in out.splitlines() if ln.startswith(("RuntimeError", "IMPORTED", "ImportError"))]
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    ).stdout
+    lines = [
+        ln for ln in out.splitlines() if ln.startswith(("RuntimeError", "IMPORTED", "ImportError"))
+    ]
     assert len(lines) == 2, out
     for line, found in zip(lines, ("Keras 3.12.0", "TensorFlow 2.18.1")):
-        assert line.startswith("RuntimeError: tf_asgd supports Keras 3.13 to 3.15 and TensorFlow "
-                               "2.19 to 2.21; found " + found), line
+        assert line.startswith(
+            "RuntimeError: tf_asgd supports Keras 3.13 to 3.15 and TensorFlow "
+            "2.19 to 2.21; found " + found
+        ), line
         assert 'pip install "keras>=3.13,<3.16" "tensorflow>=2.19,<2.22"' in line
 
 

@@ -59,6 +59,7 @@ def before_stop(cluster_spec, fn):
 def _tasks_key(cluster_spec):
     return frozenset(a for job in ("worker", "ps") for a in cluster_spec.get(job, []))
 
+
 # What every TF 2.21 process writes to stderr while it starts (absl's
 # pre-initialisation notice, the CPU-feature note), and, on a machine without
 # a CUDA driver, the failed GPU probe. Nothing else is dropped.
@@ -105,7 +106,8 @@ def startup_log_to_show(text):
     driver (no GPU could be used anyway); with a driver it is shown."""
     no_driver = not _cuda_driver_present()
     kept = [
-        line for line in text.splitlines(keepends=True)
+        line
+        for line in text.splitlines(keepends=True)
         if not _STARTUP_NOISE.search(line) and not (no_driver and _FAILED_CUINIT.search(line))
     ]
     return "".join(kept)
@@ -204,9 +206,7 @@ def parse_tf_config(text):
         raise ValueError(f'TF_CONFIG needs a "task" object: {text!r}')
     task_type, task_index = task.get("type"), task.get("index", 0)
     if task_type not in ROLES:
-        raise ValueError(
-            f"TF_CONFIG task type {task_type!r} is not one of {ROLES}."
-        )
+        raise ValueError(f"TF_CONFIG task type {task_type!r} is not one of {ROLES}.")
     if task_type != "evaluator":
         n = len(cluster.get(task_type, []))
         if not isinstance(task_index, int) or not 0 <= task_index < n:
@@ -336,7 +336,9 @@ class LocalCluster:
         return env
 
     def _spawn(self, tasks):
-        cmd = python_command("tf_asgd.task_server", [json.dumps(self.cluster_spec), ",".join(tasks)])
+        cmd = python_command(
+            "tf_asgd.task_server", [json.dumps(self.cluster_spec), ",".join(tasks)]
+        )
         return subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

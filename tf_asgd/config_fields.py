@@ -23,7 +23,7 @@ CONFIG_FIELDS = {
     "image_size": "imagenet: side images are resized to (0 = default, 256)",
     "crop_size": "imagenet/cifar10: training crop side (0 = the data set's default)",
     "ten_crop_eval": "final multi-crop evaluation: softmax averaged over 10 views "
-                     "(4 corners, centre, and their mirror images)",
+    "(4 corners, centre, and their mirror images)",
     "batch_size": "examples per worker step",
     "epochs": "epochs to train (a resumed run continues up to this)",
     "steps_per_epoch": "steps per epoch (0 = training examples // batch_size)",
@@ -37,10 +37,10 @@ CONFIG_FIELDS = {
     "optimizer.learning_rate": "learning rate of every worker's optimizer",
     "optimizer.momentum": "SGD momentum (sgd only)",
     "outer.name": "the PS's outer optimizer: default (each push scaled by max(1/N, min(1/4, 1/sqrt(2N))), "
-                  "after a schedule over the first pushes; "
-                  "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
+    "after a schedule over the first pushes; "
+    "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
     "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
-                           "delayed_nesterov 0.7)",
+    "delayed_nesterov 0.7)",
     "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",
     "worker_state": "keep | reset: a worker's own optimizer state (momentum, Adam moments) at each pull",
     "windows_per_closure": "windows a worker runs per coordinator closure (0 = automatic, about 200 ms)",

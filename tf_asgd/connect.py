@@ -90,8 +90,11 @@ class WorkersLostError(ClusterUnreachableError):
 
 def validate_connect_timeout(value):
     """Raises unless `value` is a positive finite number of seconds."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not 0 < value < float("inf")):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 < value < float("inf")
+    ):
         raise ValueError(f"connect_timeout must be a positive number of seconds, got {value!r}.")
 
 
@@ -102,8 +105,10 @@ def tasks_to_reach(cluster):
     TF server (it reads checkpoints)."""
     return [
         (job, i, address)
-        for job, addresses in sorted(cluster.items()) if job != "evaluator"
-        for i, address in enumerate(addresses) if (job, i) != ("chief", 0)
+        for job, addresses in sorted(cluster.items())
+        if job != "evaluator"
+        for i, address in enumerate(addresses)
+        if (job, i) != ("chief", 0)
     ]
 
 
@@ -190,7 +195,8 @@ def wait_for_tasks(tasks, timeout):
     running = {}  # task -> the future of its probe
     next_log = start
     pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=min(32, len(tasks) or 1), thread_name_prefix="tf_asgd_probe")
+        max_workers=min(32, len(tasks) or 1), thread_name_prefix="tf_asgd_probe"
+    )
     try:
         while reasons:
             attempt = min(_ATTEMPT_SECS, max(0.1, deadline - time.monotonic()))
@@ -208,17 +214,23 @@ def wait_for_tasks(tasks, timeout):
             now = time.monotonic()
             if reasons and now >= deadline:
                 raise ClusterUnreachableError(
-                    [(*task, reason) for task, reason in reasons.items()], timeout)
+                    [(*task, reason) for task, reason in reasons.items()], timeout
+                )
             if reasons and now >= next_log:
                 log.warning(
                     "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %g s): %s",
-                    len(reasons), len(tasks), now - start, timeout,
-                    ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in reasons.items()))
+                    len(reasons),
+                    len(tasks),
+                    now - start,
+                    timeout,
+                    ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in reasons.items()),
+                )
                 next_log = now + LOG_EVERY_SECS
             if reasons:
                 time.sleep(min(_RETRY_SECS, max(0.0, deadline - now)))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     if next_log > start:  # a waiting line was logged: say that the wait ended
-        log.warning("All %d cluster task(s) answer after %.1f s.",
-                    len(tasks), time.monotonic() - start)
+        log.warning(
+            "All %d cluster task(s) answer after %.1f s.", len(tasks), time.monotonic() - start
+        )

@@ -62,7 +62,9 @@ class PushCounters(tf.Module):
     def _create_counters(self):
         self.staleness_sum = tf.Variable(0, dtype=tf.int64, trainable=False, name="staleness_sum")
         self.dropped_stale = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_stale")
-        self.dropped_nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_nonfinite")
+        self.dropped_nonfinite = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="dropped_nonfinite"
+        )
         self.histogram = tf.Variable(
             tf.zeros([STALENESS_BINS], tf.int64), trainable=False, name="staleness_histogram"
         )
@@ -99,8 +101,9 @@ class PushCounters(tf.Module):
     def _read_all(self):
         # One function on the PS and one tensor back: a single round trip.
         with tf.device(self.version.device):
-            scalars = tf.stack([self.version, self.staleness_sum, self.dropped_stale,
-                                self.dropped_nonfinite])
+            scalars = tf.stack(
+                [self.version, self.staleness_sum, self.dropped_stale, self.dropped_nonfinite]
+            )
             return tf.concat([scalars, self.histogram.read_value()], axis=0)
 
     def stats(self, bytes_per_pull, bytes_per_push):

@@ -107,8 +107,17 @@ class Evaluator:
 
     # ---- the chief's side ---------------------------------------------------
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
-                 steps=None, callbacks=None, return_dict=False):
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict=False,
+    ):
         """Keras's `evaluate` on the workers. Returns `(True, result)`, or
         `(False, None)` when the chief must evaluate (the reason is logged)."""
         model = self.model
@@ -122,8 +131,13 @@ class Evaluator:
         num_batches = plan["num_batches"]
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
-                callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                steps=num_batches, model=model)
+                callbacks,
+                add_progbar=verbose != 0,
+                verbose=verbose,
+                epochs=1,
+                steps=num_batches,
+                model=model,
+            )
         model.stop_evaluating = False
         callbacks.on_test_begin()
         total = [np.zeros(np.shape(v), np.float64) for v in init]
@@ -162,15 +176,20 @@ class Evaluator:
             elif n < 0 and steps is not None:  # infinite, or unknown: shards stop at its end
                 n = steps
             if n < 0:
-                return None, ("the evaluation dataset's length is " + (
-                    "infinite" if n == tf.data.INFINITE_CARDINALITY else "unknown")
-                    + " and no `steps` was given")
+                return None, (
+                    "the evaluation dataset's length is "
+                    + ("infinite" if n == tf.data.INFINITE_CARDINALITY else "unknown")
+                    + " and no `steps` was given"
+                )
             return dict(kind="dataset", dataset=x, num_batches=n), None
         if x is None or not internals.is_array_input(x, y, sample_weight):
-            return None, (f"the evaluation data is a {type(x).__name__} (read by Python on "
-                          "the chief)")
-        data = tuple(None if d is None else tf.nest.map_structure(_as_array, d)
-                     for d in (x, y, sample_weight))
+            return None, (
+                f"the evaluation data is a {type(x).__name__} (read by Python on the chief)"
+            )
+        data = tuple(
+            None if d is None else tf.nest.map_structure(_as_array, d)
+            for d in (x, y, sample_weight)
+        )
         while data and data[-1] is None:
             data = data[:-1]
         if any(d is None for d in data):
@@ -185,15 +204,23 @@ class Evaluator:
         num_batches = -(-n // batch_size)
         if steps is not None:
             num_batches = min(num_batches, steps)
-        return dict(kind="arrays", data=data, flat=flat, rows=n, batch_size=batch_size,
-                    num_batches=num_batches), None
+        return dict(
+            kind="arrays",
+            data=data,
+            flat=flat,
+            rows=n,
+            batch_size=batch_size,
+            num_batches=num_batches,
+        ), None
 
     def _model_reason(self, model, plan):
         """Why the chief must evaluate `model` (None: the workers can). Builds
         the model and its compiled metrics from a first batch, as Keras does."""
         if type(model).test_step is not internals.TensorFlowTrainer.test_step:
-            return (f"model {model.name!r} overrides test_step (its logs need not come from "
-                    "metrics that merge over shards)")
+            return (
+                f"model {model.name!r} overrides test_step (its logs need not come from "
+                "metrics that merge over shards)"
+            )
         if model.run_eagerly:
             return "the model runs eagerly (run_eagerly=True)"
         if plan["num_batches"] == 0:
@@ -216,7 +243,8 @@ class Evaluator:
         else:
             spec = tf.nest.map_structure(
                 lambda a: tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype)),
-                self._first_batch(plan))
+                self._first_batch(plan),
+            )
         key = repr(spec)
         if self._mergeable is None or self._mergeable[0] != key:
             variables = list(model.trainable_variables) + list(model.non_trainable_variables)
@@ -231,7 +259,7 @@ class Evaluator:
     def _first_batch(self, plan):
         if plan["kind"] == "dataset":
             return next(iter(plan["dataset"]))
-        first = tf.nest.map_structure(lambda a: a[:plan["batch_size"]], plan["data"])
+        first = tf.nest.map_structure(lambda a: a[: plan["batch_size"]], plan["data"])
         return first if len(first) > 1 else first[0]
 
     def _reset_metrics(self, model):
@@ -245,8 +273,9 @@ class Evaluator:
     @staticmethod
     def _results(model, init, total):
         values = [i + t for i, t in zip(init, total)]
-        mapping = [(v, tf.constant(x.astype(v.dtype)))
-                   for v, x in zip(model.metrics_variables, values)]
+        mapping = [
+            (v, tf.constant(x.astype(v.dtype))) for v, x in zip(model.metrics_variables, values)
+        ]
         with StatelessScope(state_mapping=mapping):
             return internals.pythonify_logs(model.get_metrics_result())
 
@@ -294,7 +323,7 @@ class Evaluator:
         flat, out, at = np.asarray(flat), [], 0
         for value in init:
             size = int(np.prod(np.shape(value)))
-            out.append(flat[at:at + size].reshape(np.shape(value)))
+            out.append(flat[at : at + size].reshape(np.shape(value)))
             at += size
         return out, int(flat[at])
 
@@ -310,8 +339,9 @@ class Evaluator:
             function = self._dataset_function(dataset, init)
             self._dataset = (weakref.ref(dataset), function)
             return function
-        specs = tuple(tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype))
-                      for a in plan["flat"])
+        specs = tuple(
+            tf.TensorSpec([None] + list(a.shape[1:]), tf.as_dtype(a.dtype)) for a in plan["flat"]
+        )
         key = (repr(tf.nest.map_structure(lambda _: 0, plan["data"])), specs, plan["batch_size"])
         if key not in self._functions:
             self._functions[key] = self._array_function(plan, specs, init)
@@ -327,7 +357,7 @@ class Evaluator:
 
             def batch(i):
                 lo = i * b
-                part = tf.nest.map_structure(lambda t: t[lo:tf.minimum(lo + b, rows)], data)
+                part = tf.nest.map_structure(lambda t: t[lo : tf.minimum(lo + b, rows)], data)
                 return part if len(part) > 1 else part[0]
 
             return self._states(batches, batch, init)
@@ -337,7 +367,8 @@ class Evaluator:
     def _dataset_function(self, dataset, init):
         graph = tf.raw_ops.DatasetToGraphV2(
             input_dataset=tf.data.experimental.to_variant(dataset),
-            external_state_policy=_EXTERNAL_STATE_WARN, strip_device_assignment=True,
+            external_state_policy=_EXTERNAL_STATE_WARN,
+            strip_device_assignment=True,
         ).numpy()
         spec = dataset.element_spec
 
@@ -349,10 +380,15 @@ class Evaluator:
             empty = tf.strings.substr(tf.strings.as_string(start), 0, 0)
             graph_def = tf.strings.join([empty, tf.constant(graph)])
             source = tf.data.experimental.from_variant(
-                tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec)
+                tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec
+            )
             iterator = iter(source.skip(start).take(count))
-            return self._states(tf.cast(count, tf.int32), lambda i: iterator.get_next_as_optional(),
-                                init, optional=True)
+            return self._states(
+                tf.cast(count, tf.int32),
+                lambda i: iterator.get_next_as_optional(),
+                init,
+                optional=True,
+            )
 
         return tf.function(shard, autograph=False)
 
@@ -379,10 +415,17 @@ class Evaluator:
             states = tf.cond(more, lambda: step(value.get_value(), states), lambda: list(states))
             return (i + tf.cast(more, i.dtype), more, *states)
 
-        out = tf.while_loop(lambda i, more, *_: tf.logical_and(more, i < num_batches), body,
-                            (tf.constant(0), tf.constant(True), *states), parallel_iterations=1)
-        return tf.concat([tf.reshape(tf.cast(s, tf.float64) - v, [-1])
-                          for s, v in zip(out[2:], init)] + [tf.cast(out[:1], tf.float64)], axis=0)
+        out = tf.while_loop(
+            lambda i, more, *_: tf.logical_and(more, i < num_batches),
+            body,
+            (tf.constant(0), tf.constant(True), *states),
+            parallel_iterations=1,
+        )
+        return tf.concat(
+            [tf.reshape(tf.cast(s, tf.float64) - v, [-1]) for s, v in zip(out[2:], init)]
+            + [tf.cast(out[:1], tf.float64)],
+            axis=0,
+        )
 
 
 def _test_step_states(model, variables, weights, data, states):

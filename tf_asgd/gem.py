@@ -58,8 +58,15 @@ class GEM(keras.optimizers.Optimizer):
         epsilon: added to `|g|` in the denominator.
     """
 
-    def __init__(self, optimizer, kappa=1.0, pi_max=update_rules.GEM_PI_MAX,
-                 epsilon=update_rules.GEM_EPSILON, name="gem", **kwargs):
+    def __init__(
+        self,
+        optimizer,
+        kappa=1.0,
+        pi_max=update_rules.GEM_PI_MAX,
+        epsilon=update_rules.GEM_EPSILON,
+        name="gem",
+        **kwargs,
+    ):
         if isinstance(optimizer, dict):
             optimizer = keras.optimizers.deserialize(optimizer)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -144,18 +151,29 @@ class GEMPushRule:
         the proxy's other options are unused there too)."""
         if self._local is None:
             g_ = self.gem
-            config = dict(g_.inner.get_config(), momentum=0.0, nesterov=False,
-                          name="gem_local_sgd", clipnorm=g_.clipnorm, clipvalue=g_.clipvalue,
-                          global_clipnorm=g_.global_clipnorm, weight_decay=None, use_ema=False,
-                          loss_scale_factor=None, gradient_accumulation_steps=None)
+            config = dict(
+                g_.inner.get_config(),
+                momentum=0.0,
+                nesterov=False,
+                name="gem_local_sgd",
+                clipnorm=g_.clipnorm,
+                clipvalue=g_.clipvalue,
+                global_clipnorm=g_.global_clipnorm,
+                weight_decay=None,
+                use_ema=False,
+                loss_scale_factor=None,
+                gradient_accumulation_steps=None,
+            )
             self._local = keras.optimizers.SGD.from_config(config)
             self._local.build(trainable_variables)
         return self._local
 
     def create_worker_state(self, trainable_variables):
         """Per-worker `m`, previous pull, and a first-window flag."""
+
         def per_worker(v, name):
             return internals.per_worker_variable(tf.zeros(v.shape, v.dtype), name=name)
+
         self.momentums = [per_worker(v, "gem_m") for v in trainable_variables]
         self.previous = [per_worker(v, "gem_prev") for v in trainable_variables]
         self.started = internals.per_worker_variable(False, name="gem_started")
@@ -178,11 +196,15 @@ class GEMPushRule:
             )
             pushed.append(out)
             state += [(m_var, new_m), (p_var, c)]
-            stats.append(tf.stack([
-                tf.reduce_mean(pi),
-                tf.reduce_mean(tf.cast(pi <= 0.0, pi.dtype)),
-                tf.reduce_mean(tf.cast(pi >= g_.pi_max, pi.dtype)),
-            ]))
+            stats.append(
+                tf.stack(
+                    [
+                        tf.reduce_mean(pi),
+                        tf.reduce_mean(tf.cast(pi <= 0.0, pi.dtype)),
+                        tf.reduce_mean(tf.cast(pi >= g_.pi_max, pi.dtype)),
+                    ]
+                )
+            )
         state.append((self.started, tf.constant(True)))
         return pushed, state, tf.stack(stats)
 
@@ -197,7 +219,9 @@ def pi_history(model):
     # The strategy keeps the model's trainer; it is recognised by its marker,
     # as the Keras hook does (no import of the strategy module).
     strategy = internals.model_strategy(model)
-    trainer = strategy._trainer_of(model) if getattr(strategy, "_is_tf_asgd_strategy", False) else None
+    trainer = (
+        strategy._trainer_of(model) if getattr(strategy, "_is_tf_asgd_strategy", False) else None
+    )
     if trainer is None or trainer.push_rule is None:
         raise ValueError(
             f"Model {model.name!r} has not been trained with GEM under an "
@@ -229,7 +253,7 @@ class PiMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         names, stats = pi_history(self.model)
-        epoch_stats, self._seen = stats[self._seen:], len(stats)
+        epoch_stats, self._seen = stats[self._seen :], len(stats)
         if not len(epoch_stats):
             return
         if self._writer is None:

@@ -38,10 +38,14 @@ def check_keras_version():
     """Raises `RuntimeError` unless the installed Keras and TensorFlow are of
     `SUPPORTED_KERAS` and `SUPPORTED_TF`: the hook patches Keras's trainer
     and uses TF internals, so other versions are refused, not guessed at."""
-    found = [(name, version) for name, version, supported in (
-        ("Keras", keras.__version__, SUPPORTED_KERAS),
-        ("TensorFlow", tf.__version__, SUPPORTED_TF),
-    ) if _minor(version) not in supported]
+    found = [
+        (name, version)
+        for name, version, supported in (
+            ("Keras", keras.__version__, SUPPORTED_KERAS),
+            ("TensorFlow", tf.__version__, SUPPORTED_TF),
+        )
+        if _minor(version) not in supported
+    ]
     if found:
         keras_pin = f"keras>={SUPPORTED_KERAS[0]},<{_next_minor(SUPPORTED_KERAS[-1])}"
         tf_pin = f"tensorflow>={SUPPORTED_TF[0]},<{_next_minor(SUPPORTED_TF[-1])}"
@@ -64,17 +68,21 @@ check_keras_version()
 # Keras's TF trainer: the class whose fit/make_train_function keras_hook wraps
 # (Keras 3 has no public extension point for a parameter-server fit).
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402,F401
+
 # Keras's TF optimizer refuses `stateless_apply` under tf.distribute; the
 # backend-neutral BaseOptimizer implementation is what a window needs.
 from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: E402
 from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
+
 # Keras's own data adapters and validation split: `fit(steps_per_epoch=...)`
 # on arrays must give the same batches Keras would, repeated (no public API).
 from keras.src.trainers import data_adapters  # noqa: E402
 from keras.src.trainers.data_adapters import array_slicing  # noqa: E402
+
 # Whether a RemoteValue is ready without blocking: TF has no public poll and
 # no wait-for-any over several RemoteValues.
 from tensorflow.python.distribute.coordinator import remote_value  # noqa: E402
+
 # A variable split by a `variable_partitioner`; public only as
 # `tf.__internal__.distribute.ShardedVariable`.
 from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noqa: E402
@@ -112,15 +120,25 @@ def keras_tf_dataset(x, y, sample_weight, batch_size, shuffle, class_weight):
     """The `tf.data.Dataset` Keras's data adapter would feed `fit` for these
     arguments, and its number of batches (None if unknown)."""
     adapter = data_adapters.get_data_adapter(
-        x=x, y=y, sample_weight=sample_weight,
-        batch_size=batch_size, shuffle=shuffle, class_weight=class_weight,
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        class_weight=class_weight,
     )
     return adapter.get_tf_dataset(), adapter.num_batches
 
 
 # ---- Keras optimizers ----------------------------------------------------------
 
-_BASE_METHODS = ("assign", "assign_add", "assign_sub", "_backend_update_step", "_apply_weight_decay")
+_BASE_METHODS = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "_backend_update_step",
+    "_apply_weight_decay",
+)
 
 
 def _var_key(self, variable):
@@ -155,8 +173,11 @@ def moving_averages(optimizer):
     `_model_variables_moving_average`; no public accessor); [] without EMA."""
     if not optimizer.use_ema or not optimizer.built:
         return []
-    return [(v, a) for v, a in zip(optimizer._trainable_variables,
-                                   optimizer._model_variables_moving_average) if a is not None]
+    return [
+        (v, a)
+        for v, a in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average)
+        if a is not None
+    ]
 
 
 def accumulators(optimizer):
@@ -204,13 +225,16 @@ def _apply_statelessly(self, grads, trainable_variables=None):
     replica context), inside a `keras.StatelessScope`: its `stateless_apply`
     on the scope's current values, the results assigned in the scope."""
     if trainable_variables is not None and [id(v) for v in trainable_variables] != [
-            id(v) for v in self._trainable_variables]:
+        id(v) for v in self._trainable_variables
+    ]:
         raise ValueError(
             f"{type(self).__name__}.apply inside a window takes gradients for the variables "
-            "it was built with, in that order.")
+            "it was built with, in that order."
+        )
     targets, state = list(self._trainable_variables), self.variables
     new_targets, new_state = type(self).stateless_apply(
-        self, [v.value for v in state], list(grads), [v.value for v in targets])
+        self, [v.value for v in state], list(grads), [v.value for v in targets]
+    )
     for v, value in zip(targets + state, list(new_targets) + list(new_state)):
         v.assign(value)
 
@@ -239,8 +263,10 @@ def stateless_optimizers(optimizers):
     (`LossScaleOptimizer`) applies through it (`_apply_statelessly`)."""
     patched = []
     for optimizer in optimizers:
-        methods = {name: types.MethodType(getattr(BaseOptimizer, name), optimizer)
-                   for name in _BASE_METHODS}
+        methods = {
+            name: types.MethodType(getattr(BaseOptimizer, name), optimizer)
+            for name in _BASE_METHODS
+        }
         methods["_var_key"] = types.MethodType(_var_key, optimizer)
         own = type(optimizer).stateless_apply
         if own is TFOptimizer.stateless_apply:
@@ -249,7 +275,8 @@ def stateless_optimizers(optimizers):
             methods["apply"] = types.MethodType(_apply_statelessly, optimizer)
         if optimizer.gradient_accumulation_steps or optimizer.use_ema:
             methods["_backend_apply_gradients"] = types.MethodType(
-                _stateless_apply_gradients, optimizer)
+                _stateless_apply_gradients, optimizer
+            )
         optimizer.__dict__.update(methods)
         patched.append((optimizer, methods))
     try:
@@ -403,8 +430,12 @@ def keras_data_adapter(x, y, sample_weight, batch_size, shuffle, class_weight):
     a pass's length, `on_epoch_begin` / `on_epoch_end` what Keras calls around
     an epoch. Keras has no public API that hands out these pieces."""
     return data_adapters.get_data_adapter(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-        shuffle=shuffle, class_weight=class_weight,
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        class_weight=class_weight,
     )
 
 
@@ -456,8 +487,9 @@ def trace_checkpoint_writes(checkpoint):
 
     def traced_write(file_prefix, options=None):
         callbacks = list(getattr(options, "experimental_write_callbacks", None) or ())
-        if options is not None and (options.experimental_enable_async_checkpoint
-                                    or options.experimental_io_device):
+        if options is not None and (
+            options.experimental_enable_async_checkpoint or options.experimental_io_device
+        ):
             return write(file_prefix, options=options)
         tf.io.gfile.makedirs(os.path.dirname(file_prefix) or ".")
         path = traced(tf.constant(file_prefix, tf.string)).numpy().decode()
@@ -552,7 +584,8 @@ def _connected_to_gone_task(context):
         return False
     return any(
         set(job.tasks.values()) & _gone_tasks
-        for job in server_def.cluster.job if job.name != server_def.job_name
+        for job in server_def.cluster.job
+        if job.name != server_def.job_name
     )
 
 
@@ -580,7 +613,8 @@ def per_worker_element_spec(iterator):
     from tensorflow.python.distribute.coordinator import cluster_coordinator
 
     return cluster_coordinator._maybe_as_type_spec(  # noqa: SLF001
-        cluster_coordinator._select_worker_slice(0, iterator))._element_spec  # noqa: SLF001
+        cluster_coordinator._select_worker_slice(0, iterator)
+    )._element_spec  # noqa: SLF001
 
 
 def pythonify_logs(logs):

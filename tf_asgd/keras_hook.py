@@ -96,9 +96,11 @@ def _window_trainer(model):
 
 
 def _check_outside_scope(model):
-    if tf.distribute.has_strategy() and _asgd_strategy(
-        tf.distribute.get_strategy()
-    ) is not None and not _ours(model):
+    if (
+        tf.distribute.has_strategy()
+        and _asgd_strategy(tf.distribute.get_strategy()) is not None
+        and not _ours(model)
+    ):
         raise ValueError(
             f"Model {model.name!r} was created outside "
             "`AsyncParameterServerStrategy.scope()`, so its variables are not "
@@ -200,14 +202,17 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
         callbacks = callbacks.callbacks
     names = []
     for callback in callbacks:
-        if getattr(callback, "save_freq", None) == "epoch" or getattr(
-                callback, "update_freq", None) == "epoch":
+        if (
+            getattr(callback, "save_freq", None) == "epoch"
+            or getattr(callback, "update_freq", None) == "epoch"
+        ):
             continue  # ModelCheckpoint, BackupAndRestore, TensorBoard: once per epoch
         cls = type(callback)
         if cls not in _said_per_window and any(
-                hook in vars(callback)  # e.g. LambdaCallback's
-                or getattr(cls, hook, None) is not getattr(keras.callbacks.Callback, hook)
-                for hook in _BATCH_HOOKS):
+            hook in vars(callback)  # e.g. LambdaCallback's
+            or getattr(cls, hook, None) is not getattr(keras.callbacks.Callback, hook)
+            for hook in _BATCH_HOOKS
+        ):
             _said_per_window.add(cls)
             names.append(cls.__name__)
     if names:
@@ -215,7 +220,9 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
             "tf_asgd: %s: batch-level callback methods run once per window of n_sync=%d "
             "steps, with `batch` the window's last step and the logs of the windows "
             "finished so far (Keras's steps_per_execution is n_sync during fit).",
-            ", ".join(names), n_sync)
+            ", ".join(names),
+            n_sync,
+        )
 
 
 def _join(trainer, failed):
@@ -260,8 +267,14 @@ def _steps_and_repeated_data(original, model, args, kwargs):
     if python_input is not None:
         _refuse_python_input_on_workers(_strategy_of(model), python_input)
         feed, kw["x"] = python_inputs.chief_feed(
-            x, kw["y"], kw["sample_weight"], kw["batch_size"], kw["shuffle"],
-            kw["class_weight"], python_input)
+            x,
+            kw["y"],
+            kw["sample_weight"],
+            kw["batch_size"],
+            kw["shuffle"],
+            kw["class_weight"],
+            python_input,
+        )
         num_batches = feed.num_batches
         kw.update(y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False)
     elif not arrays:
@@ -276,8 +289,11 @@ def _steps_and_repeated_data(original, model, args, kwargs):
             )
             kw["validation_split"] = 0.0
         x, num_batches = internals.keras_tf_dataset(
-            x=kw["x"], y=kw["y"], sample_weight=kw["sample_weight"],
-            batch_size=kw["batch_size"], shuffle=kw["shuffle"],
+            x=kw["x"],
+            y=kw["y"],
+            sample_weight=kw["sample_weight"],
+            batch_size=kw["batch_size"],
+            shuffle=kw["shuffle"],
             class_weight=kw["class_weight"],
         )
         # Keras validates with fit's batch size unless told otherwise; the
@@ -315,8 +331,11 @@ PYTHON_INPUT_FIX = (
 )
 
 # Ops that call back into the Python interpreter that created them.
-_PYTHON_OPS = {"PyFunc": "tf.numpy_function", "PyFuncStateless": "tf.numpy_function",
-               "EagerPyFunc": "tf.py_function"}
+_PYTHON_OPS = {
+    "PyFunc": "tf.numpy_function",
+    "PyFuncStateless": "tf.numpy_function",
+    "EagerPyFunc": "tf.py_function",
+}
 _EXTERNAL_STATE_IGNORE = 1  # DatasetToGraphV2's ExternalStatePolicy.IGNORE
 
 
@@ -338,7 +357,8 @@ def _refuse_python_input_on_workers(strategy, what):
             f"to {what}: it runs Python on the chief, so the chief reads it and sends the "
             "batches to the workers (a worker reading it would call back into the chief's "
             "Python for each batch, which stalls or hangs the cluster). Drop "
-            "`per_worker_dataset_fn` to train on it as it is, or " + PYTHON_INPUT_FIX[0].lower()
+            "`per_worker_dataset_fn` to train on it as it is, or "
+            + PYTHON_INPUT_FIX[0].lower()
             + PYTHON_INPUT_FIX[1:]
         )
 
@@ -379,8 +399,11 @@ def _python_ops_in(dataset):
     ]:
         for node in nodes:
             if node.op in _PYTHON_OPS:
-                found.add("tf.data.Dataset.from_generator" if "from_generator" in name
-                          else _PYTHON_OPS[node.op])
+                found.add(
+                    "tf.data.Dataset.from_generator"
+                    if "from_generator" in name
+                    else _PYTHON_OPS[node.op]
+                )
     if not found:
         return None
     return "a tf.data.Dataset that calls " + " and ".join(sorted(found))
@@ -456,7 +479,8 @@ def _symbolic_build(original, model, iterator=None, data_batch=None):
             # cannot take; plain Keras (no strategy) defers to the first trace
             # of `train_step`, as the window does (`steps.ModelStep.prepare`).
             if type(model).train_step is keras.Model.train_step or not all(
-                    layer.built for layer in model.layers):
+                layer.built for layer in model.layers
+            ):
                 raise
     if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
         with _strategy_of(model).scope():

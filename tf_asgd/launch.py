@@ -28,28 +28,34 @@ from ml_collections import config_flags
 from tf_asgd import cluster, config_fields, data, network
 
 config_flags.DEFINE_config_file(
-    "config", None,
+    "config",
+    None,
     "Path to a config file with get_config() (e.g. configs/default.py).\n"
     + config_fields.config_help(),
     lock_config=True,
 )
 flags.DEFINE_string(
-    "workdir", None,
+    "workdir",
+    None,
     "Output directory: checkpoints/, model.keras, tensorboard/, metrics.csv, results.json. "
     "Needed by the chief, the evaluator and local runs; worker and ps tasks ignore it.",
 )
 flags.DEFINE_bool(
-    "resume", False,
+    "resume",
+    False,
     "Continue from the newest checkpoint in --workdir (central variables, optimizer step, "
     "version counter, outer optimizer state, epoch count).",
 )
 flags.DEFINE_integer(
-    "gpus_per_worker", None,
+    "gpus_per_worker",
+    None,
     "GPUs per local worker process, each worker seeing its own through CUDA_VISIBLE_DEVICES; "
     "overrides config.gpus_per_worker. PS tasks and the chief never use a GPU.",
 )
 flags.DEFINE_enum(
-    "isolate_network", "auto", ["auto", "yes", "no"],
+    "isolate_network",
+    "auto",
+    ["auto", "yes", "no"],
     "Local runs: run the chief and its tasks in a network namespace whose only interface is "
     "loopback, so that no one outside can reach their ports (TF 2.21 listens on 0.0.0.0 and "
     "has no authentication). auto: when the kernel allows it and no data must be "
@@ -57,13 +63,15 @@ flags.DEFINE_enum(
     "under TF_CONFIG.",
 )
 flags.DEFINE_bool(
-    "verbose_tf", False,
+    "verbose_tf",
+    False,
     "Show TensorFlow's own logs: its start-up lines and C++ INFO logs "
     "(TF_CPP_MIN_LOG_LEVEL=0) in the launcher and in every task it starts, and its "
     "Python INFO logs. Off by default: errors and warnings are shown either way.",
 )
 flags.DEFINE_float(
-    "stop_timeout", 60.0,
+    "stop_timeout",
+    60.0,
     "After Ctrl-C or SIGTERM the launcher saves a checkpoint and stops its local "
     "cluster, then exits; if that takes longer than this many seconds (TF blocked), it "
     "prints every thread's stack and exits with status 1 (0 = no bound).",
@@ -77,27 +85,36 @@ def isolate_local_run(mode, config):
     or when the run stays outside it."""
     if mode == "no":
         return
-    if (mode == "auto" and not network.in_loopback_namespace() and config.download
-            and data.needs_download(config.dataset, config.data_dir)):
+    if (
+        mode == "auto"
+        and not network.in_loopback_namespace()
+        and config.download
+        and data.needs_download(config.dataset, config.data_dir)
+    ):
         logging.warning(
             "Not isolating the local cluster to loopback: %s must be downloaded first "
             "(a loopback-only namespace has no network). Its ports listen on every "
-            "interface; once the data is here, runs are isolated.", config.dataset)
+            "interface; once the data is here, runs are isolated.",
+            config.dataset,
+        )
         return
     try:
         # Outside: does not return. Inside, TF starts quietly (see quiet_tf_startup).
-        network.reexec_in_loopback_namespace(
-            cluster.python_command("tf_asgd.launch", sys.argv[1:]))
+        network.reexec_in_loopback_namespace(cluster.python_command("tf_asgd.launch", sys.argv[1:]))
     except OSError as e:
         if mode == "yes":
             sys.exit(f"tf_asgd.launch: --isolate_network=yes, but {e}.")
         logging.warning(
             "The local cluster's ports listen on every interface (TF 2.21 binds 0.0.0.0; "
             "its gRPC has no authentication) because %s. Firewall this machine, or "
-            "pass --isolate_network=no to accept this.", e)
+            "pass --isolate_network=no to accept this.",
+            e,
+        )
         return
-    logging.info("Isolated: this run has its own network namespace with only loopback; "
-                 "no one outside can reach the cluster's ports.")
+    logging.info(
+        "Isolated: this run has its own network namespace with only loopback; "
+        "no one outside can reach the cluster's ports."
+    )
 
 
 def main(argv):
@@ -123,14 +140,17 @@ def main(argv):
     logging.info("config:\n%s", config)
     stop = train_lib.StopSignals(FLAGS.stop_timeout)
     try:
-        training.run(config, FLAGS.workdir and os.path.abspath(FLAGS.workdir),
-                     resume=FLAGS.resume, stop=stop)
+        training.run(
+            config, FLAGS.workdir and os.path.abspath(FLAGS.workdir), resume=FLAGS.resume, stop=stop
+        )
     except lost_tasks.ClusterTaskLostError as e:
         logging.error("%s", e)
         sys.exit(f"tf_asgd.launch: {e}")
     except KeyboardInterrupt:
-        logging.warning("stopped by %s. Rerun with --resume to continue from the newest "
-                        "checkpoint.", f"signal {stop.signum}" if stop.signum else "KeyboardInterrupt")
+        logging.warning(
+            "stopped by %s. Rerun with --resume to continue from the newest checkpoint.",
+            f"signal {stop.signum}" if stop.signum else "KeyboardInterrupt",
+        )
         sys.exit(stop.exit_code)
     finally:
         # The process ends: no remote work follows, and freeing the chief's

@@ -47,10 +47,12 @@ def task_lost_error(error, cluster, manager, epoch_var):
     where = (
         f"The newest checkpoint is {latest} (epoch {int(epoch_var.numpy())}); rerun "
         "with --resume to continue from it."
-        if latest else "No checkpoint was written yet; rerun to start again."
+        if latest
+        else "No checkpoint was written yet; rerun to start again."
     )
     what = (
-        f"unreachable: {', '.join(down)}" if down
+        f"unreachable: {', '.join(down)}"
+        if down
         else "every task still accepts connections, so the link failed"
     )
     return ClusterTaskLostError(

@@ -77,8 +77,10 @@ class ReconnectionWatch:
             internals.order_coordinator_stop(coordinator, self.release)
             _watches.add(self)
         else:
-            log.warning("TF's coordinator has an unknown failure handler: a worker that does "
-                        "not come back is waited for without a bound.")
+            log.warning(
+                "TF's coordinator has an unknown failure handler: a worker that does "
+                "not come back is waited for without a bound."
+            )
 
     def release(self):
         """Ends the watch for good (the coordinator stops): a gate running
@@ -90,8 +92,12 @@ class ReconnectionWatch:
         while self._gating and time.monotonic() < deadline:
             time.sleep(0.02)
         cluster = self._cluster()
-        while (released and cluster is not None and time.monotonic() < deadline
-               and internals.workers_awaiting_reconnection(cluster)):
+        while (
+            released
+            and cluster is not None
+            and time.monotonic() < deadline
+            and internals.workers_awaiting_reconnection(cluster)
+        ):
             time.sleep(0.02)
 
     def _gate(self):
@@ -99,7 +105,8 @@ class ReconnectionWatch:
         stops, TF must not reconnect (its worker threads are told to end)."""
         self._gating = True
         pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(32, len(self.tasks)), thread_name_prefix="tf_asgd_probe")
+            max_workers=min(32, len(self.tasks)), thread_name_prefix="tf_asgd_probe"
+        )
         try:
             return self._wait_for_tasks(pool)
         except Exception:  # noqa: BLE001 (a bug here must not stop TF's thread)
@@ -129,8 +136,11 @@ class ReconnectionWatch:
             now = time.monotonic()
             if not down:
                 if last_down is not None:
-                    log.warning("All %d cluster task(s) answer again after %.1f s; reconnecting.",
-                                len(self.tasks), now - start)
+                    log.warning(
+                        "All %d cluster task(s) answer again after %.1f s; reconnecting.",
+                        len(self.tasks),
+                        now - start,
+                    )
                 return True
             cluster = self._cluster()
             if cluster is None:
@@ -140,18 +150,26 @@ class ReconnectionWatch:
             if len(waiting) < self.num_workers:  # a worker still runs closures
                 stalled_since = None
                 if set(down) != last_down:
-                    log.warning("Lost %d cluster task(s): %s. Training goes on on the other "
-                                "workers; TF reconnects once every task answers.",
-                                len(down), named)
+                    log.warning(
+                        "Lost %d cluster task(s): %s. Training goes on on the other "
+                        "workers; TF reconnects once every task answers.",
+                        len(down),
+                        named,
+                    )
             else:
                 stalled_since = stalled_since or now
                 timeout = self._current_timeout()
                 if now - stalled_since >= timeout:
                     self._give_up(cluster, down, timeout)
                 elif now >= next_log:
-                    log.warning("No worker can run: waiting at most %g s (%.0f s so far) for "
-                                "%d cluster task(s) to answer: %s",
-                                timeout, now - stalled_since, len(down), named)
+                    log.warning(
+                        "No worker can run: waiting at most %g s (%.0f s so far) for "
+                        "%d cluster task(s) to answer: %s",
+                        timeout,
+                        now - stalled_since,
+                        len(down),
+                        named,
+                    )
                     next_log = now + connect.LOG_EVERY_SECS
             last_down = set(down)
             del cluster
@@ -166,10 +184,14 @@ class ReconnectionWatch:
     def _give_up(self, cluster, down, timeout):
         """Fails the closures waiting for a worker with a `WorkersLostError`."""
         error = connect.WorkersLostError(
-            [(*task, reason) for task, reason in down.items()], timeout)
+            [(*task, reason) for task, reason in down.items()], timeout
+        )
         failed = internals.fail_waiting_closures(cluster, error)
         if failed:
             self.lost = error
-            log.error("Gave up waiting for %s after %g s: %d closure(s) failed with "
-                      "WorkersLostError.",
-                      ", ".join(f"{j}:{i} at {a}" for j, i, a, _ in error.tasks), timeout, failed)
+            log.error(
+                "Gave up waiting for %s after %g s: %d closure(s) failed with WorkersLostError.",
+                ", ".join(f"{j}:{i} at {a}" for j, i, a, _ in error.tasks),
+                timeout,
+                failed,
+            )

@@ -72,9 +72,17 @@ def unmergeable(model, update, arg_specs):
         merges by addition.
     """
     variables = list(model.metrics_variables)
-    found = [(v, (f"has aggregation {v.aggregation!r}: only 'sum' states merge by "
-                  "addition over windows and evaluation shards"))
-             for v in variables if getattr(v, "aggregation", SUM) != SUM]
+    found = [
+        (
+            v,
+            (
+                f"has aggregation {v.aggregation!r}: only 'sum' states merge by "
+                "addition over windows and evaluation shards"
+            ),
+        )
+        for v in variables
+        if getattr(v, "aggregation", SUM) != SUM
+    ]
     if len(found) < len(variables):
         found += _nonadditive(variables, update, arg_specs, {id(v) for v, _ in found})
     return [(_owner(model, v), v.path, why) for v, why in found]
@@ -96,6 +104,7 @@ def check_training(model, step, element_spec, weights, optimizer_variables):
     Raises:
         MetricStateError: naming each such metric, its variable and why.
     """
+
     def specs(variables):
         return [tf.TensorSpec(v.shape, v.dtype) for v in variables]
 
@@ -110,12 +119,14 @@ def check_training(model, step, element_spec, weights, optimizer_variables):
 def training_error(model, found):
     """The `MetricStateError` that refuses to train `model` with `found`
     (from `unmergeable`)."""
-    what = "; ".join(f"metric {name!r}: the metric variable {path!r} {why}"
-                     for name, path, why in found)
+    what = "; ".join(
+        f"metric {name!r}: the metric variable {path!r} {why}" for name, path, why in found
+    )
     return MetricStateError(
         f"tf_asgd cannot train model {model.name!r} with this metric: a window's metric "
         "states are added on the chief, which is exact only for states that every update "
-        f"adds to. {what}. {FIX}")
+        f"adds to. {what}. {FIX}"
+    )
 
 
 def describe(found):
@@ -172,8 +183,10 @@ def _why_not_additive(out, state_names, tainted):
     values that read no metric state (`tainted` ops read one), else why not,
     in words."""
     if out.op.name not in tainted:
-        return ("is overwritten by its update (`v.assign(x)`, x not read from v): the "
-                "changes of successive parts do not add up")
+        return (
+            "is overwritten by its update (`v.assign(x)`, x not read from v): the "
+            "changes of successive parts do not add up"
+        )
     t = out
     while True:
         if t.op.name in state_names:
@@ -190,14 +203,19 @@ def _why_not_additive(out, state_names, tainted):
             if op.type in _ADD and a.op.name not in tainted:
                 t = b
                 continue
-            return ("is incremented by a value that reads a metric state (e.g. "
-                    "`total.assign_add(x * count)`), and every part starts from the same state")
-        return (f"is updated with {op.type} of a metric state (`v.assign(max(v, x))` is a "
-                "Maximum), not by adding to it")
+            return (
+                "is incremented by a value that reads a metric state (e.g. "
+                "`total.assign_add(x * count)`), and every part starts from the same state"
+            )
+        return (
+            f"is updated with {op.type} of a metric state (`v.assign(max(v, x))` is a "
+            "Maximum), not by adding to it"
+        )
 
 
 def _owner(model, variable):
     """The name of the innermost metric of `model` that holds `variable`."""
+
     def visit(metrics):
         for m in metrics:
             if any(v is variable for v in getattr(m, "variables", ())):

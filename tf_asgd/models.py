@@ -152,21 +152,26 @@ def _residual_block(x, filters, strides, name):
     input (through a strided 1x1 conv and BN where the shape changes), ReLU."""
     L = keras.layers
     shortcut = x
-    y = L.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False,
-                 name=f"{name}_conv1")(x)
+    y = L.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False, name=f"{name}_conv1")(
+        x
+    )
     y = L.BatchNormalization(name=f"{name}_bn1")(y)
     y = L.ReLU(name=f"{name}_relu1")(y)
     y = L.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
     y = L.BatchNormalization(name=f"{name}_bn2")(y)
     if strides != 1 or x.shape[-1] != filters:
-        shortcut = L.Conv2D(filters, 1, strides=strides, use_bias=False,
-                            name=f"{name}_proj")(x)
+        shortcut = L.Conv2D(filters, 1, strides=strides, use_bias=False, name=f"{name}_proj")(x)
         shortcut = L.BatchNormalization(name=f"{name}_proj_bn")(shortcut)
     return L.ReLU(name=f"{name}_out")(L.Add(name=f"{name}_add")([y, shortcut]))
 
 
-def resnet_bn(input_shape=(32, 32, 3), num_classes=10, widths=(32, 64, 128), blocks_per_stage=1,
-              stem_strides=2):
+def resnet_bn(
+    input_shape=(32, 32, 3),
+    num_classes=10,
+    widths=(32, 64, 128),
+    blocks_per_stage=1,
+    stem_strides=2,
+):
     """A small ResNet with batch normalisation (He et al. 2016's CIFAR design, shallower).
 
     A 3x3 conv stem (BN, ReLU), then one stage per entry of `widths`, each
@@ -189,8 +194,9 @@ def resnet_bn(input_shape=(32, 32, 3), num_classes=10, widths=(32, 64, 128), blo
     """
     L = keras.layers
     inputs = keras.Input(input_shape)
-    x = L.Conv2D(widths[0], 3, strides=stem_strides, padding="same", use_bias=False,
-                 name="stem_conv")(inputs)
+    x = L.Conv2D(
+        widths[0], 3, strides=stem_strides, padding="same", use_bias=False, name="stem_conv"
+    )(inputs)
     x = L.BatchNormalization(name="stem_bn")(x)
     x = L.ReLU(name="stem_relu")(x)
     for stage, filters in enumerate(widths):

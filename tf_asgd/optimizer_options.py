@@ -58,7 +58,8 @@ class UnsupportedFeatureError(ValueError):
 def _refuse(feature, why, instead):
     return UnsupportedFeatureError(
         f"{feature} is not supported under tf_asgd.AsyncParameterServerStrategy: {why} "
-        f"Instead: {instead}")
+        f"Instead: {instead}"
+    )
 
 
 def _is_gem(optimizer):
@@ -76,23 +77,31 @@ def check_compiled(optimizer):
                 "`mixed_float16` (a `LossScaleOptimizer`) with GEM",
                 "GEM's push rule runs its own local SGD and loss scaling would wrap "
                 "GEM's update, not that SGD.",
-                "train GEM under the float32 policy.")
-        for option in ("use_ema", "gradient_accumulation_steps", "loss_scale_factor",
-                       "weight_decay"):
+                "train GEM under the float32 policy.",
+            )
+        for option in (
+            "use_ema",
+            "gradient_accumulation_steps",
+            "loss_scale_factor",
+            "weight_decay",
+        ):
             if getattr(gem, option, None):
                 raise _refuse(
                     f"`{option}` on GEM (`{gem.name}`)",
                     "a window pushes GEM's rescaled update of plain local SGD steps, "
                     "which do not carry this option.",
-                    f"compile GEM without `{option}`, or a plain Keras optimizer with it.")
+                    f"compile GEM without `{option}`, or a plain Keras optimizer with it.",
+                )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and any(
-            o.gradient_accumulation_steps for o in chain):
+        o.gradient_accumulation_steps for o in chain
+    ):
         raise _refuse(
             "`gradient_accumulation_steps` with a `LossScaleOptimizer` (`mixed_float16`)",
             "a step skipped for non-finite gradients does not advance the step count, "
             "so one worker's accumulation cycle would drift from the shared step count.",
             "use `gradient_accumulation_steps` under the float32 or mixed_bfloat16 policy, "
-            "or a larger batch.")
+            "or a larger batch.",
+        )
 
 
 def check_own_train_step(model, optimizers):
@@ -100,11 +109,13 @@ def check_own_train_step(model, optimizers):
     cannot have honoured for `optimizers`. Raises `UnsupportedFeatureError`."""
     for optimizer in optimizers:
         for option, why in (
-                ("gradient_accumulation_steps",
-                 "how many times `train_step` applies an optimizer per step is not known "
-                 "before it runs, so windows cannot be cut into whole accumulation cycles."),
-                ("use_ema",
-                 "the PS keeps the average for the compiled optimizer's Keras step only.")):
+            (
+                "gradient_accumulation_steps",
+                "how many times `train_step` applies an optimizer per step is not known "
+                "before it runs, so windows cannot be cut into whole accumulation cycles.",
+            ),
+            ("use_ema", "the PS keeps the average for the compiled optimizer's Keras step only."),
+        ):
             if getattr(optimizer, option, None):
                 raise _refuse(
                     f"`{option}` on optimizer `{optimizer.name}` of {type(model).__name__}, "
@@ -112,13 +123,15 @@ def check_own_train_step(model, optimizers):
                     why,
                     f"compile without `{option}` (accumulate or average in `train_step` "
                     "itself, with variables the model holds), or train with Keras's own "
-                    "`train_step`.")
+                    "`train_step`.",
+                )
 
 
 def accumulation_steps(optimizer):
     """The compiled chain's `gradient_accumulation_steps` (1 without)."""
-    return max([o.gradient_accumulation_steps or 1
-                for o in internals.wrapped_optimizers(optimizer)])
+    return max(
+        [o.gradient_accumulation_steps or 1 for o in internals.wrapped_optimizers(optimizer)]
+    )
 
 
 def check_window_steps(optimizer, n_sync, steps_per_epoch):
@@ -136,7 +149,8 @@ def check_window_steps(optimizer, n_sync, steps_per_epoch):
             "every window must hold whole accumulation cycles, or one worker's partial "
             "cycle would be averaged with gradients of a later pull.",
             f"make `n_sync` and the epoch's steps multiples of {cycle} (pass "
-            "`steps_per_epoch`, or choose the batch size).")
+            "`steps_per_epoch`, or choose the batch size).",
+        )
 
 
 class CentralAverages:
@@ -163,15 +177,15 @@ class CentralAverages:
             raise _refuse(
                 f"`use_ema` on optimizer `{optimizer.name}`",
                 f"it averages variables that are not the model's ({', '.join(stray[:3])}).",
-                "build the optimizer on the model's trainable variables.")
+                "build the optimizer on the model's trainable variables.",
+            )
         self.momentum = float(optimizer.ema_momentum)
         self.cycle = optimizer.gradient_accumulation_steps or 1
         self.frequency = optimizer.ema_overwrite_frequency
         self.counter, self.index = counter, index
         self.overwrites = None
         if self.frequency:
-            with strategy.scope(), strategy.extended.colocate_vars_with(
-                    strategy.counters.version):
+            with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
                 # Overwrites made so far; from the step count now, so that a
                 # restored step count does not trigger one at once.
                 start = self._reached(tf.constant(int(raw(counter).numpy()), tf.int64))
@@ -202,16 +216,19 @@ class CentralAverages:
             steps = tf.cast(read(counter), tf.int64)
             before = steps - advance
             first = tf.logical_or(tf.equal(ticket, 0), tf.equal(before // self.cycle, 0))
-            momentum = tf.where(first, tf.zeros([], tf.float64),
-                                tf.pow(tf.constant(self.momentum, tf.float64),
-                                       tf.cast(advance, tf.float64)))
+            momentum = tf.where(
+                first,
+                tf.zeros([], tf.float64),
+                tf.pow(tf.constant(self.momentum, tf.float64), tf.cast(advance, tf.float64)),
+            )
             pushed = advance > 0
             ops, overwrite = [], None
             if self.overwrites is not None:
                 done, reached = self.overwrites.read_value(), self._reached(steps)
                 overwrite = tf.logical_and(pushed, reached > done)
-                ops.append(self.overwrites.assign(
-                    tf.where(overwrite, reached, done), read_value=False))
+                ops.append(
+                    self.overwrites.assign(tf.where(overwrite, reached, done), read_value=False)
+                )
         for var, average in self.pairs:
             rv, ra = raw(var), raw(average)
             with tf.device(device_of(ra)), tf.control_dependencies([after]):
@@ -228,6 +245,7 @@ def _write_if(condition, pieces):
     """Assigns each `(PS variable, value)` where it lives, if `condition`."""
     ops = []
     for variable, value in pieces:
+
         def write(variable=variable, value=value):
             with tf.control_dependencies([variable.assign(value, read_value=False)]):
                 return tf.constant(True)

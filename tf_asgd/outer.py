@@ -24,7 +24,8 @@ def create_slots(opt, shard):
     with strategy.extended.colocate_vars_with(shard):
         for name in opt.slots:
             slots[name] = tf.Variable(
-                tf.zeros(shard.shape, shard.dtype), trainable=False,
+                tf.zeros(shard.shape, shard.dtype),
+                trainable=False,
                 name=f"{shard.name.split(':')[0]}/outer_{name}",
             )
     return slots
@@ -64,10 +65,17 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     if isinstance(opt, update_rules.OuterSGD):
         # velocity = mu * velocity - lr * g; shard += velocity
         # (Nesterov: shard += mu * velocity - lr * g), atomically.
-        return [tf.raw_ops.ResourceApplyKerasMomentum(
-            var=shard.handle, accum=velocity.handle, lr=lr, grad=g,
-            momentum=mu, use_locking=True, use_nesterov=opt.nesterov,
-        )]
+        return [
+            tf.raw_ops.ResourceApplyKerasMomentum(
+                var=shard.handle,
+                accum=velocity.handle,
+                lr=lr,
+                grad=g,
+                momentum=mu,
+                use_locking=True,
+                use_nesterov=opt.nesterov,
+            )
+        ]
     # Delayed Nesterov, written without branches: `due` is 1 for the pushes
     # whose ticket closes a group of `delay`, else 0.
     delay = opt.delay or num_workers

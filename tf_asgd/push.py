@@ -98,14 +98,20 @@ class Transfer:
         for d, idx, packed in self.groups:
             if device is None or d == device:
                 parts = [tensors[i] for i in idx]
-                out.append(tf.concat([_to_bytes(t) for t in parts], 0) if packed
-                           else tf.reshape(parts[0], [-1]))
+                out.append(
+                    tf.concat([_to_bytes(t) for t in parts], 0)
+                    if packed
+                    else tf.reshape(parts[0], [-1])
+                )
         return out
 
     def empty(self, device):
         """Flat tensors of no elements, like `gather(..., device)` makes."""
-        return [tf.zeros([0], tf.uint8 if packed else self.specs[idx[0]][2])
-                for d, idx, packed in self.groups if d == device]
+        return [
+            tf.zeros([0], tf.uint8 if packed else self.specs[idx[0]][2])
+            for d, idx, packed in self.groups
+            if d == device
+        ]
 
     def scatter(self, flats, on_devices=False):
         """The tensors from the flat tensors of every group, in spec order;
@@ -158,11 +164,18 @@ class Pull:
         tensors = [raw(v) for v in shared] + [s for v in variables for s in shard_variables(raw(v))]
 
         def meta(ids):
-            return tf.stack([tf.constant(-1, tf.int64), tf.cast(replayed(ids), tf.int64),
-                             counters.version.read_value()])
+            return tf.stack(
+                [
+                    tf.constant(-1, tf.int64),
+                    tf.cast(replayed(ids), tf.int64),
+                    counters.version.read_value(),
+                ]
+            )
+
         self._reads = [meta] + [lambda ids, v=v: v.read_value() for v in tensors]
-        self.transfer = Transfer([(self.cdev, [3], tf.int64)]
-                                 + [(v.device, v.shape, v.dtype) for v in tensors])
+        self.transfer = Transfer(
+            [(self.cdev, [3], tf.int64)] + [(v.device, v.shape, v.dtype) for v in tensors]
+        )
 
     def read(self, ids, device=None):
         """On each PS (or `device` only): the pull's flat tensors."""
@@ -170,8 +183,10 @@ class Pull:
         for d in self.transfer.devices():
             if device is None or d == device:
                 with tf.device(d):
-                    values = [read(ids) if spec[0] == d else None
-                              for spec, read in zip(self.transfer.specs, self._reads)]
+                    values = [
+                        read(ids) if spec[0] == d else None
+                        for spec, read in zip(self.transfer.specs, self._reads)
+                    ]
                     out += self.transfer.gather(values, d)
         return out
 
@@ -189,7 +204,11 @@ class Pull:
     def unpack(self, flats):
         """On the worker: `(meta, shared values, variable values)`."""
         values = self.transfer.scatter(flats)
-        meta, shared, pieces = values[0], values[1:1 + self.num_shared], values[1 + self.num_shared:]
+        meta, shared, pieces = (
+            values[0],
+            values[1 : 1 + self.num_shared],
+            values[1 + self.num_shared :],
+        )
         weights = []
         for i in range(self.num_variables):
             parts = [p for owner, p in zip(self.owners, pieces) if owner == i]
@@ -215,11 +234,22 @@ def _from_bytes(b, shape, dtype):
 
 def update_specs(variables, updates):
     """`(shard, its piece of the update)` per PS shard, in order."""
-    return [(shard, piece) for v, u in zip(variables, updates) for shard, piece in shards(raw(v), u)]
+    return [
+        (shard, piece) for v, u in zip(variables, updates) for shard, piece in shards(raw(v), u)
+    ]
 
 
-def push_update(variables, updates, pulled_version, counters, rule, max_staleness,
-                outer_optimizer=None, slots=None, num_workers=1):
+def push_update(
+    variables,
+    updates,
+    pulled_version,
+    counters,
+    rule,
+    max_staleness,
+    outer_optimizer=None,
+    slots=None,
+    num_workers=1,
+):
     """The PS side of a push; call inside a closure running on a worker.
 
     First every piece of the update is copied to the PS that holds its
@@ -239,14 +269,36 @@ def push_update(variables, updates, pulled_version, counters, rule, max_stalenes
     pieces = update_specs(variables, updates)
     transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces])
     arrived, landed = transfer.send([p for _, p in pieces])
-    done, tau = apply_push(variables, arrived, landed, pulled_version, counters, rule,
-                           max_staleness, outer_optimizer, slots, num_workers)
+    done, tau = apply_push(
+        variables,
+        arrived,
+        landed,
+        pulled_version,
+        counters,
+        rule,
+        max_staleness,
+        outer_optimizer,
+        slots,
+        num_workers,
+    )
     return list(done.values()), tau
 
 
-def apply_push(variables, arrived, landed, pulled_version, counters, rule, max_staleness,
-               outer_optimizer=None, slots=None, num_workers=1, also=None, ok=None,
-               otherwise=None):
+def apply_push(
+    variables,
+    arrived,
+    landed,
+    pulled_version,
+    counters,
+    rule,
+    max_staleness,
+    outer_optimizer=None,
+    slots=None,
+    num_workers=1,
+    also=None,
+    ok=None,
+    otherwise=None,
+):
     """Applies an update that has arrived on the PS: the ticket, the outer
     optimizer, the counters; call inside a closure running on a worker.
 
@@ -296,8 +348,11 @@ def apply_push(variables, arrived, landed, pulled_version, counters, rule, max_s
         `otherwise()` when not pushed).
     """
     outer_optimizer = outer_optimizer or update_rules.OuterSGD()
-    shard_list = [(s, slots[i][j] if slots else {}) for i, v in enumerate(variables)
-                  for j, s in enumerate(shard_variables(raw(v)))]
+    shard_list = [
+        (s, slots[i][j] if slots else {})
+        for i, v in enumerate(variables)
+        for j, s in enumerate(shard_variables(raw(v)))
+    ]
     cdev = raw(counters.version).device
     by_device = {cdev: []}
     for i, (shard, _) in enumerate(shard_list):
@@ -311,8 +366,9 @@ def apply_push(variables, arrived, landed, pulled_version, counters, rule, max_s
             # Under the ticket even where the scale is a constant ("none").
             with tf.device(device), tf.control_dependencies([tau]):
                 if arrived[i].dtype.is_floating:
-                    ops += outer.apply(outer_optimizer, shard, arrived[i], shard_slots, scale,
-                                       ticket, num_workers)
+                    ops += outer.apply(
+                        outer_optimizer, shard, arrived[i], shard_slots, scale, ticket, num_workers
+                    )
                 else:  # integer state (RNG seeds) advances unscaled
                     ops.append(shard.assign_add(arrived[i], read_value=False))
         return ops
@@ -321,7 +377,9 @@ def apply_push(variables, arrived, landed, pulled_version, counters, rule, max_s
         with tf.device(cdev):
             with tf.control_dependencies(landed):
                 tau = counters.take_ticket(pulled_version, push)
-            scale = tf.cast(update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp), tf.float64)
+            scale = tf.cast(
+                update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp), tf.float64
+            )
             dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
             if push is not None:
                 scale = tf.where(push, scale, tf.zeros_like(scale))
@@ -336,8 +394,11 @@ def apply_push(variables, arrived, landed, pulled_version, counters, rule, max_s
 
     def not_pushed():
         with tf.device(cdev):
-            return (tf.cast(otherwise(), tf.int64), tf.zeros([], tf.float64),
-                    tf.zeros([], tf.int64))
+            return (
+                tf.cast(otherwise(), tf.int64),
+                tf.zeros([], tf.float64),
+                tf.zeros([], tf.int64),
+            )
 
     with tf.device(cdev):
         if ok is None:

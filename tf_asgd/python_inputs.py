@@ -157,14 +157,16 @@ class ChiefFeed:
         self._once = internals.adapter_reads_once(adapter)
         # A tf.data pipeline repeats (an epoch may span passes); data of a
         # known length ends an epoch at a pass's end, as Keras does.
-        self._pass_length = (None if internals.adapter_is_tf_dataset(adapter)
-                             else adapter.num_batches)
+        self._pass_length = (
+            None if internals.adapter_is_tf_dataset(adapter) else adapter.num_batches
+        )
         self.num_batches = adapter.num_batches  # a pass's batches, or None if unknown
         self.element_spec = adapter.get_tf_dataset().element_spec
         self._specs = _dense_specs(self.element_spec, what)
         self.signature = tuple(
             (tf.TensorSpec([None], s.dtype), tf.TensorSpec([None, s.shape.rank], tf.int64))
-            for s in self._specs)
+            for s in self._specs
+        )
         self.key = repr(self.element_spec)  # one trace per element spec
         self.steps_per_epoch = None
         self.ran_out = False
@@ -184,7 +186,8 @@ class ChiefFeed:
     def __next__(self):
         raise TypeError(
             "A ChiefFeed is read window by window by the strategy's train function "
-            "(`read`), not batch by batch.")
+            "(`read`), not batch by batch."
+        )
 
     def local_iterator(self):
         """For the model's build on the chief (`keras_hook.local_mode`): an
@@ -228,8 +231,11 @@ class ChiefFeed:
             return self._ahead.pop(0)
         if self.ran_out or self._pass_over:
             return None
-        if self._pass is not None and self._pass_length is not None and (
-                self._pass_read >= self._pass_length):
+        if (
+            self._pass is not None
+            and self._pass_length is not None
+            and (self._pass_read >= self._pass_length)
+        ):
             self._pass_over = True  # the next epoch starts a new pass, as in Keras
             return None
         for _ in range(2):  # a finished pass may be followed by a new one
@@ -259,7 +265,8 @@ class ChiefFeed:
         except (TypeError, ValueError) as e:
             raise TypeError(
                 f"A batch of the training data ({self.what}) does not have the structure "
-                f"of its first batches ({self.element_spec}): {e}") from None
+                f"of its first batches ({self.element_spec}): {e}"
+            ) from None
         out = []
         for leaf, spec in zip(tf.nest.flatten(batch), self._specs):
             array = np.asarray(leaf, dtype=spec.dtype.as_numpy_dtype)
@@ -268,7 +275,8 @@ class ChiefFeed:
                     f"The training data ({self.what}) gave an element of shape {array.shape} "
                     f"where an element of shape {spec.shape} was expected (from its first "
                     "batches): make the dimensions other than the batch size the same in "
-                    "every batch, or different in the first two.")
+                    "every batch, or different in the first two."
+                )
             out.append(array)
         return out
 
@@ -315,7 +323,8 @@ class ChiefFeed:
             leaves = [b[c] for b in batches]
             values = np.concatenate([a.reshape(-1) for a in leaves])
             shapes = np.array([a.shape for a in leaves], np.int64).reshape(
-                len(leaves), spec.shape.rank)
+                len(leaves), spec.shape.rank
+            )
             packed.append((tf.constant(values, spec.dtype), tf.constant(shapes)))
         return tuple(packed)
 
@@ -336,7 +345,8 @@ def _dense_specs(element_spec, what):
                 f"chief to the workers as dense tensors of known rank; one component is "
                 f"{spec}. Make every component a dense array (for a tf.data pipeline, give "
                 "a py_function's result its shape with tf.ensure_shape), or write the data "
-                "to TFRecord files and read them with tf.data.TFRecordDataset.")
+                "to TFRecord files and read them with tf.data.TFRecordDataset."
+            )
     return specs
 
 

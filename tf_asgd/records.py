@@ -58,8 +58,11 @@ class WindowResultLayout:
             self._slices.append((at, at + int(np.prod(shape))))
             at = self._slices[-1][1]
         # Elements of one window's row (a closure returns `[windows, size]`).
-        self.size = len(self.HEADER) + sum(int(np.prod(s)) for s, _ in self.metric_specs) + (
-            3 * num_trainable if has_pi else 0)
+        self.size = (
+            len(self.HEADER)
+            + sum(int(np.prod(s)) for s, _ in self.metric_specs)
+            + (3 * num_trainable if has_pi else 0)
+        )
 
     def pack(self, header, metric_deltas, pi_stats):
         """The window's result as one float64 tensor (TF ops, on the worker).
@@ -92,9 +95,14 @@ class WindowResultLayout:
             statistics as `[n_trainable, 3]` (None without a push rule).
         """
         packed = np.asarray(packed)
-        header = dict(zip(self.HEADER, packed[:len(self.HEADER)].tolist()))
-        deltas = [packed[a:b].reshape(shape).astype(dtype)
-                  for (a, b), (shape, dtype) in zip(self._slices, self.metric_specs)]
-        pi = packed[self._slices[-1][1] if self._slices else len(self.HEADER):].reshape(-1, 3) \
-            if self.has_pi else None
+        header = dict(zip(self.HEADER, packed[: len(self.HEADER)].tolist()))
+        deltas = [
+            packed[a:b].reshape(shape).astype(dtype)
+            for (a, b), (shape, dtype) in zip(self._slices, self.metric_specs)
+        ]
+        pi = (
+            packed[self._slices[-1][1] if self._slices else len(self.HEADER) :].reshape(-1, 3)
+            if self.has_pi
+            else None
+        )
         return header, deltas, pi

@@ -80,9 +80,7 @@ class WindowTrainer:
         self.coordinator = strategy.coordinator
         opt = model.optimizer
         self.push_rule = getattr(opt, "asgd_push_rule", None)
-        self.variables = list(model.trainable_variables) + list(
-            model.non_trainable_variables
-        )
+        self.variables = list(model.trainable_variables) + list(model.non_trainable_variables)
         for v in self.variables:
             device = device_of(raw(v))
             if "/job:ps" not in device:
@@ -98,8 +96,10 @@ class WindowTrainer:
         n_train = len(model.trainable_variables)
         with strategy.scope():
             self.outer_slots = [
-                [outer.create_slots(self.outer, shard) if i < n_train else {}
-                 for shard in shard_variables(raw(v))]
+                [
+                    outer.create_slots(self.outer, shard) if i < n_train else {}
+                    for shard in shard_variables(raw(v))
+                ]
                 for i, v in enumerate(self.variables)
             ]
         # Tracked there, so a checkpoint of the model can hold them.
@@ -110,8 +110,9 @@ class WindowTrainer:
         # The metric values at the epoch's start; a window's metrics start from
         # them (read when the window function is traced).
         self.metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
-        self.layout = WindowResultLayout(self.metric_init, has_pi=bool(self.push_rule),
-                                         num_trainable=n_train)
+        self.layout = WindowResultLayout(
+            self.metric_init, has_pi=bool(self.push_rule), num_trainable=n_train
+        )
         self._metric_sum = None
         self._epoch_windows = []
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
@@ -178,7 +179,11 @@ class WindowTrainer:
         self._epoch_step += num_steps
         self._queue.append((num_steps, window_id))
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
-        if not steps or left <= 0 or len(self._queue) >= self._closure_size(len(self._queue) + left):
+        if (
+            not steps
+            or left <= 0
+            or len(self._queue) >= self._closure_size(len(self._queue) + left)
+        ):
             self._flush(left)
         # The epoch's last window: its logs are the epoch's, as in Keras (the
         # epoch's end waits for these windows anyway).
@@ -245,19 +250,24 @@ class WindowTrainer:
         # Two small tensors: each argument costs the chief a conversion.
         plan = np.zeros([2, MAX_WINDOWS_PER_CLOSURE], np.int64)  # [ids, steps]
         plan[0] = -1
-        plan[1, :len(windows)], plan[0, :len(windows)] = zip(*windows)
+        plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
         budget = self._budget(len(windows))
         if python_inputs.is_feed(self._iterator):
             function, args, windows = self._fed_closure(windows, plan, budget)
             if not windows:
                 return
         else:
-            args = (self._iterator, tf.constant(plan),
-                    tf.constant([len(windows), budget], tf.float64))
+            args = (
+                self._iterator,
+                tf.constant(plan),
+                tf.constant([len(windows), budget], tf.float64),
+            )
             if self._concrete is None or self._concrete[0] is not self._iterator:
                 self.window.prepare(self._iterator)  # errors before anything is traced
-                self._concrete = (self._iterator,
-                                  internals.concrete_function_for(self._window, args))
+                self._concrete = (
+                    self._iterator,
+                    internals.concrete_function_for(self._window, args),
+                )
             function = self._concrete[1]
         rv = self.coordinator.schedule(function, args=args)
         self._pending.append((rv, windows, budget))
@@ -276,15 +286,19 @@ class WindowTrainer:
                 return None, None, windows
             plan = np.zeros_like(plan)
             plan[0] = -1
-            plan[1, :len(windows)], plan[0, :len(windows)] = zip(*windows)
-        args = (feed.pack([w for _, w in windows]), tf.constant(plan),
-                tf.constant([len(windows), budget], tf.float64))
+            plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
+        args = (
+            feed.pack([w for _, w in windows]),
+            tf.constant(plan),
+            tf.constant([len(windows), budget], tf.float64),
+        )
         concrete = self._fed_concrete.get(feed.key)
         if concrete is None:
             self.window.prepare(None, feed.element_spec)  # errors before anything is traced
             function = python_inputs.window_on_sent_batches(self.window, feed.element_spec)
             concrete = self._fed_concrete[feed.key] = function.get_concrete_function(
-                feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([2], tf.float64))
+                feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([2], tf.float64)
+            )
         return concrete, args, windows
 
     def _drain(self, block, keep=0):
@@ -304,10 +318,10 @@ class WindowTrainer:
                 for row, (steps, window_id) in zip(rows, windows):
                     self._record(row, window_id, steps)
                 if python_inputs.is_feed(self._iterator):
-                    self._iterator.release([w for _, w in windows[:len(rows)]])
+                    self._iterator.release([w for _, w in windows[: len(rows)]])
                 self.closure_log.append((int(rows[0][0]), len(windows), len(rows), budget))
                 if len(rows) < len(windows):
-                    self._schedule(windows[len(rows):], first=False)
+                    self._schedule(windows[len(rows) :], first=False)
             if not block or len(self._pending) <= keep:
                 return
             internals.wait_briefly(self._pending[0][0])
@@ -410,8 +424,11 @@ class WindowTrainer:
         self._epoch_step = 0
         # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
         # ends `fit` as it would.)
-        if self._epoch_windows and not any(r.pushed for r in self._epoch_windows) and not (
-                self.model.stop_training):
+        if (
+            self._epoch_windows
+            and not any(r.pushed for r in self._epoch_windows)
+            and not (self.model.stop_training)
+        ):
             raise FloatingPointError(
                 f"All {len(self._epoch_windows)} windows of this epoch computed "
                 "updates with NaN or Inf; none was pushed. Lower the learning "
@@ -422,14 +439,16 @@ class WindowTrainer:
         return self.logs(counters=True)
 
 
-
 def validate_windows_per_closure(value):
     """Raises unless `value` is None (automatic) or an int in
     `[1, MAX_WINDOWS_PER_CLOSURE]` (the `windows_per_closure` argument)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-            1 <= value <= MAX_WINDOWS_PER_CLOSURE):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not (1 <= value <= MAX_WINDOWS_PER_CLOSURE)
+    ):
         raise ValueError(
             "windows_per_closure must be None (automatic: about "
             f"{TARGET_CLOSURE_S * 1000:.0f} ms of windows per closure) or an integer from 1 "

@@ -240,10 +240,23 @@ def simulate(
     outer = update_rules.validate_outer_optimizer(outer or update_rules.OuterSGD())
     update_rules.validate_worker_state(worker_state)
     config = dict(
-        inner=inner, inner_momentum=inner_momentum, outer=repr(outer), worker_state=worker_state,
-        method=method, workers=workers, pushes=pushes, n_sync=n_sync,
-        batch_size=batch_size, eta=eta, mu=mu, kappa=kappa, hidden=hidden,
-        timing=timing if delay is None else None, spread=spread, delay=delay, seed=seed,
+        inner=inner,
+        inner_momentum=inner_momentum,
+        outer=repr(outer),
+        worker_state=worker_state,
+        method=method,
+        workers=workers,
+        pushes=pushes,
+        n_sync=n_sync,
+        batch_size=batch_size,
+        eta=eta,
+        mu=mu,
+        kappa=kappa,
+        hidden=hidden,
+        timing=timing if delay is None else None,
+        spread=spread,
+        delay=delay,
+        seed=seed,
     )
     rule, use_gem = METHODS[method]
     rng = np.random.default_rng(seed)
@@ -314,11 +327,16 @@ def simulate(
 
     def record():
         loss, acc = model.loss_and_accuracy(central, ex, ey)
-        records.append(dict(
-            push=version, samples=version * n_sync * batch_size, time=now,
-            loss=loss, accuracy=acc,
-            window_loss=float(np.mean(window_losses)) if window_losses else float("nan"),
-        ))
+        records.append(
+            dict(
+                push=version,
+                samples=version * n_sync * batch_size,
+                time=now,
+                loss=loss,
+                accuracy=acc,
+                window_loss=float(np.mean(window_losses)) if window_losses else float("nan"),
+            )
+        )
         window_losses.clear()
         if use_gem and version:
             row = {"push": version}
@@ -363,8 +381,16 @@ def simulate(
             update = pushed
         for i, (c, u) in enumerate(zip(central, update)):
             central[i], outer_state[i] = update_rules.ps_push(
-                c, u.astype(c.dtype), tau, version, outer_state[i], rule,
-                outer=outer, num_workers=workers, xp=np)
+                c,
+                u.astype(c.dtype),
+                tau,
+                version,
+                outer_state[i],
+                rule,
+                outer=outer,
+                num_workers=workers,
+                xp=np,
+            )
         version += 1
         steps_applied += n_sync
         if delay is None:
@@ -380,4 +406,6 @@ def simulate(
                 diverged = True
                 break
     last = np.nonzero(hist)[0]
-    return SimulationResult(config, records, hist[: (last[-1] + 1) if len(last) else 1], pis, diverged)
+    return SimulationResult(
+        config, records, hist[: (last[-1] + 1) if len(last) else 1], pis, diverged
+    )

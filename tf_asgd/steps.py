@@ -49,14 +49,29 @@ from keras.utils import unpack_x_y_sample_weight
 from tf_asgd import internals, optimizer_options
 
 # Ops that read a resource (a variable) without writing it.
-_READS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
-          "VarIsInitializedOp", "Identity", "NoOp"}
+_READS = {
+    "ReadVariableOp",
+    "ResourceGather",
+    "ResourceGatherNd",
+    "VariableShape",
+    "VarIsInitializedOp",
+    "Identity",
+    "NoOp",
+}
 _PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
-_WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-           "ResourceStridedSliceAssign", "RngReadAndSkip", "RngSkip"}
-FIX = ("Write `train_step` as for `model.fit` without `run_eagerly`: TF and Keras ops "
-       "only, with every variable it updates held by the model (its layers, its "
-       "`metrics`, an optimizer attribute), and build the model before `fit`.")
+_WRITES = {
+    "AssignVariableOp",
+    "AssignAddVariableOp",
+    "AssignSubVariableOp",
+    "ResourceStridedSliceAssign",
+    "RngReadAndSkip",
+    "RngSkip",
+}
+FIX = (
+    "Write `train_step` as for `model.fit` without `run_eagerly`: TF and Keras ops "
+    "only, with every variable it updates held by the model (its layers, its "
+    "`metrics`, an optimizer attribute), and build the model before `fit`."
+)
 
 
 class TrainStepError(ValueError):
@@ -66,7 +81,8 @@ class TrainStepError(ValueError):
 def _refuse(model, why):
     return TrainStepError(
         f"tf_asgd cannot run the `train_step` of {type(model).__name__} "
-        f"({model.name!r}) inside a window: {why} {FIX}")
+        f"({model.name!r}) inside a window: {why} {FIX}"
+    )
 
 
 def overrides_train_step(model):
@@ -90,8 +106,14 @@ def keras_step(model, optimizer, batch, weights, opt_values, metric_values):
         )
         with internals.forward_losses(model, losses):
             loss, (_, _, metric_values) = model.stateless_compute_loss(
-                trainable, non_trainable, metric_values, x=x, y=y,
-                y_pred=y_pred, sample_weight=sample_weight, training=True,
+                trainable,
+                non_trainable,
+                metric_values,
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
             )
         # As Keras's `train_step`: the optimizer scales the loss (its
         # `loss_scale_factor`, or a LossScaleOptimizer's dynamic scale, read
@@ -99,9 +121,7 @@ def keras_step(model, optimizer, batch, weights, opt_values, metric_values):
         with StatelessScope(state_mapping=list(zip(optimizer.variables, opt_values))):
             scaled = optimizer.scale_loss(loss)
     grads = tape.gradient(scaled, trainable)
-    trainable, opt_values = internals.stateless_apply(
-        optimizer, opt_values, grads, trainable
-    )
+    trainable, opt_values = internals.stateless_apply(optimizer, opt_values, grads, trainable)
     mapping = list(zip(model.metrics_variables, metric_values))
     with StatelessScope(state_mapping=mapping) as scope:
         internals.loss_tracker(model).update_state(
@@ -168,18 +188,28 @@ class ModelStep:
         self.model = model
         self.central = list(central)
         if push_rule is not None:
-            raise _refuse(model, (
-                "its optimizer has a worker-side push rule (GEM), which runs its own "
-                "local SGD instead of the optimizer `train_step` applies. Compile with "
-                "a plain Keras optimizer."))
+            raise _refuse(
+                model,
+                (
+                    "its optimizer has a worker-side push rule (GEM), which runs its own "
+                    "local SGD instead of the optimizer `train_step` applies. Compile with "
+                    "a plain Keras optimizer."
+                ),
+            )
         if model.run_eagerly:
-            raise _refuse(model, (
-                "the model is compiled with `run_eagerly=True`, and a window runs "
-                "`train_step` inside a `tf.function` on a worker. Compile with "
-                "`run_eagerly=False`."))
+            raise _refuse(
+                model,
+                (
+                    "the model is compiled with `run_eagerly=True`, and a window runs "
+                    "`train_step` inside a `tf.function` on a worker. Compile with "
+                    "`run_eagerly=False`."
+                ),
+            )
         if model.optimizer is None:
-            raise _refuse(model, "the model has no compiled optimizer. Pass one to "
-                          "`compile()` (it may go unused).")
+            raise _refuse(
+                model,
+                "the model has no compiled optimizer. Pass one to `compile()` (it may go unused).",
+            )
         self.optimizers = find_optimizers(model)
         optimizer_options.check_own_train_step(model, self.optimizers)
         self.metric_variables = list(model.metrics_variables)
@@ -214,30 +244,39 @@ class ModelStep:
                 if not optimizer.built and trainable_variables is not None:
                     with tf.init_scope(), strategy.scope():
                         optimizer.build(list(trainable_variables))
+
             return apply
 
         for optimizer in self.optimizers:
             optimizer.__dict__["apply"] = build_only(optimizer)
         known = {id(v) for v in self.model.variables}
         try:
-            tf.function(lambda batch: self._call(self._train_step, batch),
-                        autograph=False).get_concrete_function(element_spec)
+            tf.function(
+                lambda batch: self._call(self._train_step, batch), autograph=False
+            ).get_concrete_function(element_spec)
         finally:
             for optimizer in self.optimizers:
                 optimizer.__dict__.pop("apply", None)
         new = [v.path for v in self.model.variables if id(v) not in known]
         if new:
-            raise _refuse(self.model, (
-                f"it creates variables when first called ({', '.join(new[:5])}): a "
-                "layer is built by `train_step`. Build every layer before `fit` (give "
-                "each sub-model a `keras.Input`, or call it once on a batch)."))
+            raise _refuse(
+                self.model,
+                (
+                    f"it creates variables when first called ({', '.join(new[:5])}): a "
+                    "layer is built by `train_step`. Build every layer before `fit` (give "
+                    "each sub-model a `keras.Input`, or call it once on a batch)."
+                ),
+            )
 
         def specs(variables):
             return [tf.TensorSpec(v.shape, v.dtype) for v in variables]
 
         tf.function(self.step, autograph=False).get_concrete_function(
-            element_spec, specs(self.central), specs(self.optimizer_variables),
-            specs(self.metric_variables))
+            element_spec,
+            specs(self.central),
+            specs(self.optimizer_variables),
+            specs(self.metric_variables),
+        )
         self.prepared = True
 
     def _train_step(self, batch):
@@ -250,36 +289,48 @@ class ModelStep:
         except TrainStepError:
             raise
         except Exception as e:  # noqa: BLE001  (any trace error: name train_step)
-            raise _refuse(self.model, (
-                f"tracing it raised {type(e).__name__}: {e}. A window runs "
-                "`train_step` as a `tf.function` on a worker: no `.numpy()`, no "
-                "Python `if`/`for` on tensor values.")) from e
+            raise _refuse(
+                self.model,
+                (
+                    f"tracing it raised {type(e).__name__}: {e}. A window runs "
+                    "`train_step` as a `tf.function` on a worker: no `.numpy()`, no "
+                    "Python `if`/`for` on tensor values."
+                ),
+            ) from e
 
     def step(self, batch, weights, opt_values, metric_values):
         """One call of the model's `train_step` on loop tensors:
         `(weights, opt_values, metric_values)` after it (`opt_values` in
         `optimizer_variables` order)."""
-        carried = (list(zip(self.central, weights))
-                   + list(zip(self.optimizer_variables, opt_values))
-                   + list(zip(self.metric_variables, metric_values)))
+        carried = (
+            list(zip(self.central, weights))
+            + list(zip(self.optimizer_variables, opt_values))
+            + list(zip(self.metric_variables, metric_values))
+        )
         graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
-        with internals.differentiable_stateless_variables(), \
-                internals.stateless_optimizers(self.optimizers), \
-                _RecordingScope(carried) as scope:
+        with (
+            internals.differentiable_stateless_variables(),
+            internals.stateless_optimizers(self.optimizers),
+            _RecordingScope(carried) as scope,
+        ):
             self._call(self._train_step, batch)
         ids = {id(v) for v, _ in carried}
         stray = list({id(v): v for v in scope.written if id(v) not in ids}.values())
         if stray:
-            raise _refuse(self.model, (
-                "it assigns variables the window does not carry: "
-                f"{', '.join(v.path for v in stray[:5])}. Hold them in the model: a "
-                "layer's weights, a metric listed by the model's `metrics` property, "
-                "or an optimizer attribute."))
+            raise _refuse(
+                self.model,
+                (
+                    "it assigns variables the window does not carry: "
+                    f"{', '.join(v.path for v in stray[:5])}. Hold them in the model: a "
+                    "layer's weights, a metric listed by the model's `metrics` property, "
+                    "or an optimizer attribute."
+                ),
+            )
         self._check_ops(graph.get_operations()[before:])
         values = [scope.get_current_value(v) for v, _ in carried]
         n, m = len(self.central), len(opt_values)
-        return values[:n], values[n:n + m], values[n + m:]
+        return values[:n], values[n : n + m], values[n + m :]
 
     def _check_ops(self, ops):
         """Refuses ops of `train_step` that call Python or write a resource
@@ -287,19 +338,27 @@ class ModelStep:
         here is a variable the window does not carry."""
         for op in ops:
             if op.type in _PYTHON_OPS:
-                raise _refuse(self.model, (
-                    f"it calls Python ({op.type}: `tf.py_function` or "
-                    "`tf.numpy_function`), which would call back into the chief "
-                    "from a worker."))
+                raise _refuse(
+                    self.model,
+                    (
+                        f"it calls Python ({op.type}: `tf.py_function` or "
+                        "`tf.numpy_function`), which would call back into the chief "
+                        "from a worker."
+                    ),
+                )
             if op.type in _READS:
                 continue
             functions = [a.func.name for a in op.node_def.attr.values() if a.HasField("func")]
             functions += [f.name for a in op.node_def.attr.values() for f in a.list.func]
             nested = self._nested_writes(op.graph, functions) if functions else None
             if nested or (not functions and any(t.dtype == tf.resource for t in op.inputs)):
-                raise _refuse(self.model, (
-                    f"it writes a TF variable directly (op {op.name!r}, {nested or op.type}), "
-                    "not through a Keras variable the window carries."))
+                raise _refuse(
+                    self.model,
+                    (
+                        f"it writes a TF variable directly (op {op.name!r}, {nested or op.type}), "
+                        "not through a Keras variable the window carries."
+                    ),
+                )
 
     @staticmethod
     def _nested_writes(graph, names):
@@ -314,8 +373,13 @@ class ModelStep:
                 continue
             seen.add(fdef.signature.name)
             for node in fdef.node_def:
-                if node.op in _PYTHON_OPS or node.op in _WRITES or node.op.startswith(
-                        ("ResourceApply", "ResourceSparseApply", "ResourceScatter")):
+                if (
+                    node.op in _PYTHON_OPS
+                    or node.op in _WRITES
+                    or node.op.startswith(
+                        ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
+                    )
+                ):
                     return node.op
                 todo += [a.func.name for a in node.attr.values() if a.HasField("func")]
                 todo += [f.name for a in node.attr.values() for f in a.list.func]

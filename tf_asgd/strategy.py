@@ -260,10 +260,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         # TF waits for a lost worker without a bound; this bounds it by connect_timeout.
         self._reconnection_watch = lost_workers.ReconnectionWatch(
-            self, self.coordinator, cluster_resolver.cluster_spec().as_dict())
+            self, self.coordinator, cluster_resolver.cluster_spec().as_dict()
+        )
         coordinator = weakref.ref(self.coordinator)
-        cluster_lib.before_stop(cluster_resolver.cluster_spec().as_dict(),
-                                lambda: internals.stop_coordinator(coordinator()))
+        cluster_lib.before_stop(
+            cluster_resolver.cluster_spec().as_dict(),
+            lambda: internals.stop_coordinator(coordinator()),
+        )
         with self.scope():
             self.counters = PushCounters()
         self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer

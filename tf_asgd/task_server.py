@@ -21,9 +21,7 @@ def serve(cluster, tasks):
     # Tasks that share a process share its inter-op thread pool; a pool no
     # larger than the core count deadlocks when every thread blocks on a
     # Recv from a PS living in the same pool.
-    config = tf.compat.v1.ConfigProto(
-        inter_op_parallelism_threads=max(8, 4 * len(tasks))
-    )
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=max(8, 4 * len(tasks)))
     servers = []
     for task in tasks:
         job, index = task.split(":")

@@ -50,7 +50,8 @@ def make_model(config):
         raise ValueError(
             f"Model gem_mnist_convnet needs MNIST's 28x28 images; dataset {config.dataset!r} "
             "does not have them. Use --config.dataset=mnist, or --config.model=digits_convnet "
-            "for the 8x8 digits.")
+            "for the 8x8 digits."
+        )
     return builder()
 
 
@@ -86,7 +87,9 @@ def make_outer_optimizer(config):
         return update_rules.OuterSGD(o.learning_rate or 0.7, momentum=o.momentum, nesterov=True)
     if o.name == "delayed_nesterov":
         return update_rules.DelayedNesterov(o.learning_rate or 0.7, momentum=o.momentum)
-    raise ValueError(f"Unknown outer optimizer {o.name!r}; expected one of {', '.join(OUTER_OPTIMIZERS)}.")
+    raise ValueError(
+        f"Unknown outer optimizer {o.name!r}; expected one of {', '.join(OUTER_OPTIMIZERS)}."
+    )
 
 
 def compile_model(model, config):
@@ -137,9 +140,13 @@ class ProgressCallback(keras.callbacks.Callback):
         steps = batch + 1
         logging.info(
             "epoch %d/%d step %d/%s: %.0f samples/s, loss %.4f, staleness %.2f, windows %d",
-            self._epoch + 1, self.params.get("epochs"), steps, self.params.get("steps"),
+            self._epoch + 1,
+            self.params.get("epochs"),
+            steps,
+            self.params.get("steps"),
             steps * self._batch_size / max(now - self._t0, 1e-9),
-            logs.get("loss", float("nan")), logs.get("staleness", 0.0),
+            logs.get("loss", float("nan")),
+            logs.get("staleness", 0.0),
             int(logs.get("windows", 0)),
         )
 
@@ -148,7 +155,9 @@ class ProgressCallback(keras.callbacks.Callback):
             steps = self.params.get("steps") or 0
             logs["samples_per_sec"] = steps * self._batch_size / max(time.time() - self._t0, 1e-9)
             logging.info(
-                "epoch %d/%d done: %s", epoch + 1, self.params.get("epochs"),
+                "epoch %d/%d done: %s",
+                epoch + 1,
+                self.params.get("epochs"),
                 ", ".join(f"{k} {v:.4g}" for k, v in sorted(logs.items())),
             )
 
@@ -344,8 +353,10 @@ def checkpoint_on_interrupt(manager, step_fn):
             previous[sig] = signal.signal(sig, signal.SIG_IGN)
     try:
         if save_checkpoint(manager, step_fn(), "interrupted") is None:
-            logging.info("interrupted: the newest checkpoint %s already holds every pushed window",
-                         manager.latest_checkpoint)
+            logging.info(
+                "interrupted: the newest checkpoint %s already holds every pushed window",
+                manager.latest_checkpoint,
+            )
     except Exception as e:  # a dead PS: nothing to save; report and go on stopping
         logging.error("could not save a checkpoint on interrupt: %s", str(e).splitlines()[0])
     finally:

@@ -131,7 +131,9 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         checkpoint.restore(latest).assert_existing_objects_matched()
         initial_epoch = int(epoch_var.numpy())
         logging.info(
-            "resumed from %s: epoch %d, version %d", latest, initial_epoch,
+            "resumed from %s: epoch %d, version %d",
+            latest,
+            initial_epoch,
             int(strategy.counters.version.numpy()),
         )
     elif resume:
@@ -149,12 +151,16 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     if tensorboard_available():
         callbacks.append(
             keras.callbacks.TensorBoard(
-                os.path.join(workdir, "tensorboard"), write_graph=False, update_freq="epoch",
+                os.path.join(workdir, "tensorboard"),
+                write_graph=False,
+                update_freq="epoch",
                 profile_batch=0,
             )
         )
     else:
-        logging.warning("TensorBoard is not installed (pip install tensorboard): no TensorBoard logs.")
+        logging.warning(
+            "TensorBoard is not installed (pip install tensorboard): no TensorBoard logs."
+        )
     cluster = resolver.cluster_spec().as_dict()
     try:
         history = model.fit(
@@ -180,7 +186,9 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
             # InvalidArgumentError REPLACED BY KeyboardInterrupt").
             checkpoint_on_interrupt(manager, step_fn)
             raise KeyboardInterrupt(f"signal {stop.signum}") from e
-        if isinstance(e, tf.errors.UnavailableError):  # includes the coordinator's PSUnavailableError
+        if isinstance(
+            e, tf.errors.UnavailableError
+        ):  # includes the coordinator's PSUnavailableError
             raise task_lost_error(e, cluster, manager, epoch_var) from e
         raise
     results = {f"test_{k}": float(v) for k, v in test.items()}
@@ -210,8 +218,11 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         f.write(str(results["epochs"]))
     logging.info(
         "done: test accuracy %.4f, loss %.4f, %d windows, mean staleness %.2f, %.1f s",
-        results.get("test_accuracy", float("nan")), results.get("test_loss", float("nan")),
-        stats.windows, stats.mean_staleness, results["wall_seconds"],
+        results.get("test_accuracy", float("nan")),
+        results.get("test_loss", float("nan")),
+        stats.windows,
+        stats.mean_staleness,
+        results["wall_seconds"],
     )
     return results
 
@@ -231,12 +242,15 @@ def run_local(config, workdir, resume=False, stop=None):
     if config.shared_process and config.gpus_per_worker:
         logging.info("gpus_per_worker=%d: one process per task", config.gpus_per_worker)
     logging.info(
-        "starting a local cluster: %d worker(s), %d ps%s", config.num_workers,
-        config.num_ps, f", {config.gpus_per_worker} GPU(s) per worker"
-        if config.gpus_per_worker else "",
+        "starting a local cluster: %d worker(s), %d ps%s",
+        config.num_workers,
+        config.num_ps,
+        f", {config.gpus_per_worker} GPU(s) per worker" if config.gpus_per_worker else "",
     )
     with cluster_lib.LocalCluster(
-        config.num_workers, config.num_ps, shared_process=shared,
+        config.num_workers,
+        config.num_ps,
+        shared_process=shared,
         gpus_per_worker=config.gpus_per_worker,
     ) as local:  # its close() collects garbage first, then stops the tasks
         logging.info("local cluster %s, processes %s", json.dumps(local.cluster_spec), local.pids())
@@ -279,7 +293,9 @@ def serve_task(cluster, task_type, task_index, stop_event=None):
     try:
         servers = task_server.serve(cluster, [f"{task_type}:{task_index}"])
         logging.info(
-            "%s:%d serving at %s until SIGTERM", task_type, task_index,
+            "%s:%d serving at %s until SIGTERM",
+            task_type,
+            task_index,
             cluster[task_type][task_index],
         )
         while not stop.wait(1.0):
@@ -308,7 +324,8 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
     checkpoint = tf.train.Checkpoint(model=model, epoch=epoch_var)
     writer = (
         tf.summary.create_file_writer(os.path.join(workdir, "tensorboard", "eval_checkpoints"))
-        if tensorboard_available() else None
+        if tensorboard_available()
+        else None
     )
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
     done = lambda: os.path.exists(os.path.join(workdir, DONE_FILE))  # noqa: E731
@@ -316,7 +333,9 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
     # Poll every 5 s until DONE appears (or, with timeout_secs, until no new
     # checkpoint came for that long).
     checkpoints = tf.train.checkpoints_iterator(
-        ckpt_dir, min_interval_secs=1, timeout=timeout_secs or 5,
+        ckpt_dir,
+        min_interval_secs=1,
+        timeout=timeout_secs or 5,
         timeout_fn=lambda: done() or bool(timeout_secs),
     )
     for path in checkpoints:

@@ -35,17 +35,12 @@ def validate_staleness(rule, max_staleness=None):
             f"{', '.join(repr(r) for r in STALENESS_RULES)}."
         )
     if max_staleness is not None:
-        if isinstance(max_staleness, bool) or not isinstance(
-            max_staleness, (int, np.integer)
-        ):
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, (int, np.integer)):
             raise ValueError(
-                f"max_staleness must be a non-negative integer or None, "
-                f"got {max_staleness!r}."
+                f"max_staleness must be a non-negative integer or None, got {max_staleness!r}."
             )
         if max_staleness < 0:
-            raise ValueError(
-                f"max_staleness must be >= 0, got {max_staleness}."
-            )
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}.")
 
 
 def staleness_scale(tau, rule="dynsgd", max_staleness=None, xp=np):
@@ -78,8 +73,18 @@ def apply_push(central, update, tau, rule="dynsgd", max_staleness=None, xp=np):
     return ps_push(central, update, tau, 0, {}, rule, max_staleness, xp=xp)[0]
 
 
-def ps_push(central, update, tau, ticket, state, rule="dynsgd", max_staleness=None,
-            outer=None, num_workers=1, xp=np):
+def ps_push(
+    central,
+    update,
+    tau,
+    ticket,
+    state,
+    rule="dynsgd",
+    max_staleness=None,
+    outer=None,
+    num_workers=1,
+    xp=np,
+):
     """The PS rule: the outer optimizer on pseudo-gradient `-scale(tau) * update`.
 
     Args:
@@ -96,8 +101,9 @@ def ps_push(central, update, tau, ticket, state, rule="dynsgd", max_staleness=No
         `(new_central, new_state)`.
     """
     scale = xp.asarray(staleness_scale(tau, rule, max_staleness, xp=xp), dtype=update.dtype)
-    return outer_step(outer or OuterSGD(), central, -scale * update, state, ticket,
-                      num_workers, xp=xp)
+    return outer_step(
+        outer or OuterSGD(), central, -scale * update, state, ticket, num_workers, xp=xp
+    )
 
 
 def gem_pi(g, m, dc, kappa, pi_max=GEM_PI_MAX, eps=GEM_EPSILON, xp=np):
@@ -185,7 +191,9 @@ class OuterSGD:
             ) from None
         for pushes, rate in ramps:
             if isinstance(pushes, bool) or not isinstance(pushes, (int, np.integer)) or pushes < 1:
-                raise ValueError(f"OuterSGD schedule: pushes must be a positive integer, got {pushes!r}.")
+                raise ValueError(
+                    f"OuterSGD schedule: pushes must be a positive integer, got {pushes!r}."
+                )
             _check_lr_momentum(rate, 0.0, "schedule start_rate")
         # Hashable and comparable whatever sequence type was given.
         object.__setattr__(self, "schedule", tuple((int(p), float(r)) for p, r in ramps))
@@ -219,18 +227,29 @@ class DelayedNesterov:
     def __post_init__(self):
         _check_lr_momentum(self.learning_rate, self.momentum)
         if self.delay is not None and (
-            isinstance(self.delay, bool) or not isinstance(self.delay, (int, np.integer))
+            isinstance(self.delay, bool)
+            or not isinstance(self.delay, (int, np.integer))
             or self.delay < 1
         ):
-            raise ValueError(f"DelayedNesterov delay must be a positive integer or None, got {self.delay!r}.")
+            raise ValueError(
+                f"DelayedNesterov delay must be a positive integer or None, got {self.delay!r}."
+            )
 
     slots = ("velocity", "buffer")
 
 
 def _check_lr_momentum(learning_rate, momentum, name="learning_rate"):
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+    if (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, (int, float))
+        or not learning_rate > 0
+    ):
         raise ValueError(f"Outer {name} must be a number > 0, got {learning_rate!r}.")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+    if (
+        isinstance(momentum, bool)
+        or not isinstance(momentum, (int, float))
+        or not 0 <= momentum < 1
+    ):
         raise ValueError(f"Outer momentum must be in [0, 1), got {momentum!r}.")
 
 
@@ -382,8 +401,7 @@ def outer_step(opt, theta, g, state, ticket, num_workers, xp=np):
     state = {name: state.get(name, xp.zeros_like(theta)) for name in opt.slots}
     if isinstance(opt, OuterSGD):
         lr = outer_learning_rate(opt, ticket, xp=xp)
-        theta, v = outer_sgd(theta, g, state.get("velocity"), lr,
-                             opt.momentum, opt.nesterov, xp=xp)
+        theta, v = outer_sgd(theta, g, state.get("velocity"), lr, opt.momentum, opt.nesterov, xp=xp)
         if opt.momentum:
             state["velocity"] = v
         return theta, state
@@ -391,7 +409,14 @@ def outer_step(opt, theta, g, state, ticket, num_workers, xp=np):
         validate_outer_optimizer(opt)
     delay = opt.delay or num_workers
     theta, state["velocity"], state["buffer"] = delayed_nesterov(
-        theta, g, state["velocity"], state["buffer"], ticket,
-        opt.learning_rate, opt.momentum, delay, xp=xp,
+        theta,
+        g,
+        state["velocity"],
+        state["buffer"],
+        ticket,
+        opt.learning_rate,
+        opt.momentum,
+        delay,
+        xp=xp,
     )
     return theta, state

@@ -47,8 +47,7 @@ import typing
 import numpy as np
 import tensorflow as tf
 from tf_asgd import internals, metric_states, optimizer_options, steps
-from tf_asgd.push import (Pull, Transfer, apply_push, branch_free, device_of, raw, read,
-                          update_specs)
+from tf_asgd.push import Pull, Transfer, apply_push, branch_free, device_of, raw, read, update_specs
 
 APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 
@@ -58,7 +57,9 @@ class _Pulled(typing.NamedTuple):
 
     version: tf.Tensor  # the PS version counter at pull time
     weights: list  # the central variables (trainable, then non-trainable)
-    optimizer_values: list  # the local optimizer's variables (shared from the PS, or the worker's own)
+    optimizer_values: (
+        list  # the local optimizer's variables (shared from the PS, or the worker's own)
+    )
 
 
 class _Outgoing(typing.NamedTuple):
@@ -89,12 +90,16 @@ class WindowFunction:
         model, strategy, push_rule = trainer.model, trainer.strategy, trainer.push_rule
         # A model with its own train_step: its optimizers are built (and
         # this state made) when the window is first traced (`run`).
-        self._model_step = (steps.ModelStep(model, trainer.variables, push_rule)
-                            if steps.overrides_train_step(model) else None)
+        self._model_step = (
+            steps.ModelStep(model, trainer.variables, push_rule)
+            if steps.overrides_train_step(model)
+            else None
+        )
         self._metrics_checked = False  # metric states checked to merge (`prepare`)
         with strategy.scope():
             self.local_optimizer = (
-                push_rule.local_optimizer(model.trainable_variables) if push_rule
+                push_rule.local_optimizer(model.trainable_variables)
+                if push_rule
                 else model.optimizer
             )
             if push_rule:
@@ -102,8 +107,9 @@ class WindowFunction:
             self.data_shifted = internals.per_worker_variable(False)
         if self._model_step is None:
             optimizer_options.check_compiled(model.optimizer)
-            self._create_optimizer_state(internals.wrapped_optimizers(self.local_optimizer),
-                                         self.local_optimizer.variables)
+            self._create_optimizer_state(
+                internals.wrapped_optimizers(self.local_optimizer), self.local_optimizer.variables
+            )
         with strategy.scope(), strategy.extended.colocate_vars_with(strategy.counters.version):
             # Slot `id % APPLIED_RING` holds `id + 1` once window `id` pushed.
             self.applied_windows = tf.Variable(
@@ -142,9 +148,7 @@ class WindowFunction:
             self.worker_state = [internals.per_worker_variable(v) for v in initial]
             # What `worker_state="reset"` restores at each pull: zeros for
             # the usual zero-initialised slots, else the initial values.
-            self._initial_state = [
-                None if not np.any(v.numpy()) else v.numpy() for v in initial
-            ]
+            self._initial_state = [None if not np.any(v.numpy()) else v.numpy() for v in initial]
 
     def _central_averages(self, optimizers):
         """A `CentralAverages` per optimizer with `use_ema`, on the PS (each
@@ -157,8 +161,11 @@ class WindowFunction:
             i = ids.index(id(internals.iteration_variable(o)))
             # A push writes the compiled optimizer's counter for the local one.
             counter = self._shared[ids[0]] if i == 0 else self._counters[i]
-            out.append(optimizer_options.CentralAverages(
-                o, counter, i, self._trainer.variables, self._trainer.strategy))
+            out.append(
+                optimizer_options.CentralAverages(
+                    o, counter, i, self._trainer.variables, self._trainer.strategy
+                )
+            )
         return out
 
     def _is_own(self, variable):
@@ -175,15 +182,20 @@ class WindowFunction:
         `element_spec`: the batches', for batches sent by the chief
         (`python_inputs`); else the per-worker `iterator`'s."""
         if self._model_step is not None and not self._model_step.prepared:
-            self._model_step.prepare(element_spec or internals.per_worker_element_spec(iterator),
-                                     self._trainer.strategy)
-            self._create_optimizer_state(self._model_step.optimizers,
-                                         self._model_step.optimizer_variables)
+            self._model_step.prepare(
+                element_spec or internals.per_worker_element_spec(iterator), self._trainer.strategy
+            )
+            self._create_optimizer_state(
+                self._model_step.optimizers, self._model_step.optimizer_variables
+            )
         if not self._metrics_checked:
             metric_states.check_training(
-                self._trainer.model, self._step,
+                self._trainer.model,
+                self._step,
                 element_spec or internals.per_worker_element_spec(iterator),
-                self._trainer.variables, self._opt_variables)
+                self._trainer.variables,
+                self._opt_variables,
+            )
             self._metrics_checked = True
 
     def run(self, iterator, plan, limits):
@@ -225,31 +237,47 @@ class WindowFunction:
     def _run(self, iterator, plan, limits, shift_data):
         window_ids, num_steps = plan[0], plan[1]
         count, budget = tf.cast(limits[0], tf.int32), limits[1]
-        worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+        worker = tf.cast(
+            tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64
+        )
         shifted = self._shift_data_once(iterator, worker) if shift_data else tf.zeros_like(worker)
         with tf.control_dependencies([shifted]):
             start = tf.timestamp()
         self._pull_plan = pull = Pull(
-            self._trainer.variables, [self._shared[id(v)] for v in self._opt_variables
-                                      if id(v) in self._shared],
-            self._trainer.strategy.counters, self._already_pushed)
+            self._trainer.variables,
+            [self._shared[id(v)] for v in self._opt_variables if id(v) in self._shared],
+            self._trainer.strategy.counters,
+            self._already_pushed,
+        )
         self._cdev = pull.cdev
         with tf.device(pull.cdev):
             flats = pull.read(tf.identity(plan[:, 0]))
         flats = pull.to_worker(flats)[1]
-        rows = tf.TensorArray(tf.float64, size=0, dynamic_size=True,
-                              element_shape=[self._trainer.layout.size])
+        rows = tf.TensorArray(
+            tf.float64, size=0, dynamic_size=True, element_shape=[self._trainer.layout.size]
+        )
 
         def window(k, token, rows, has_next, flats):
             row, has_next, flats = self._window(
-                iterator, worker, k, num_steps, window_ids, (count, budget, start), token, flats)
+                iterator, worker, k, num_steps, window_ids, (count, budget, start), token, flats
+            )
             return k + 1, row[0], rows.write(k, row), has_next, flats
 
         loop = (tf.constant(0), tf.zeros([], tf.float64), rows, tf.constant(True), flats)
-        shapes = (tf.TensorShape([]), tf.TensorShape([]), tf.TensorShape(None), tf.TensorShape([]),
-                  [tf.TensorShape([None])] * len(flats))
-        _, _, rows, _, _ = tf.while_loop(lambda k, token, rows, has_next, flats: has_next, window,
-                                         loop, shape_invariants=shapes, parallel_iterations=1)
+        shapes = (
+            tf.TensorShape([]),
+            tf.TensorShape([]),
+            tf.TensorShape(None),
+            tf.TensorShape([]),
+            [tf.TensorShape([None])] * len(flats),
+        )
+        _, _, rows, _, _ = tf.while_loop(
+            lambda k, token, rows, has_next, flats: has_next,
+            window,
+            loop,
+            shape_invariants=shapes,
+            parallel_iterations=1,
+        )
         return rows.stack()
 
     def _window(self, iterator, worker, k, num_steps, window_ids, limits, token, flats):
@@ -266,21 +294,32 @@ class WindowFunction:
             outgoing = self._outgoing(pulled, weights, opt_values)
         count, budget, start = limits
         finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(u)) for u in outgoing.update if u.dtype.is_floating])
+            [tf.reduce_all(tf.math.is_finite(u)) for u in outgoing.update if u.dtype.is_floating]
+        )
         ok = tf.logical_and(finite, tf.logical_not(replayed))
         with tf.control_dependencies([finite]):  # once the local steps are done
             has_next = tf.logical_and(k + 1 < count, tf.timestamp() - start < budget)
         following = tf.minimum(k + 1, num_steps.shape[0] - 1)
         advanced = self._advanced(pulled, opt_values)
-        meta = tf.stack([window_ids[k], advanced[0], pulled.version, tf.cast(ok, tf.int64),
-                         tf.cast(tf.logical_not(tf.logical_or(finite, replayed)), tf.int64),
-                         window_ids[following], num_steps[following], tf.cast(has_next, tf.int64)]
-                        + advanced[1:])
+        meta = tf.stack(
+            [
+                window_ids[k],
+                advanced[0],
+                pulled.version,
+                tf.cast(ok, tf.int64),
+                tf.cast(tf.logical_not(tf.logical_or(finite, replayed)), tf.int64),
+                window_ids[following],
+                num_steps[following],
+                tf.cast(has_next, tf.int64),
+            ]
+            + advanced[1:]
+        )
         tau, flats = self._push_skip_or_replay(outgoing, ok, meta, has_next)
         state_ops = self._write_worker_state(ok, pulled, outgoing)
         with tf.control_dependencies(state_ops):
-            row = self._pack_result(worker, ok, replayed, tau, metric_values, outgoing.pi_stats,
-                                    started_at)
+            row = self._pack_result(
+                worker, ok, replayed, tau, metric_values, outgoing.pi_stats, started_at
+            )
         return row, has_next, flats
 
     def _advanced(self, pulled, opt_values):
@@ -336,9 +375,14 @@ class WindowFunction:
         values of its shared variables and of its own (each in order), with
         zeros for EMA variables."""
         shared, own = list(shared), list(own)
-        return [shared.pop(0) if id(v) in self._shared
-                else own.pop(0) if id(v) not in self._ema else tf.zeros(v.shape, v.dtype)
-                for v in self._opt_variables]
+        return [
+            shared.pop(0)
+            if id(v) in self._shared
+            else own.pop(0)
+            if id(v) not in self._ema
+            else tf.zeros(v.shape, v.dtype)
+            for v in self._opt_variables
+        ]
 
     def _local_steps(self, iterator, num_steps, pulled):
         """Local steps: `num_steps` steps of the local optimizer on the worker's
@@ -348,8 +392,11 @@ class WindowFunction:
         metric_values = [tf.constant(m) for m in self._trainer.metric_init]
         weights, opt_values = list(pulled.weights), list(pulled.optimizer_values)
         # `compile(jit_compile=True)`: each step XLA-compiled, as Keras compiles its step.
-        step = tf.function(self._step, jit_compile=True) if self._trainer.model.jit_compile \
+        step = (
+            tf.function(self._step, jit_compile=True)
+            if self._trainer.model.jit_compile
             else self._step
+        )
         for _ in tf.range(num_steps):
             weights, opt_values, metric_values = step(
                 next(iterator), weights, opt_values, metric_values
@@ -361,8 +408,9 @@ class WindowFunction:
         `train_step` if its class has one, else Keras's step."""
         if self._model_step is not None:
             return self._model_step.step(batch, weights, opt_values, metric_values)
-        return steps.keras_step(self._trainer.model, self.local_optimizer, batch,
-                                weights, opt_values, metric_values)
+        return steps.keras_step(
+            self._trainer.model, self.local_optimizer, batch, weights, opt_values, metric_values
+        )
 
     def _outgoing(self, pulled, weights, opt_values):
         """The update to push (`weights - pulled`, the trainable part passed
@@ -412,8 +460,11 @@ class WindowFunction:
         if free:  # what is not pushed must add exactly 0 (NaN-safe); zeros only then
             tensors = tf.cond(ok, lambda: tensors, lambda: [tf.zeros_like(p) for p in tensors])
         tensors = list(tensors) + [meta] + [tf.cast(has_next, tf.uint8) for _ in others]
-        transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces]
-                            + [(self._cdev, meta.shape, tf.int64)] + [(d, [], tf.uint8) for d in others])
+        transfer = Transfer(
+            [(s.device, p.shape, p.dtype) for s, p in pieces]
+            + [(self._cdev, meta.shape, tf.int64)]
+            + [(d, [], tf.uint8) for d in others]
+        )
         arrived, landed = transfer.send(tensors)
         meta = arrived[len(pieces)]
         with tf.device(self._cdev):  # (a slice made elsewhere would travel)
@@ -421,7 +472,9 @@ class WindowFunction:
             slot = tf.reshape(meta[0] % APPLIED_RING, [1])
 
         def otherwise():
-            counted = counters.dropped_nonfinite.assign_add(tf.cast(bad, tf.int64), read_value=False)
+            counted = counters.dropped_nonfinite.assign_add(
+                tf.cast(bad, tf.int64), read_value=False
+            )
             with tf.control_dependencies([counted]):
                 return tf.constant(-1, tf.int64)
 
@@ -436,19 +489,33 @@ class WindowFunction:
                     steps = steps * tf.cast(push, tf.int64)
                     window_id = tf.where(push, window_id, self.applied_windows.sparse_read(slot)[0])
                 applied = tf.raw_ops.ResourceScatterUpdate(
-                    resource=self.applied_windows.handle, indices=slot,
-                    updates=tf.reshape(window_id, [1]))
+                    resource=self.applied_windows.handle,
+                    indices=slot,
+                    updates=tf.reshape(window_id, [1]),
+                )
             ops = [applied]
             for i, counter in enumerate([iterations] + [raw(c) for c in self._counters[1:]]):
                 with tf.device(counter.device):
-                    ops.append(counter.assign_add(tf.cast(steps[i], counter.dtype), read_value=False))
+                    ops.append(
+                        counter.assign_add(tf.cast(steps[i], counter.dtype), read_value=False)
+                    )
             return ops
 
         _, tau = apply_push(
-            self._trainer.variables, arrived[:len(pieces)], landed, version, counters,
-            strategy.staleness, strategy.max_staleness, self._trainer.outer,
-            self._trainer.outer_slots, strategy.num_workers, also=also, ok=ok_ps,
-            otherwise=otherwise)
+            self._trainer.variables,
+            arrived[: len(pieces)],
+            landed,
+            version,
+            counters,
+            strategy.staleness,
+            strategy.max_staleness,
+            self._trainer.outer,
+            self._trainer.outer_slots,
+            strategy.num_workers,
+            also=also,
+            ok=ok_ps,
+            otherwise=otherwise,
+        )
         done = tau
         if self._averages:  # the EMA of the central variables after this push
             with tf.device(self._cdev):
@@ -462,9 +529,14 @@ class WindowFunction:
             # After every write of the push (`tau` waits for them all; the
             # step counter read here may live on another PS than it is written from).
             with tf.device(d), tf.control_dependencies([tau.op]):
-                go = meta[7] > 0 if d == self._cdev else arrived[len(pieces) + 1 + others.index(d)] > 0
-                flats += tf.cond(go, lambda d=d: pull.read(meta[5:7], d),
-                                 lambda d=d: pull.transfer.empty(d))
+                go = (
+                    meta[7] > 0
+                    if d == self._cdev
+                    else arrived[len(pieces) + 1 + others.index(d)] > 0
+                )
+                flats += tf.cond(
+                    go, lambda d=d: pull.read(meta[5:7], d), lambda d=d: pull.transfer.empty(d)
+                )
         return pull.to_worker(flats, done)
 
     def _write_worker_state(self, pushed, pulled, outgoing):
@@ -480,12 +552,15 @@ class WindowFunction:
         variables = self.worker_state + [var for var, _ in outgoing.rule_updates]
         with tf.control_dependencies([pushed]):
             old = self._own(pulled.optimizer_values) + [
-                var.read_value() for var, _ in outgoing.rule_updates]
+                var.read_value() for var, _ in outgoing.rule_updates
+            ]
             new = list(outgoing.worker_state) + [value for _, value in outgoing.rule_updates]
             # A cond selects without copying (a `where` would copy every tensor).
             values = tf.cond(pushed, lambda: new, lambda: old) if new else []
             state_ops = [self.data_shifted.assign(True, read_value=False)]
-            state_ops += [var.assign(value, read_value=False) for var, value in zip(variables, values)]
+            state_ops += [
+                var.assign(value, read_value=False) for var, value in zip(variables, values)
+            ]
         return state_ops
 
     def _pack_result(self, worker, pushed, replayed, tau, metric_values, pi_stats, started_at):

@@ -17,7 +17,9 @@ import argparse
 
 def parser(doc):
     """The argparse parser of a tool: its module docstring as the help text."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def int_list(text):
@@ -81,8 +83,11 @@ def compile_classifier(model, optimizer, metrics=None, keras_module=None):
     if keras_module is None:
         import keras as keras_module
 
-    model.compile(optimizer, keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=metrics)
+    model.compile(
+        optimizer,
+        keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=metrics,
+    )
     return model
 
 
@@ -106,6 +111,7 @@ def markdown_table(header, rows):
     Returns:
         `["| a | b |", "| --- | --- |", "| 1 | 2 |", ...]`.
     """
+
     def line(cells):
         return "| " + " | ".join(str(c) for c in cells) + " |"
 

@@ -134,9 +134,17 @@ def child_keras(args):
     rate = 50 / _timed_fit(model, ds, 50)
     for _ in range(args.inner):
         steps, dt_run, rate = _measure(lambda n: _timed_fit(model, ds, n), rate, args.seconds, 10)
-        _emit(mode="keras", processes="one", workers=0, n_sync=0, steps=steps, seconds=dt_run,
-              samples_per_s=steps * args.batch_size / dt_run, bytes_pulled_per_sample=0.0,
-              bytes_pushed_per_sample=0.0)
+        _emit(
+            mode="keras",
+            processes="one",
+            workers=0,
+            n_sync=0,
+            steps=steps,
+            seconds=dt_run,
+            samples_per_s=steps * args.batch_size / dt_run,
+            bytes_pulled_per_sample=0.0,
+            bytes_pushed_per_sample=0.0,
+        )
 
 
 def child_pss(args):
@@ -148,9 +156,11 @@ def child_pss(args):
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
-            model.compile(tf_keras.optimizers.SGD(0.05, momentum=0.9),
-                          tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          steps_per_execution=args.spe)
+            model.compile(
+                tf_keras.optimizers.SGD(0.05, momentum=0.9),
+                tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=args.spe,
+            )
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         batch_size = args.batch_size
 
@@ -163,13 +173,20 @@ def child_pss(args):
         rate = 40 / _timed_fit(model, data, 40)
         param_bytes = 4.0 * nparams
         for _ in range(args.inner):
-            steps, dt_run, rate = _measure(lambda n: _timed_fit(model, data, n), rate,
-                                           args.seconds, 10 if spe == 1 else spe)
-            _emit(mode="pss", processes=args.processes, workers=args.workers, n_sync=spe,
-                  steps=steps, seconds=dt_run,
-                  samples_per_s=steps * args.batch_size / dt_run,
-                  bytes_pulled_per_sample=param_bytes / args.batch_size,
-                  bytes_pushed_per_sample=param_bytes / args.batch_size)
+            steps, dt_run, rate = _measure(
+                lambda n: _timed_fit(model, data, n), rate, args.seconds, 10 if spe == 1 else spe
+            )
+            _emit(
+                mode="pss",
+                processes=args.processes,
+                workers=args.workers,
+                n_sync=spe,
+                steps=steps,
+                seconds=dt_run,
+                samples_per_s=steps * args.batch_size / dt_run,
+                bytes_pulled_per_sample=param_bytes / args.batch_size,
+                bytes_pushed_per_sample=param_bytes / args.batch_size,
+            )
 
 
 def child_asgd(args):
@@ -183,7 +200,8 @@ def child_asgd(args):
     configs = [(n, k) for n in n_syncs for k in args.windows_per_closure.split(",")]
     with _common.cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness)
+            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness
+        )
         with strategy.scope():
             model = _keras3_model(args.model)
             _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
@@ -216,40 +234,81 @@ def child_asgd(args):
                     stats["before"] = strategy.model_stats(model)  # the last run's counts
                     return _timed_fit(model, ds, steps)
 
-                steps, dt_run, rate[n, k] = _measure(fit, rate[n, k], args.seconds,
-                                                     n * args.workers)
+                steps, dt_run, rate[n, k] = _measure(
+                    fit, rate[n, k], args.seconds, n * args.workers
+                )
                 before, after = stats["before"], strategy.model_stats(model)
                 samples = steps * args.batch_size
-                _emit(mode="asgd", processes=args.processes, windows_per_closure=k,
-                      workers=args.workers, n_sync=n, steps=steps, seconds=dt_run,
-                      samples_per_s=samples / dt_run,
-                      bytes_pulled_per_sample=(after.bytes_pulled - before.bytes_pulled) / samples,
-                      bytes_pushed_per_sample=(after.bytes_pushed - before.bytes_pushed) / samples,
-                      mean_staleness=after.mean_staleness)
+                _emit(
+                    mode="asgd",
+                    processes=args.processes,
+                    windows_per_closure=k,
+                    workers=args.workers,
+                    n_sync=n,
+                    steps=steps,
+                    seconds=dt_run,
+                    samples_per_s=samples / dt_run,
+                    bytes_pulled_per_sample=(after.bytes_pulled - before.bytes_pulled) / samples,
+                    bytes_pushed_per_sample=(after.bytes_pushed - before.bytes_pushed) / samples,
+                    mean_staleness=after.mean_staleness,
+                )
 
 
 # ---- parent side -----------------------------------------------------------
 
 
 def _run_child(args, mode, workers, processes="shared", spe=1):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--workers", str(workers),
-           "--model", args.model, "--batch-size", str(args.batch_size), "--seconds", str(args.seconds),
-           "--n-sync", args.n_sync, "--inner", str(args.inner), "--staleness", args.staleness,
-           "--processes", processes, "--spe", str(spe),
-           "--windows-per-closure", args.windows_per_closure]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        mode,
+        "--workers",
+        str(workers),
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--seconds",
+        str(args.seconds),
+        "--n-sync",
+        args.n_sync,
+        "--inner",
+        str(args.inner),
+        "--staleness",
+        args.staleness,
+        "--processes",
+        processes,
+        "--spe",
+        str(spe),
+        "--windows-per-closure",
+        args.windows_per_closure,
+    ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
-    rows = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    rows = [
+        json.loads(line[len(RESULT) :])
+        for line in proc.stdout.splitlines()
+        if line.startswith(RESULT)
+    ]
     if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"bench child {mode} x{workers} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"bench child {mode} x{workers} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return rows
 
 
 def summarize(raw, batch_size):
     """Medians per configuration and the ratios between them."""
+
     def key_of(r):
-        return (r["mode"], r.get("processes", "shared"), r["workers"], r["n_sync"],
-                str(r.get("windows_per_closure", "")))
+        return (
+            r["mode"],
+            r.get("processes", "shared"),
+            r["workers"],
+            r["n_sync"],
+            str(r.get("windows_per_closure", "")),
+        )
 
     groups = {}
     for r in raw:
@@ -271,19 +330,26 @@ def summarize(raw, batch_size):
         same = [x for (p, _), x in pss.items() if p == processes]
         ref_pss = pss.get((processes, workers)) or (statistics.median(same) if same else None)
         ref_best = best_pss.get((processes, workers))
-        rows.append(dict(
-            mode=mode, workers=workers, n_sync=n_sync, processes=processes,
-            windows_per_closure=wpc, runs=len(v),
-            samples_per_s=sps, steps_per_s=sps / batch_size,
-            min_samples_per_s=min(r["samples_per_s"] for r in v),
-            max_samples_per_s=max(r["samples_per_s"] for r in v),
-            ratio_to_keras=sps / keras_sps if keras_sps else "",
-            ratio_to_pss=sps / ref_pss if ref_pss else "",
-            ratio_to_best_pss=sps / ref_best if ref_best else "",
-            bytes_pulled_per_sample=statistics.median(r["bytes_pulled_per_sample"] for r in v),
-            bytes_pushed_per_sample=statistics.median(r["bytes_pushed_per_sample"] for r in v),
-            mean_staleness=statistics.median(r.get("mean_staleness", 0.0) for r in v),
-        ))
+        rows.append(
+            dict(
+                mode=mode,
+                workers=workers,
+                n_sync=n_sync,
+                processes=processes,
+                windows_per_closure=wpc,
+                runs=len(v),
+                samples_per_s=sps,
+                steps_per_s=sps / batch_size,
+                min_samples_per_s=min(r["samples_per_s"] for r in v),
+                max_samples_per_s=max(r["samples_per_s"] for r in v),
+                ratio_to_keras=sps / keras_sps if keras_sps else "",
+                ratio_to_pss=sps / ref_pss if ref_pss else "",
+                ratio_to_best_pss=sps / ref_best if ref_best else "",
+                bytes_pulled_per_sample=statistics.median(r["bytes_pulled_per_sample"] for r in v),
+                bytes_pushed_per_sample=statistics.median(r["bytes_pushed_per_sample"] for r in v),
+                mean_staleness=statistics.median(r.get("mean_staleness", 0.0) for r in v),
+            )
+        )
     return rows
 
 
@@ -291,15 +357,37 @@ def markdown(rows, args):
     def f(v, d=2):
         return f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
-    header = ["mode", "workers", "n_sync", "processes", "windows/closure", "samples/s", "steps/s",
-              "x keras", "x pss", "x best pss", "pulled B/sample", "pushed B/sample", "mean staleness"]
+    header = [
+        "mode",
+        "workers",
+        "n_sync",
+        "processes",
+        "windows/closure",
+        "samples/s",
+        "steps/s",
+        "x keras",
+        "x pss",
+        "x best pss",
+        "pulled B/sample",
+        "pushed B/sample",
+        "mean staleness",
+    ]
     cells = [
-        [r["mode"], r["workers"] or "-", r["n_sync"] or "-", r["processes"],
-         r["windows_per_closure"] or "-", f"{r['samples_per_s']:.0f}",
-         f"{r['steps_per_s']:.1f}", f(r["ratio_to_keras"]), f(r["ratio_to_pss"]),
-         f(r["ratio_to_best_pss"]),
-         f"{r['bytes_pulled_per_sample']:.0f}", f"{r['bytes_pushed_per_sample']:.0f}",
-         f(r["mean_staleness"])]
+        [
+            r["mode"],
+            r["workers"] or "-",
+            r["n_sync"] or "-",
+            r["processes"],
+            r["windows_per_closure"] or "-",
+            f"{r['samples_per_s']:.0f}",
+            f"{r['steps_per_s']:.1f}",
+            f(r["ratio_to_keras"]),
+            f(r["ratio_to_pss"]),
+            f(r["ratio_to_best_pss"]),
+            f"{r['bytes_pulled_per_sample']:.0f}",
+            f"{r['bytes_pushed_per_sample']:.0f}",
+            f(r["mean_staleness"]),
+        ]
         for r in rows
     ]
     out = [
@@ -321,15 +409,23 @@ def main(argv=None):
     p.add_argument("--model", default="gem_mnist_convnet")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", default="1,2,4")
-    p.add_argument("--pss-workers", default=None, help="worker counts for stock PS (default: --workers)")
+    p.add_argument(
+        "--pss-workers", default=None, help="worker counts for stock PS (default: --workers)"
+    )
     p.add_argument("--n-sync", default="1,10,100")
     p.add_argument("--staleness", default="dynsgd")
     p.add_argument("--modes", default="keras,pss,asgd")
-    p.add_argument("--processes", default="shared,separate",
-                   help="cluster process modes: shared (all tasks in one process), separate")
+    p.add_argument(
+        "--processes",
+        default="shared,separate",
+        help="cluster process modes: shared (all tasks in one process), separate",
+    )
     p.add_argument("--pss-spe", default="1,10", help="steps_per_execution of the stock PS runs")
-    p.add_argument("--windows-per-closure", default="auto",
-                   help="tf_asgd windows per closure: auto (the strategy's default) and/or integers")
+    p.add_argument(
+        "--windows-per-closure",
+        default="auto",
+        help="tf_asgd windows per closure: auto (the strategy's default) and/or integers",
+    )
     p.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--inner", type=int, default=1, help="measurements per configuration per round")
@@ -363,8 +459,11 @@ def main(argv=None):
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 # One failed child (e.g. a server that did not come up) must not
                 # lose the other measurements: report it and go on.
-                print(f"FAILED {mode} x{w} {processes} in round {rnd}: {str(e)[-500:]}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"FAILED {mode} x{w} {processes} in round {rnd}: {str(e)[-500:]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 failures.append(dict(mode=mode, workers=w, processes=processes, round=rnd))
                 continue
             for r in rows:
@@ -377,9 +476,13 @@ def main(argv=None):
     plots.write_csv(os.path.join(args.out, "summary.csv"), rows)
     text = markdown(rows, args)
     if failures:
-        text += "\nFailed runs (not in the medians): " + ", ".join(
-            f"{f['mode']} x{f['workers']} {f['processes']} round {f['round']}"
-            for f in failures) + "\n"
+        text += (
+            "\nFailed runs (not in the medians): "
+            + ", ".join(
+                f"{f['mode']} x{f['workers']} {f['processes']} round {f['round']}" for f in failures
+            )
+            + "\n"
+        )
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
     print(text)

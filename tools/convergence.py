@@ -37,7 +37,18 @@ import numpy as np
 
 import _common
 
-SETUPS = ("default", "average", "capped", "sqrt", "dynsgd", "none", "diloco", "delayed_nesterov", "reset", "gem")
+SETUPS = (
+    "default",
+    "average",
+    "capped",
+    "sqrt",
+    "dynsgd",
+    "none",
+    "diloco",
+    "delayed_nesterov",
+    "reset",
+    "gem",
+)
 
 
 def make_model(name, input_shape):
@@ -47,10 +58,14 @@ def make_model(name, input_shape):
     import tf_asgd
 
     if name == "mlp":
-        return keras.Sequential([
-            keras.Input(input_shape), keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input(input_shape),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
     if name == "convnet":
         return tf_asgd.models.digits_convnet()
     raise ValueError(f"Unknown model {name!r}; expected mlp or convnet.")
@@ -95,8 +110,9 @@ def schedule(n_sync, workers, args, steps_per_pass):
     return workers * n_sync, max(args.epochs, args.min_windows)
 
 
-def train(data, model_name, opt_name, seed, steps_per_epoch, epochs, args,
-          strategy=None, gem=False):
+def train(
+    data, model_name, opt_name, seed, steps_per_epoch, epochs, args, strategy=None, gem=False
+):
     """One run; returns per-epoch rows (samples, val_loss, val_accuracy)."""
     import keras
 
@@ -114,22 +130,37 @@ def train(data, model_name, opt_name, seed, steps_per_epoch, epochs, args,
     import tensorflow as tf
 
     if steps_per_epoch == args.steps_per_pass and strategy is None:
-        history = model.fit(x, y, batch_size=args.batch_size, epochs=epochs,
-                            validation_data=(xt, yt), verbose=0)
+        history = model.fit(
+            x, y, batch_size=args.batch_size, epochs=epochs, validation_data=(xt, yt), verbose=0
+        )
     elif strategy is None:
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).batch(
-            args.batch_size).repeat()
-        history = model.fit(ds, steps_per_epoch=steps_per_epoch, epochs=epochs,
-                            validation_data=(xt, yt), verbose=0)
+        ds = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(len(x), seed=seed)
+            .batch(args.batch_size)
+            .repeat()
+        )
+        history = model.fit(
+            ds, steps_per_epoch=steps_per_epoch, epochs=epochs, validation_data=(xt, yt), verbose=0
+        )
     else:
-        history = model.fit(x, y, batch_size=args.batch_size, epochs=epochs,
-                            steps_per_epoch=None if steps_per_epoch == args.steps_per_pass
-                            else steps_per_epoch,
-                            validation_data=(xt, yt), verbose=0)
+        history = model.fit(
+            x,
+            y,
+            batch_size=args.batch_size,
+            epochs=epochs,
+            steps_per_epoch=None if steps_per_epoch == args.steps_per_pass else steps_per_epoch,
+            validation_data=(xt, yt),
+            verbose=0,
+        )
     h = history.history
     return [
-        dict(epoch=e + 1, samples=(e + 1) * steps_per_epoch * args.batch_size,
-             val_loss=float(h["val_loss"][e]), val_accuracy=float(h["val_accuracy"][e]))
+        dict(
+            epoch=e + 1,
+            samples=(e + 1) * steps_per_epoch * args.batch_size,
+            val_loss=float(h["val_loss"][e]),
+            val_accuracy=float(h["val_accuracy"][e]),
+        )
         for e in range(epochs)
     ]
 
@@ -148,8 +179,12 @@ def summarize(rows, plain):
     final, plain_final = rows[-1]["val_accuracy"], plain[-1]["val_accuracy"]
     target = plain_final - 0.01
     return dict(
-        final_accuracy=final, plain_accuracy=plain_final, gap_points=100 * (plain_final - final),
-        diverged=int(any(r["val_loss"] > 2 * first or not np.isfinite(r["val_loss"]) for r in rows)),
+        final_accuracy=final,
+        plain_accuracy=plain_final,
+        gap_points=100 * (plain_final - final),
+        diverged=int(
+            any(r["val_loss"] > 2 * first or not np.isfinite(r["val_loss"]) for r in rows)
+        ),
         samples_ratio=samples_to(rows, target) / samples_to(plain, target),
     )
 
@@ -166,11 +201,30 @@ def write_summary(out, summary):
         plain = [r["plain_accuracy"] for r in runs]
         gap = [r["gap_points"] for r in runs]
         ratio = [r["samples_ratio"] for r in runs]
-        rows.append([*key, len(runs), f"{min(plain):.3f}-{max(plain):.3f}",
-                     f"{min(acc):.3f}-{max(acc):.3f}", f"{max(gap):.1f}",
-                     sum(r["diverged"] for r in runs), f"{max(ratio):.2f}"])
-    header = ["model", "optimizer", "n_sync", "workers", "setup", "seeds", "plain acc",
-              "acc", "worst gap (points)", "diverged", "worst samples ratio"]
+        rows.append(
+            [
+                *key,
+                len(runs),
+                f"{min(plain):.3f}-{max(plain):.3f}",
+                f"{min(acc):.3f}-{max(acc):.3f}",
+                f"{max(gap):.1f}",
+                sum(r["diverged"] for r in runs),
+                f"{max(ratio):.2f}",
+            ]
+        )
+    header = [
+        "model",
+        "optimizer",
+        "n_sync",
+        "workers",
+        "setup",
+        "seeds",
+        "plain acc",
+        "acc",
+        "worst gap (points)",
+        "diverged",
+        "worst samples ratio",
+    ]
     _common.write_lines(os.path.join(out, "summary.md"), _common.markdown_table(header, rows))
 
 
@@ -180,17 +234,30 @@ def plot(out, curves):
     Keras) as its mean over seeds with a min-max band."""
     from tf_asgd import plots
 
-    runs = collections.defaultdict(list)  # (model, opt, n_sync, workers, setup) -> rows of all seeds
+    runs = collections.defaultdict(
+        list
+    )  # (model, opt, n_sync, workers, setup) -> rows of all seeds
     for r in curves:
-        runs[(r["model"], r["optimizer"], r["n_sync"], r["workers"], r["setup"],
-              r["steps_per_epoch"])].append(r)
+        runs[
+            (
+                r["model"],
+                r["optimizer"],
+                r["n_sync"],
+                r["workers"],
+                r["setup"],
+                r["steps_per_epoch"],
+            )
+        ].append(r)
     figures = collections.defaultdict(list)
     for (model, opt, n_sync, workers, setup, spe), rows in runs.items():
         if setup != "plain":
             figures[(model, opt, n_sync)].append((workers, setup, spe, rows))
     for (model, opt, n_sync), members in sorted(figures.items()):
         panels = []
-        for metric, ylabel in (("val_accuracy", "held-out accuracy"), ("val_loss", "held-out loss")):
+        for metric, ylabel in (
+            ("val_accuracy", "held-out accuracy"),
+            ("val_loss", "held-out loss"),
+        ):
             for workers in sorted({w for w, *_ in members}):
                 series = []
                 for w, setup, spe, rows in sorted(members, key=lambda m: m[1]):
@@ -200,11 +267,18 @@ def plot(out, curves):
                         plain = runs.get((model, opt, 0, 1, "plain", spe), [])
                         series.append(_band("plain Keras", plain, metric))
                     series.append(_band(setup, rows, metric))
-                panels.append(dict(title=f"{model}, {opt}, n_sync {n_sync}, {workers} workers",
-                                   xlabel="samples seen", ylabel=ylabel, series=series,
-                                   logy=metric == "val_loss"))
-        plots.plot_panels(os.path.join(out, f"curves_{model}_{opt}_n{n_sync}.png"), panels,
-                          ncols=len(panels) // 2)
+                panels.append(
+                    dict(
+                        title=f"{model}, {opt}, n_sync {n_sync}, {workers} workers",
+                        xlabel="samples seen",
+                        ylabel=ylabel,
+                        series=series,
+                        logy=metric == "val_loss",
+                    )
+                )
+        plots.plot_panels(
+            os.path.join(out, f"curves_{model}_{opt}_n{n_sync}.png"), panels, ncols=len(panels) // 2
+        )
 
 
 def _band(label, rows, metric):
@@ -214,7 +288,13 @@ def _band(label, rows, metric):
         by_epoch[r["samples"]].append(r[metric])
     xs = sorted(by_epoch)
     values = [np.asarray(by_epoch[x], np.float64) for x in xs]
-    return (label, xs, [v.mean() for v in values], [v.min() for v in values], [v.max() for v in values])
+    return (
+        label,
+        xs,
+        [v.mean() for v in values],
+        [v.min() for v in values],
+        [v.max() for v in values],
+    )
 
 
 def merge(dirs, out):
@@ -226,12 +306,23 @@ def merge(dirs, out):
     for d in dirs:
         for name, rows in tables.items():
             for row in plots.read_csv(os.path.join(d, name)):
-                rows.append({k: (int(float(v)) if k in numeric else
-                                 v if k in ("setup", "model", "optimizer") else float(v))
-                             for k, v in row.items()})
+                rows.append(
+                    {
+                        k: (
+                            int(float(v))
+                            if k in numeric
+                            else v
+                            if k in ("setup", "model", "optimizer")
+                            else float(v)
+                        )
+                        for k, v in row.items()
+                    }
+                )
     os.makedirs(out, exist_ok=True)
-    curves = _unique(tables["curves.csv"], ("setup", "model", "optimizer", "n_sync", "workers",
-                                            "seed", "steps_per_epoch", "epoch"))
+    curves = _unique(
+        tables["curves.csv"],
+        ("setup", "model", "optimizer", "n_sync", "workers", "seed", "steps_per_epoch", "epoch"),
+    )
     summary = tables["summary.csv"]
     plots.write_csv(os.path.join(out, "curves.csv"), curves)
     plots.write_csv(os.path.join(out, "summary.csv"), summary)
@@ -264,9 +355,13 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--min-windows", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--merge", type=_common.str_list, default=None,
-                   help="instead of training: combine the curves.csv and summary.csv of these "
-                        "output directories (runs split over several invocations) into --out")
+    p.add_argument(
+        "--merge",
+        type=_common.str_list,
+        default=None,
+        help="instead of training: combine the curves.csv and summary.csv of these "
+        "output directories (runs split over several invocations) into --out",
+    )
     args = p.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
@@ -287,8 +382,19 @@ def main(argv=None):
         key = (model, opt, seed, spe, epochs)
         if key not in plain_cache:
             plain_cache[key] = train(data, model, opt, seed, spe, epochs, args)
-            curves.extend(dict(setup="plain", model=model, optimizer=opt, n_sync=0, workers=1,
-                               seed=seed, steps_per_epoch=spe, **r) for r in plain_cache[key])
+            curves.extend(
+                dict(
+                    setup="plain",
+                    model=model,
+                    optimizer=opt,
+                    n_sync=0,
+                    workers=1,
+                    seed=seed,
+                    steps_per_epoch=spe,
+                    **r,
+                )
+                for r in plain_cache[key]
+            )
         return plain_cache[key]
 
     for workers in args.workers:
@@ -303,24 +409,47 @@ def main(argv=None):
                             for seed in range(args.seeds):
                                 plain = plain_run(model, opt, seed, spe, epochs)
                                 strategy = tf_asgd.AsyncParameterServerStrategy(
-                                    cluster.resolver, n_sync=n_sync,
-                                    **strategy_kwargs(setup, workers))
-                                rows = train(data, model, opt, seed, spe, epochs, args,
-                                             strategy=strategy, gem=setup == "gem")
-                                tags = dict(setup=setup, model=model, optimizer=opt, n_sync=n_sync,
-                                            workers=workers, seed=seed, steps_per_epoch=spe)
+                                    cluster.resolver,
+                                    n_sync=n_sync,
+                                    **strategy_kwargs(setup, workers),
+                                )
+                                rows = train(
+                                    data,
+                                    model,
+                                    opt,
+                                    seed,
+                                    spe,
+                                    epochs,
+                                    args,
+                                    strategy=strategy,
+                                    gem=setup == "gem",
+                                )
+                                tags = dict(
+                                    setup=setup,
+                                    model=model,
+                                    optimizer=opt,
+                                    n_sync=n_sync,
+                                    workers=workers,
+                                    seed=seed,
+                                    steps_per_epoch=spe,
+                                )
                                 curves.extend(dict(**tags, **r) for r in rows)
                                 summary.append(dict(**tags, **summarize(rows, plain)))
                                 s = summary[-1]
-                                print(f"[{time.time() - t0:6.0f}s] {model} {opt} n_sync {n_sync} "
-                                      f"{workers}w {setup} seed {seed}: acc {s['final_accuracy']:.3f} "
-                                      f"(plain {s['plain_accuracy']:.3f}) diverged {s['diverged']} "
-                                      f"samples x{s['samples_ratio']:.2f}", flush=True)
+                                print(
+                                    f"[{time.time() - t0:6.0f}s] {model} {opt} n_sync {n_sync} "
+                                    f"{workers}w {setup} seed {seed}: acc {s['final_accuracy']:.3f} "
+                                    f"(plain {s['plain_accuracy']:.3f}) diverged {s['diverged']} "
+                                    f"samples x{s['samples_ratio']:.2f}",
+                                    flush=True,
+                                )
                                 plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
                                 plots.write_csv(os.path.join(args.out, "summary.csv"), summary)
                                 write_summary(args.out, summary)
     plot(args.out, curves)
-    print(f"wrote {args.out}/summary.md, summary.csv, curves.csv and plots in {time.time() - t0:.0f} s")
+    print(
+        f"wrote {args.out}/summary.md, summary.csv, curves.csv and plots in {time.time() - t0:.0f} s"
+    )
 
 
 if __name__ == "__main__":

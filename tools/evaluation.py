@@ -69,24 +69,35 @@ def run_workers(workers, data, args):
         for step_ms in args.step_ms:
             keras.utils.set_random_seed(args.seed)
             with strategy.scope():
-                model = _common.compile_classifier(device_time_model(step_ms),
-                                                   keras.optimizers.SGD(0.05), metrics=["accuracy"])
+                model = _common.compile_classifier(
+                    device_time_model(step_ms), keras.optimizers.SGD(0.05), metrics=["accuracy"]
+                )
             results = {}
             for mode in MODES:  # trace each path once, untimed
                 strategy.evaluation = mode
-                results[mode] = model.evaluate(x, y, batch_size=args.batch_size, verbose=0,
-                                               return_dict=True)
+                results[mode] = model.evaluate(
+                    x, y, batch_size=args.batch_size, verbose=0, return_dict=True
+                )
             diff = max(abs(results["chief"][k] - results["workers"][k]) for k in results["chief"])
             for k in range(args.rounds):
                 for mode in MODES if k % 2 == 0 else MODES[::-1]:
                     strategy.evaluation = mode
                     t0 = time.perf_counter()
-                    out = model.evaluate(x, y, batch_size=args.batch_size, verbose=0,
-                                         return_dict=True)
+                    out = model.evaluate(
+                        x, y, batch_size=args.batch_size, verbose=0, return_dict=True
+                    )
                     seconds = time.perf_counter() - t0
-                    row = dict(workers=workers, step_ms=step_ms, mode=mode, round=k,
-                               seconds=seconds, batches=-(-len(x) // args.batch_size),
-                               loss=out["loss"], accuracy=out["accuracy"], max_metric_diff=diff)
+                    row = dict(
+                        workers=workers,
+                        step_ms=step_ms,
+                        mode=mode,
+                        round=k,
+                        seconds=seconds,
+                        batches=-(-len(x) // args.batch_size),
+                        loss=out["loss"],
+                        accuracy=out["accuracy"],
+                        max_metric_diff=diff,
+                    )
                     print(row, flush=True)
                     rows.append(row)
     return rows
@@ -96,8 +107,12 @@ def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/evaluation")
     p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4])
-    p.add_argument("--step-ms", type=_common.float_list, default=[0.0, 20.0],
-                   help="emulated device time per batch (a list: each is measured)")
+    p.add_argument(
+        "--step-ms",
+        type=_common.float_list,
+        default=[0.0, 20.0],
+        help="emulated device time per batch (a list: each is measured)",
+    )
     p.add_argument("--examples", type=int, default=1797)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
@@ -111,7 +126,7 @@ def main(argv=None):
     (x, y), (xt, yt) = tf_asgd.data.load_digits()
     x, y = np.concatenate([x, xt]), np.concatenate([y, yt])
     reps = -(-args.examples // len(x))
-    data = (np.tile(x, (reps, 1, 1, 1))[:args.examples], np.tile(y, reps)[:args.examples])
+    data = (np.tile(x, (reps, 1, 1, 1))[: args.examples], np.tile(y, reps)[: args.examples])
     rows = []
     for workers in args.workers:
         rows += run_workers(workers, data, args)
@@ -120,8 +135,11 @@ def main(argv=None):
     plots.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
 
     def median(workers, step_ms, mode):
-        return statistics.median(r["seconds"] for r in rows if r["workers"] == workers
-                                 and r["step_ms"] == step_ms and r["mode"] == mode)
+        return statistics.median(
+            r["seconds"]
+            for r in rows
+            if r["workers"] == workers and r["step_ms"] == step_ms and r["mode"] == mode
+        )
 
     batches = rows[0]["batches"]
     table = []
@@ -129,11 +147,23 @@ def main(argv=None):
         for workers in args.workers:
             chief = median(workers, step_ms, "chief")
             on_workers = median(workers, step_ms, "workers")
-            diff = next(r["max_metric_diff"] for r in rows
-                        if r["workers"] == workers and r["step_ms"] == step_ms)
-            table.append([f"{step_ms:g}", workers, f"{chief:.2f}", f"{on_workers:.2f}",
-                          f"{1000 * chief / batches:.1f}", f"{1000 * on_workers / batches:.1f}",
-                          f"{chief / on_workers:.2f}", f"{diff:.1e}"])
+            diff = next(
+                r["max_metric_diff"]
+                for r in rows
+                if r["workers"] == workers and r["step_ms"] == step_ms
+            )
+            table.append(
+                [
+                    f"{step_ms:g}",
+                    workers,
+                    f"{chief:.2f}",
+                    f"{on_workers:.2f}",
+                    f"{1000 * chief / batches:.1f}",
+                    f"{1000 * on_workers / batches:.1f}",
+                    f"{chief / on_workers:.2f}",
+                    f"{diff:.1e}",
+                ]
+            )
     lines = [
         "# Evaluation on the workers vs on the chief",
         "",
@@ -147,8 +177,18 @@ def main(argv=None):
         "the two modes' loss and accuracy.",
         "",
     ] + _common.markdown_table(
-        ["step ms", "workers", "chief s", "workers s", "chief ms/batch", "workers ms/batch",
-         "speed-up", "max metric diff"], table)
+        [
+            "step ms",
+            "workers",
+            "chief s",
+            "workers s",
+            "chief ms/batch",
+            "workers ms/batch",
+            "speed-up",
+            "max metric diff",
+        ],
+        table,
+    )
     _common.write_lines(os.path.join(args.out, "evaluation.md"), lines)
     print("\n".join(lines))
 

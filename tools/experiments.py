@@ -42,7 +42,9 @@ def load_data(name):
 
     if name == "digits":
         return tf_asgd.data.load_digits(), "digits_convnet"
-    path = os.path.expanduser(f"~/.keras/datasets/{'mnist.npz' if name == 'mnist' else 'cifar-10-batches-py'}")
+    path = os.path.expanduser(
+        f"~/.keras/datasets/{'mnist.npz' if name == 'mnist' else 'cifar-10-batches-py'}"
+    )
     if not os.path.exists(path):
         raise SystemExit(f"{name} is not present offline ({path} is missing); use --data digits.")
     import keras
@@ -56,12 +58,19 @@ def load_data(name):
 
 def _metric_index(model):
     paths = [v.path for v in model.metrics_variables]
+
     def find(*words):
         for i, p in enumerate(paths):
             if all(w in p for w in words):
                 return i
         raise KeyError(f"no metric variable with {words} in {paths}")
-    return find("loss", "total"), find("loss", "count"), find("accuracy", "total"), find("accuracy", "count")
+
+    return (
+        find("loss", "total"),
+        find("loss", "count"),
+        find("accuracy", "total"),
+        find("accuracy", "count"),
+    )
 
 
 def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_steps=0, name=""):
@@ -74,15 +83,19 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
 
     (x, y), (xt, yt) = data
     # No shuffle seed: each worker draws its own order.
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(
-        args.batch_size, drop_remainder=True)
+    ds = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x))
+        .batch(args.batch_size, drop_remainder=True)
+    )
     if args.step_ms > 0:
         ds = ds.apply(sleep_transformation(args.step_ms * 1000))
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = getattr(tf_asgd.models, model_name)()
-        _common.compile_classifier(model, keras.optimizers.SGD(args.eta, momentum=args.momentum),
-                                   metrics=["accuracy"])
+        _common.compile_classifier(
+            model, keras.optimizers.SGD(args.eta, momentum=args.momentum), metrics=["accuracy"]
+        )
     stats0 = strategy.counters.stats(0, 0)
     t0, wall0 = time.perf_counter(), time.time()
     if warm_steps:
@@ -103,24 +116,44 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
         if count <= 0:
             continue
         samples += count
-        rows.append(dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps,
-                         time=t - wall0, samples=samples, minibatches=count / args.batch_size,
-                         loss=float(v[li]) / float(v[lc]), error=1.0 - float(v[ai]) / count))
+        rows.append(
+            dict(
+                run=name,
+                workers=workers,
+                n_sync=n_sync,
+                warm_steps=warm_steps,
+                time=t - wall0,
+                samples=samples,
+                minibatches=count / args.batch_size,
+                loss=float(v[li]) / float(v[lc]),
+                error=1.0 - float(v[ai]) / count,
+            )
+        )
     hist = stats1.staleness_histogram - stats0.staleness_histogram
     pushes = int(hist.sum())
-    summary = dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps, steps=steps,
-                   wall_s=wall, samples_per_s=steps * args.batch_size / wall, windows=len(rows),
-                   mean_staleness=float((np.arange(len(hist)) * hist).sum() / max(1, pushes)),
-                   final_train_error_400=_smoothed(rows, args)[-1] if rows else float("nan"),
-                   test_accuracy=float(test_acc), test_loss=float(test_loss))
+    summary = dict(
+        run=name,
+        workers=workers,
+        n_sync=n_sync,
+        warm_steps=warm_steps,
+        steps=steps,
+        wall_s=wall,
+        samples_per_s=steps * args.batch_size / wall,
+        windows=len(rows),
+        mean_staleness=float((np.arange(len(hist)) * hist).sum() / max(1, pushes)),
+        final_train_error_400=_smoothed(rows, args)[-1] if rows else float("nan"),
+        test_accuracy=float(test_acc),
+        test_loss=float(test_loss),
+    )
     return rows, summary, hist
 
 
 def _smoothed(rows, args):
     from tf_asgd import plots
 
-    return plots.sliding_mean([r["error"] for r in rows], args.smooth,
-                              weights=[r["minibatches"] for r in rows])
+    return plots.sliding_mean(
+        [r["error"] for r in rows], args.smooth, weights=[r["minibatches"] for r in rows]
+    )
 
 
 def main(argv=None):
@@ -166,11 +199,23 @@ def main(argv=None):
         with _common.local_cluster(workers) as cluster:
             strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1)
             for sweep, n, warm in plan[workers]:
-                label = {"nsync": f"n_sync={n}", "workers": f"{workers} workers",
-                         "start": "warm start" if warm else "cold start"}[sweep]
+                label = {
+                    "nsync": f"n_sync={n}",
+                    "workers": f"{workers} workers",
+                    "start": "warm start" if warm else "cold start",
+                }[sweep]
                 steps = max(args.steps, 2 * n * workers + warm)
-                rows, summary, hist = train_run(strategy, workers, n, steps, args, data, model_name,
-                                                warm_steps=warm, name=f"{sweep}:{label}")
+                rows, summary, hist = train_run(
+                    strategy,
+                    workers,
+                    n,
+                    steps,
+                    args,
+                    data,
+                    model_name,
+                    warm_steps=warm,
+                    name=f"{sweep}:{label}",
+                )
                 summary["sweep"] = sweep
                 for r in rows:
                     r["sweep"] = sweep
@@ -202,15 +247,41 @@ def main(argv=None):
             stale.append((label, np.arange(len(h)), h / max(1, h.sum())))
             stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
         title = f"{args.data}, {model_name}, batch {args.batch_size}, eta {args.eta}, emulated {args.step_ms} ms/step"
-        plots.plot_panels(os.path.join(args.out, f"{sweep}_curves.png"), [
-            dict(title=f"training error ({args.smooth}-minibatch window)", xlabel="wall time (s)",
-                 ylabel="training error", series=by_time, ylim=(0, 1)),
-            dict(title=f"training error ({args.smooth}-minibatch window)", xlabel="samples seen",
-                 ylabel="training error", series=by_samples, ylim=(0, 1)),
-        ], ncols=2, title=title)
-        plots.plot_panels(os.path.join(args.out, f"{sweep}_staleness.png"), [
-            dict(title="staleness of pushes", xlabel="staleness", ylabel="fraction of pushes",
-                 series=stale, kind="bar")], ncols=1, panel_size=(7, 4))
+        plots.plot_panels(
+            os.path.join(args.out, f"{sweep}_curves.png"),
+            [
+                dict(
+                    title=f"training error ({args.smooth}-minibatch window)",
+                    xlabel="wall time (s)",
+                    ylabel="training error",
+                    series=by_time,
+                    ylim=(0, 1),
+                ),
+                dict(
+                    title=f"training error ({args.smooth}-minibatch window)",
+                    xlabel="samples seen",
+                    ylabel="training error",
+                    series=by_samples,
+                    ylim=(0, 1),
+                ),
+            ],
+            ncols=2,
+            title=title,
+        )
+        plots.plot_panels(
+            os.path.join(args.out, f"{sweep}_staleness.png"),
+            [
+                dict(
+                    title="staleness of pushes",
+                    xlabel="staleness",
+                    ylabel="fraction of pushes",
+                    series=stale,
+                    kind="bar",
+                )
+            ],
+            ncols=1,
+            panel_size=(7, 4),
+        )
     plots.write_csv(os.path.join(args.out, "staleness.csv"), stale_rows)
     print(f"experiments took {time.time() - t0:.0f} s", flush=True)
     return 0

@@ -35,19 +35,29 @@ def run_method(method, cluster, data, args):
     keras.utils.set_random_seed(args.seed)
     sgd = lambda: keras.optimizers.SGD(args.eta, momentum=args.mu)  # noqa: E731
     started = time.time()
-    row = {"method": method, "workers": 1 if method == "proxy" else args.workers,
-           "n_sync": "" if method == "proxy" else args.n_sync, "epochs": args.epochs}
+    row = {
+        "method": method,
+        "workers": 1 if method == "proxy" else args.workers,
+        "n_sync": "" if method == "proxy" else args.n_sync,
+        "epochs": args.epochs,
+    }
     if method == "proxy":
-        model = _common.compile_classifier(tf_asgd.models.digits_convnet(), sgd(), metrics=["accuracy"])
+        model = _common.compile_classifier(
+            tf_asgd.models.digits_convnet(), sgd(), metrics=["accuracy"]
+        )
         strategy = None
     else:
         rule = "dynsgd" if method == "dynsgd" else "none"
-        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=args.n_sync, staleness=rule)
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=args.n_sync, staleness=rule
+        )
         with strategy.scope():
             opt = sgd()
             if method.startswith("gem"):
                 opt = tf_asgd.optimizers.GEM(opt, kappa=float(method.split("_k")[1]))
-            model = _common.compile_classifier(tf_asgd.models.digits_convnet(), opt, metrics=["accuracy"])
+            model = _common.compile_classifier(
+                tf_asgd.models.digits_convnet(), opt, metrics=["accuracy"]
+            )
     history, status = {}, "trained"
     try:
         history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0).history
@@ -58,13 +68,21 @@ def run_method(method, cluster, data, args):
         status = "diverged (NaN weights)"
     elif status == "trained" and acc < 0.5:
         status = "stalled"
-    row.update(status=status, test_accuracy=round(float(acc), 4), test_loss=round(float(loss), 4),
-               final_train_loss=round(float(history.get("loss", [np.nan])[-1]), 4),
-               seconds=round(time.time() - started, 1))
+    row.update(
+        status=status,
+        test_accuracy=round(float(acc), 4),
+        test_loss=round(float(loss), 4),
+        final_train_loss=round(float(history.get("loss", [np.nan])[-1]), 4),
+        seconds=round(time.time() - started, 1),
+    )
     if strategy is not None:
         stats = strategy.model_stats(model)
-        row.update(windows=stats.windows, mean_staleness=round(stats.mean_staleness, 2),
-                   max_staleness=stats.max_staleness, dropped_nonfinite=stats.dropped_nonfinite)
+        row.update(
+            windows=stats.windows,
+            mean_staleness=round(stats.mean_staleness, 2),
+            max_staleness=stats.max_staleness,
+            dropped_nonfinite=stats.dropped_nonfinite,
+        )
         if "gem_pi_mean" in history:
             row["final_pi_mean"] = round(float(history["gem_pi_mean"][-1]), 3)
     return row, history
@@ -77,34 +95,67 @@ def write_results(rows, histories, args):
     os.makedirs(out, exist_ok=True)
     fields = _common.columns(rows)
     plots.write_csv(os.path.join(out, "results.csv"), rows, fields)
-    _common.write_lines(os.path.join(out, "results.md"), [
-        f"Command: `python tools/gem_stability.py {' '.join(sys.argv[1:])}`",
-        "",
-        *_common.markdown_table(fields, [[r.get(k, "") for k in fields] for r in rows]),
-    ])
+    _common.write_lines(
+        os.path.join(out, "results.md"),
+        [
+            f"Command: `python tools/gem_stability.py {' '.join(sys.argv[1:])}`",
+            "",
+            *_common.markdown_table(fields, [[r.get(k, "") for k in fields] for r in rows]),
+        ],
+    )
     runs = [(method, h) for method, h in histories.items() if h.get("loss")]
-    plots.plot_panels(os.path.join(out, "curves.png"), [
-        dict(title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, n_sync={args.n_sync}",
-             xlabel="epoch", ylabel="training loss", logy=True,
-             series=[(m, range(1, len(h["loss"]) + 1), h["loss"]) for m, h in runs]),
-        dict(xlabel="epoch", ylabel="training accuracy",
-             series=[(m, range(1, len(h["accuracy"]) + 1), h["accuracy"]) for m, h in runs]),
-    ], panel_size=(5.5, 4.0))
+    plots.plot_panels(
+        os.path.join(out, "curves.png"),
+        [
+            dict(
+                title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, n_sync={args.n_sync}",
+                xlabel="epoch",
+                ylabel="training loss",
+                logy=True,
+                series=[(m, range(1, len(h["loss"]) + 1), h["loss"]) for m, h in runs],
+            ),
+            dict(
+                xlabel="epoch",
+                ylabel="training accuracy",
+                series=[(m, range(1, len(h["accuracy"]) + 1), h["accuracy"]) for m, h in runs],
+            ),
+        ],
+        panel_size=(5.5, 4.0),
+    )
 
 
 def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/gem_stability", help="output directory")
     p.add_argument("--workers", type=int, default=8, help="worker tasks in the local cluster")
-    p.add_argument("--epochs", type=int, default=20,
-                   help="epochs (passes over the training split) for every method")
-    p.add_argument("--batch-size", "--batch_size", type=int, default=64,
-                   help="per-worker batch size (the paper: 64)")
-    p.add_argument("--eta", type=float, default=0.1, help="learning rate of the proxy and of every worker")
-    p.add_argument("--mu", type=float, default=0.9, help="momentum of the proxy and of every worker")
-    p.add_argument("--n-sync", "--n_sync", type=int, default=1, help="local steps per window (the paper: 1)")
-    p.add_argument("--methods", type=_common.str_list,
-                   default="proxy,downpour,dynsgd,gem_k1,gem_k2", help="methods to run")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=20,
+        help="epochs (passes over the training split) for every method",
+    )
+    p.add_argument(
+        "--batch-size",
+        "--batch_size",
+        type=int,
+        default=64,
+        help="per-worker batch size (the paper: 64)",
+    )
+    p.add_argument(
+        "--eta", type=float, default=0.1, help="learning rate of the proxy and of every worker"
+    )
+    p.add_argument(
+        "--mu", type=float, default=0.9, help="momentum of the proxy and of every worker"
+    )
+    p.add_argument(
+        "--n-sync", "--n_sync", type=int, default=1, help="local steps per window (the paper: 1)"
+    )
+    p.add_argument(
+        "--methods",
+        type=_common.str_list,
+        default="proxy,downpour,dynsgd,gem_k1,gem_k2",
+        help="methods to run",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
     args = p.parse_args(argv)
     import tf_asgd

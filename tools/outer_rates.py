@@ -47,11 +47,17 @@ def _fit(model, steps, eval_every, plain=False):
     (x, y), (x_test, y_test) = tf_asgd.data.load_mnist1d()
     data = dict(x=x, y=y, batch_size=100)
     if plain:
-        data = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(100)
-                    .repeat())
+        data = dict(
+            x=tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(100).repeat()
+        )
     start = time.time()
-    history = model.fit(**data, steps_per_epoch=eval_every, epochs=steps // eval_every,
-                        validation_data=(x_test, y_test), verbose=0)
+    history = model.fit(
+        **data,
+        steps_per_epoch=eval_every,
+        epochs=steps // eval_every,
+        validation_data=(x_test, y_test),
+        verbose=0,
+    )
     return [float(a) for a in history.history["val_accuracy"]], time.time() - start
 
 
@@ -64,30 +70,53 @@ def run(workers, n_sync, rate, optimizer, seed, steps, eval_every=300):
 
     keras.utils.set_random_seed(seed)
     if workers == 0:
-        model = _common.compile_classifier(tf_asgd.models.mnist1d_cnn(), _optimizer(optimizer),
-                                           metrics=["accuracy"])
+        model = _common.compile_classifier(
+            tf_asgd.models.mnist1d_cnn(), _optimizer(optimizer), metrics=["accuracy"]
+        )
         curve, wall = _fit(model, steps // 2, eval_every, plain=True)
-        return dict(workers=0, n_sync=0, rate="plain Keras", rate_value=1.0, limit=1.0,
-                    optimizer=optimizer, seed=seed, final=round(curve[-1], 4),
-                    best=round(max(curve), 4), max_drop=0.0, wall_s=round(wall, 1),
-                    curve=[round(a, 3) for a in curve])
+        return dict(
+            workers=0,
+            n_sync=0,
+            rate="plain Keras",
+            rate_value=1.0,
+            limit=1.0,
+            optimizer=optimizer,
+            seed=seed,
+            final=round(curve[-1], 4),
+            best=round(max(curve), 4),
+            max_drop=0.0,
+            wall_s=round(wall, 1),
+            curve=[round(a, 3) for a in curve],
+        )
     outer = {} if rate == "default" else {"outer_optimizer": tf_asgd.OuterSGD(float(rate))}
     with _common.local_cluster(workers) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync, **outer)
         with strategy.scope():
-            model = _common.compile_classifier(tf_asgd.models.mnist1d_cnn(), _optimizer(optimizer),
-                                               metrics=["accuracy"])
+            model = _common.compile_classifier(
+                tf_asgd.models.mnist1d_cnn(), _optimizer(optimizer), metrics=["accuracy"]
+            )
         curve, wall = _fit(model, steps, eval_every)
     quarter = len(curve) // 4
     best = np.maximum.accumulate(curve)
-    rate_value = (tf_asgd.update_rules.default_outer_learning_rate(workers) if rate == "default"
-                  else float(rate))
-    return dict(workers=workers, n_sync=n_sync, rate=rate, rate_value=round(rate_value, 4),
-                limit=round(tf_asgd.update_rules.stability_limit(workers), 4),
-                optimizer=optimizer, seed=seed, final=round(curve[-1], 4),
-                best=round(max(curve), 4),
-                max_drop=round(float(np.max(best[quarter:] - np.array(curve[quarter:]))), 4),
-                wall_s=round(wall, 1), curve=[round(a, 3) for a in curve])
+    rate_value = (
+        tf_asgd.update_rules.default_outer_learning_rate(workers)
+        if rate == "default"
+        else float(rate)
+    )
+    return dict(
+        workers=workers,
+        n_sync=n_sync,
+        rate=rate,
+        rate_value=round(rate_value, 4),
+        limit=round(tf_asgd.update_rules.stability_limit(workers), 4),
+        optimizer=optimizer,
+        seed=seed,
+        final=round(curve[-1], 4),
+        best=round(max(curve), 4),
+        max_drop=round(float(np.max(best[quarter:] - np.array(curve[quarter:]))), 4),
+        wall_s=round(wall, 1),
+        curve=[round(a, 3) for a in curve],
+    )
 
 
 def main():
@@ -110,11 +139,14 @@ def main():
                         row = run(workers, n_sync, rate, optimizer, seed, args.steps)
                         with open(path, "a") as f:
                             f.write(json.dumps(row) + "\n")
-                        print(f"{workers} workers, n_sync {n_sync}, {OPTIMIZERS[optimizer]}, "
-                              f"rate {row['rate_value']} ({row['rate_value'] / row['limit']:.2f} "
-                              f"of the limit), seed {seed}: final {row['final']:.3f}, best "
-                              f"{row['best']:.3f}, largest fall {100 * row['max_drop']:.1f} "
-                              f"points", flush=True)
+                        print(
+                            f"{workers} workers, n_sync {n_sync}, {OPTIMIZERS[optimizer]}, "
+                            f"rate {row['rate_value']} ({row['rate_value'] / row['limit']:.2f} "
+                            f"of the limit), seed {seed}: final {row['final']:.3f}, best "
+                            f"{row['best']:.3f}, largest fall {100 * row['max_drop']:.1f} "
+                            f"points",
+                            flush=True,
+                        )
     write_summary(path, os.path.join(args.out, "summary.md"))
     return 0
 
@@ -123,17 +155,40 @@ def write_summary(runs_path, out_path):
     """A Markdown table of every run in `runs_path` (JSON lines)."""
     with open(runs_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    rows.sort(key=lambda r: (r["workers"], r["n_sync"], r["optimizer"], -r["rate_value"],
-                             r["seed"]))
+    rows.sort(
+        key=lambda r: (r["workers"], r["n_sync"], r["optimizer"], -r["rate_value"], r["seed"])
+    )
     table = _common.markdown_table(
-        ["workers", "n_sync", "optimizer", "rate", "rate / limit", "seed", "final", "best",
-         "largest fall (points)", "collapse"],
-        [[r["workers"], r["n_sync"], OPTIMIZERS[r["optimizer"]],
-          r["rate"] if not r["workers"] else
-          f"{r['rate_value']}{' (default)' if r['rate'] == 'default' else ''}",
-          f"{r['rate_value'] / r['limit']:.2f}", r["seed"], f"{r['final']:.3f}",
-          f"{r['best']:.3f}", f"{100 * r['max_drop']:.1f}",
-          "yes" if r["max_drop"] > 0.05 else "no"] for r in rows])
+        [
+            "workers",
+            "n_sync",
+            "optimizer",
+            "rate",
+            "rate / limit",
+            "seed",
+            "final",
+            "best",
+            "largest fall (points)",
+            "collapse",
+        ],
+        [
+            [
+                r["workers"],
+                r["n_sync"],
+                OPTIMIZERS[r["optimizer"]],
+                r["rate"]
+                if not r["workers"]
+                else f"{r['rate_value']}{' (default)' if r['rate'] == 'default' else ''}",
+                f"{r['rate_value'] / r['limit']:.2f}",
+                r["seed"],
+                f"{r['final']:.3f}",
+                f"{r['best']:.3f}",
+                f"{100 * r['max_drop']:.1f}",
+                "yes" if r["max_drop"] > 0.05 else "no",
+            ]
+            for r in rows
+        ],
+    )
     _common.write_lines(out_path, table)
 
 

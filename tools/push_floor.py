@@ -69,8 +69,12 @@ def loop_function(body, ps_device, variable, counter, elements):
 
     @tf.function
     def run(n):
-        _, x = tf.while_loop(lambda i, x: i < n, lambda i, x: (i + repeats, step(x)),
-                             (tf.constant(0), tf.zeros([elements])), parallel_iterations=1)
+        _, x = tf.while_loop(
+            lambda i, x: i < n,
+            lambda i, x: (i + repeats, step(x)),
+            (tf.constant(0), tf.zeros([elements])),
+            parallel_iterations=1,
+        )
         return x[0]
 
     return run, repeats
@@ -88,8 +92,10 @@ def measure(args):
         with strategy.scope():
             variable = tf.Variable(tf.zeros([args.elements]))
             counter = tf.Variable(tf.constant(0, tf.int64))
-        functions = {b: loop_function(b, variable.device, variable, counter, args.elements)
-                     for b in args.bodies}
+        functions = {
+            b: loop_function(b, variable.device, variable, counter, args.elements)
+            for b in args.bodies
+        }
 
         pushes = [0]  # what the counter must read: the push bodies' round trips
 
@@ -110,29 +116,50 @@ def measure(args):
             for body in args.bodies:
                 samples[body].append(timed(body, args.iterations))
         if int(counter.numpy()) != pushes[0]:  # every round trip really pushed
-            raise RuntimeError(f"the PS counted {int(counter.numpy())} pushes, expected {pushes[0]}")
+            raise RuntimeError(
+                f"the PS counted {int(counter.numpy())} pushes, expected {pushes[0]}"
+            )
     rows = []
     for body in args.bodies:
         med = {k: statistics.median(s[k] for s in samples[body]) for k in samples[body][0]}
-        rows.append(dict(body=body, processes=args.processes, elements=args.elements,
-                         iterations=args.iterations, rounds=args.rounds,
-                         us_per_round_trip=med["us"], host_cpu_us_per_round_trip=med["host_cpu_us"],
-                         chief_cpu_us_per_round_trip=med["chief_cpu_us"],
-                         round_trips_per_s=1e6 / med["us"]))
+        rows.append(
+            dict(
+                body=body,
+                processes=args.processes,
+                elements=args.elements,
+                iterations=args.iterations,
+                rounds=args.rounds,
+                us_per_round_trip=med["us"],
+                host_cpu_us_per_round_trip=med["host_cpu_us"],
+                chief_cpu_us_per_round_trip=med["chief_cpu_us"],
+                round_trips_per_s=1e6 / med["us"],
+            )
+        )
         print(rows[-1], flush=True)
     return rows
 
 
 def markdown(rows, args):
-    lines = [f"One worker and one PS on loopback ({args.processes} process mode), tensors of "
-             f"{args.elements} floats, loops of {args.iterations} iterations, medians of "
-             f"{args.rounds} round(s); {os.cpu_count()} CPU cores. Per round trip (per "
-             "iteration for `local`); host CPU is the worker's and the PS's processes.", ""]
+    lines = [
+        f"One worker and one PS on loopback ({args.processes} process mode), tensors of "
+        f"{args.elements} floats, loops of {args.iterations} iterations, medians of "
+        f"{args.rounds} round(s); {os.cpu_count()} CPU cores. Per round trip (per "
+        "iteration for `local`); host CPU is the worker's and the PS's processes.",
+        "",
+    ]
     lines += _common.markdown_table(
         ["body", "us", "round trips/s", "host CPU us", "chief CPU us"],
-        [[r["body"], f"{r['us_per_round_trip']:.0f}", f"{r['round_trips_per_s']:.0f}",
-          f"{r['host_cpu_us_per_round_trip']:.0f}", f"{r['chief_cpu_us_per_round_trip']:.0f}"]
-         for r in rows])
+        [
+            [
+                r["body"],
+                f"{r['us_per_round_trip']:.0f}",
+                f"{r['round_trips_per_s']:.0f}",
+                f"{r['host_cpu_us_per_round_trip']:.0f}",
+                f"{r['chief_cpu_us_per_round_trip']:.0f}",
+            ]
+            for r in rows
+        ],
+    )
     return lines
 
 

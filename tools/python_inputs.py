@@ -62,7 +62,9 @@ def py_dataset(x, y, batch_size, getitem_ms, workers):
         def __getitem__(self, i):
             if getitem_ms:
                 time.sleep(getitem_ms / 1000.0)
-            return x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
+            return x[i * batch_size : (i + 1) * batch_size], y[
+                i * batch_size : (i + 1) * batch_size
+            ]
 
     return Batches(workers=workers)
 
@@ -81,8 +83,8 @@ def measure(workers, x, y, args):
     inputs = {
         "arrays": lambda model: model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0),
         "PyDataset": lambda model: model.fit(
-            py_dataset(x, y, args.batch_size, args.getitem_ms, args.py_workers), epochs=1,
-            verbose=0),
+            py_dataset(x, y, args.batch_size, args.getitem_ms, args.py_workers), epochs=1, verbose=0
+        ),
     }
     rows = []
     with _common.local_cluster(workers) as cluster:
@@ -99,12 +101,19 @@ def measure(workers, x, y, args):
                 wall = time.perf_counter() - t0
                 chief = time.process_time() - c0
                 host = _common.cpu_seconds(host_pid) - h0
-                row = dict(workers=workers, input=name, round=r, samples=len(x), seconds=wall,
-                           samples_per_s=len(x) / wall,
-                           chief_cpu_ms_per_1000=1e6 * chief / len(x),
-                           host_cpu_ms_per_1000=1e6 * host / len(x),
-                           chief_cpu_share=chief / wall, host_cpu_share=host / wall,
-                           load_avg=os.getloadavg()[0])
+                row = dict(
+                    workers=workers,
+                    input=name,
+                    round=r,
+                    samples=len(x),
+                    seconds=wall,
+                    samples_per_s=len(x) / wall,
+                    chief_cpu_ms_per_1000=1e6 * chief / len(x),
+                    host_cpu_ms_per_1000=1e6 * host / len(x),
+                    chief_cpu_share=chief / wall,
+                    host_cpu_share=host / wall,
+                    load_avg=os.getloadavg()[0],
+                )
                 print(row, flush=True)
                 rows.append(row)
     return rows
@@ -117,8 +126,13 @@ def summarize(rows):
         for name in ("arrays", "PyDataset"):
             mine = [r for r in rows if r["workers"] == w and r["input"] == name]
             row = dict(workers=w, input=name, rounds=len(mine))
-            for key in ("samples_per_s", "chief_cpu_ms_per_1000", "host_cpu_ms_per_1000",
-                        "chief_cpu_share", "host_cpu_share"):
+            for key in (
+                "samples_per_s",
+                "chief_cpu_ms_per_1000",
+                "host_cpu_ms_per_1000",
+                "chief_cpu_share",
+                "host_cpu_share",
+            ):
                 row[key] = statistics.median(r[key] for r in mine)
             out.append(row)
         arrays, py = out[-2], out[-1]
@@ -142,7 +156,8 @@ def verdict(summary):
     lines.append(
         f"At {hi} workers the chief's CPU was {py['chief_cpu_share']:.2f} of a core with the "
         f"PyDataset ({get[(hi, 'arrays')]['chief_cpu_share']:.2f} with arrays); the chief alone "
-        f"could send at most about {ceiling:.0f} samples/s at its measured CPU per sample.")
+        f"could send at most about {ceiling:.0f} samples/s at its measured CPU per sample."
+    )
     cores = os.cpu_count()
     busy = py["chief_cpu_share"] + py["host_cpu_share"]
     ratio = py["ratio_to_arrays"]
@@ -152,11 +167,13 @@ def verdict(summary):
         lines.append(
             f"The PyDataset gave {ratio:.2f} of the arrays' samples/s at {hi} workers with the "
             "chief's CPU mostly idle: waiting for its batches (`__getitem__`, one at a time "
-            "unless `workers` > 1) bounds it, not the workers.")
+            "unless `workers` > 1) bounds it, not the workers."
+        )
     elif busy > 0.8 * cores:
         lines.append(
             f"Both are bound by the machine at {hi} workers: chief and tasks used {busy:.1f} of "
-            f"{cores} cores, so more workers cannot add samples/s here.")
+            f"{cores} cores, so more workers cannot add samples/s here."
+        )
     elif ups["PyDataset"] < 0.9 * ups["arrays"]:
         lines.append(f"The PyDataset scales less than arrays up to {hi} workers.")
     else:
@@ -165,7 +182,8 @@ def verdict(summary):
     if load > cores:
         lines.append(
             f"The machine was shared (load average {load:.1f} on {cores} cores): CPU shares "
-            "below what the runs could use, and idle time, may be other processes' doing.")
+            "below what the runs could use, and idle time, may be other processes' doing."
+        )
     return lines
 
 
@@ -178,10 +196,15 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--n-sync", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--getitem-ms", type=float, default=0.0,
-                   help="sleep per PyDataset batch (Python-side loading)")
-    p.add_argument("--py-workers", type=int, default=1,
-                   help="PyDataset(workers=...): Keras's enqueuer threads")
+    p.add_argument(
+        "--getitem-ms",
+        type=float,
+        default=0.0,
+        help="sleep per PyDataset batch (Python-side loading)",
+    )
+    p.add_argument(
+        "--py-workers", type=int, default=1, help="PyDataset(workers=...): Keras's enqueuer threads"
+    )
     args = p.parse_args(argv)
     from tf_asgd import plots
 
@@ -193,11 +216,29 @@ def main(argv=None):
     summary = summarize(rows)
     os.makedirs(args.out, exist_ok=True)
     plots.write_csv(os.path.join(args.out, "python_inputs.csv"), rows)
-    header = ["workers", "input", "samples/s", "PyDataset / arrays", "chief CPU ms / 1000",
-              "host CPU ms / 1000", "chief CPU share", "host CPU share"]
-    cells = [[r["workers"], r["input"], f"{r['samples_per_s']:.0f}", f"{r['ratio_to_arrays']:.2f}",
-              f"{r['chief_cpu_ms_per_1000']:.0f}", f"{r['host_cpu_ms_per_1000']:.0f}",
-              f"{r['chief_cpu_share']:.2f}", f"{r['host_cpu_share']:.2f}"] for r in summary]
+    header = [
+        "workers",
+        "input",
+        "samples/s",
+        "PyDataset / arrays",
+        "chief CPU ms / 1000",
+        "host CPU ms / 1000",
+        "chief CPU share",
+        "host CPU share",
+    ]
+    cells = [
+        [
+            r["workers"],
+            r["input"],
+            f"{r['samples_per_s']:.0f}",
+            f"{r['ratio_to_arrays']:.2f}",
+            f"{r['chief_cpu_ms_per_1000']:.0f}",
+            f"{r['host_cpu_ms_per_1000']:.0f}",
+            f"{r['chief_cpu_share']:.2f}",
+            f"{r['host_cpu_share']:.2f}",
+        ]
+        for r in summary
+    ]
     lines = [
         f"Model `{args.model}`, {args.samples} samples per fit, batch {args.batch_size}, n_sync "
         f"{args.n_sync}, 1 PS, all tasks in one process; PyDataset `__getitem__` sleep "

@@ -59,14 +59,17 @@ def measure(workers, n_syncs, args):
     with _common.local_cluster(workers, args.ps) as cluster:
         host_pid = list(cluster.pids().values())[0]
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness,
-            windows_per_closure=args.windows_per_closure)
+            cluster.resolver,
+            n_sync=n_syncs[0],
+            staleness=args.staleness,
+            windows_per_closure=args.windows_per_closure,
+        )
         with strategy.scope():
             model = getattr(tf_asgd.models, args.model)()
             _common.compile_classifier(model, keras.optimizers.SGD(0.01))
         nparams = model.count_params()
         trainer = None
-        for step_ms, ns in ([(args.step_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else [])):
+        for step_ms, ns in [(args.step_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else []):
             ds = emulated_dataset(model.input_shape[1:], args.batch_size, step_ms)
             for n in ns:
                 strategy.n_sync = n
@@ -79,8 +82,10 @@ def measure(workers, n_syncs, args):
                 t0 = time.perf_counter()
                 model.fit(ds, steps_per_epoch=probe, epochs=1, verbose=0)
                 window_s = max(window_s, (time.perf_counter() - t0) / (probe / n) * workers)
-                windows_per_worker = max(args.min_windows, min(
-                    int(round(args.seconds / window_s)), -(-args.max_pushes // workers)))
+                windows_per_worker = max(
+                    args.min_windows,
+                    min(int(round(args.seconds / window_s)), -(-args.max_pushes // workers)),
+                )
                 steps = windows_per_worker * workers * n
                 closures = len(trainer.closure_sizes)
                 before = strategy.model_stats(model)
@@ -99,15 +104,31 @@ def measure(workers, n_syncs, args):
                     strategy.model_stats(model)
                 stats_ms = (time.perf_counter() - t1) * 100
                 row = dict(
-                    workers=workers, n_sync=n, step_ms=step_ms, ps=args.ps, params=nparams,
-                    steps=steps, seconds=dt, samples_per_s=steps * args.batch_size / dt,
-                    pushes=pushes, pushes_per_s=pushes / dt,
-                    ideal_samples_per_s=workers * args.batch_size * 1000.0 / step_ms if step_ms else "",
+                    workers=workers,
+                    n_sync=n,
+                    step_ms=step_ms,
+                    ps=args.ps,
+                    params=nparams,
+                    steps=steps,
+                    seconds=dt,
+                    samples_per_s=steps * args.batch_size / dt,
+                    pushes=pushes,
+                    pushes_per_s=pushes / dt,
+                    ideal_samples_per_s=workers * args.batch_size * 1000.0 / step_ms
+                    if step_ms
+                    else "",
                     chief_cpu_ms_per_push=1000 * chief_cpu / pushes,
                     host_cpu_ms_per_push=1000 * host_cpu / pushes,
-                    mb_per_push=(after.bytes_pulled + after.bytes_pushed
-                                 - before.bytes_pulled - before.bytes_pushed) / pushes / 1e6,
-                    mean_staleness=after.mean_staleness, stats_read_ms=stats_ms,
+                    mb_per_push=(
+                        after.bytes_pulled
+                        + after.bytes_pushed
+                        - before.bytes_pulled
+                        - before.bytes_pushed
+                    )
+                    / pushes
+                    / 1e6,
+                    mean_staleness=after.mean_staleness,
+                    stats_read_ms=stats_ms,
                     windows_per_closure=sum(sizes) / len(sizes) if sizes else 1.0,
                     kind="ceiling" if step_ms == 0 else "emulated",
                 )
@@ -128,9 +149,18 @@ def main(argv=None):
     p.add_argument("--staleness", default="dynsgd")
     p.add_argument("--seconds", type=float, default=4.0, help="target length of one measurement")
     p.add_argument("--min-windows", type=int, default=2, help="windows per worker at least")
-    p.add_argument("--max-pushes", type=int, default=3000, help="pushes per measurement at most (unless min-windows needs more)")
-    p.add_argument("--windows-per-closure", type=int, default=None,
-                   help="the strategy's windows_per_closure (default: automatic)")
+    p.add_argument(
+        "--max-pushes",
+        type=int,
+        default=3000,
+        help="pushes per measurement at most (unless min-windows needs more)",
+    )
+    p.add_argument(
+        "--windows-per-closure",
+        type=int,
+        default=None,
+        help="the strategy's windows_per_closure (default: automatic)",
+    )
     p.add_argument("--ceiling", action="store_true", help="also measure the push-rate ceiling")
     p.add_argument("--tag", default="", help="suffix for the output files")
     args = p.parse_args(argv)
@@ -141,7 +171,11 @@ def main(argv=None):
     t0 = time.time()
     for w in [int(w) for w in args.workers.split(",")]:
         rows += measure(w, n_syncs, args)
-    base = {r["n_sync"]: r["samples_per_s"] for r in rows if r["workers"] == min(x["workers"] for x in rows) and r["kind"] == "emulated"}
+    base = {
+        r["n_sync"]: r["samples_per_s"]
+        for r in rows
+        if r["workers"] == min(x["workers"] for x in rows) and r["kind"] == "emulated"
+    }
     wmin = min(r["workers"] for r in rows)
     for r in rows:
         if r["kind"] == "emulated" and r["n_sync"] in base:
@@ -153,18 +187,43 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     tag = f"_{args.tag}" if args.tag else ""
     plots.write_csv(os.path.join(args.out, f"scaleout{tag}.csv"), rows)
+
     def opt(r, key):
         return f"{r[key]:.2f}" if key in r else "-"
 
-    header = ["kind", "workers", "n_sync", "samples/s", "speed-up", "efficiency", "of ideal", "pushes/s",
-              "windows/closure", "MB/push", "chief CPU ms/push", "host CPU ms/push", "mean staleness",
-              "stats read ms"]
+    header = [
+        "kind",
+        "workers",
+        "n_sync",
+        "samples/s",
+        "speed-up",
+        "efficiency",
+        "of ideal",
+        "pushes/s",
+        "windows/closure",
+        "MB/push",
+        "chief CPU ms/push",
+        "host CPU ms/push",
+        "mean staleness",
+        "stats read ms",
+    ]
     cells = [
-        [r["kind"], r["workers"], r["n_sync"], f"{r['samples_per_s']:.1f}", opt(r, "speedup"),
-         opt(r, "efficiency"), opt(r, "of_ideal"), f"{r['pushes_per_s']:.1f}",
-         f"{r['windows_per_closure']:.1f}", f"{r['mb_per_push']:.1f}",
-         f"{r['chief_cpu_ms_per_push']:.1f}", f"{r['host_cpu_ms_per_push']:.1f}",
-         f"{r['mean_staleness']:.2f}", f"{r['stats_read_ms']:.1f}"]
+        [
+            r["kind"],
+            r["workers"],
+            r["n_sync"],
+            f"{r['samples_per_s']:.1f}",
+            opt(r, "speedup"),
+            opt(r, "efficiency"),
+            opt(r, "of_ideal"),
+            f"{r['pushes_per_s']:.1f}",
+            f"{r['windows_per_closure']:.1f}",
+            f"{r['mb_per_push']:.1f}",
+            f"{r['chief_cpu_ms_per_push']:.1f}",
+            f"{r['host_cpu_ms_per_push']:.1f}",
+            f"{r['mean_staleness']:.2f}",
+            f"{r['stats_read_ms']:.1f}",
+        ]
         for r in sorted(rows, key=lambda r: (r["kind"], r["n_sync"], r["workers"]))
     ]
     lines = [
@@ -177,15 +236,26 @@ def main(argv=None):
     _common.write_lines(os.path.join(args.out, f"scaleout{tag}.md"), lines)
     series = []
     for n in n_syncs:
-        pts = sorted((r["workers"], r["speedup"]) for r in rows if r.get("n_sync") == n and "speedup" in r)
+        pts = sorted(
+            (r["workers"], r["speedup"]) for r in rows if r.get("n_sync") == n and "speedup" in r
+        )
         series.append((f"n_sync {n}", [a for a, _ in pts], [b for _, b in pts]))
     ws = sorted({r["workers"] for r in rows})
     series.append(("ideal", ws, ws))
     plots.plot_panels(
         os.path.join(args.out, f"scaleout{tag}.png"),
-        [dict(title=f"speed-up, emulated {args.step_ms} ms device steps, {args.ps} PS",
-              xlabel="workers", ylabel="speed-up over 1 worker", series=series, logx=True, logy=True)],
-        ncols=1, panel_size=(6, 4.5),
+        [
+            dict(
+                title=f"speed-up, emulated {args.step_ms} ms device steps, {args.ps} PS",
+                xlabel="workers",
+                ylabel="speed-up over 1 worker",
+                series=series,
+                logx=True,
+                logy=True,
+            )
+        ],
+        ncols=1,
+        panel_size=(6, 4.5),
     )
     print("\n".join(lines))
     print(f"scaleout took {time.time() - t0:.0f} s", flush=True)

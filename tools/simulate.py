@@ -44,9 +44,12 @@ def main(argv=None):
     p.add_argument("--delay", default=None, choices=simulator.DELAYS)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--outer-study", action="store_true",
-                   help="instead: the user's optimizer (momentum SGD, Adam) under the outer "
-                        "optimizers at --workers, n_sync --n-sync, --seeds seeds (outer.csv, outer.md, outer.png)")
+    p.add_argument(
+        "--outer-study",
+        action="store_true",
+        help="instead: the user's optimizer (momentum SGD, Adam) under the outer "
+        "optimizers at --workers, n_sync --n-sync, --seeds seeds (outer.csv, outer.md, outer.png)",
+    )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4000, help="outer study: total local steps per run")
     args = p.parse_args(argv)
@@ -62,11 +65,22 @@ def main(argv=None):
         for workers in args.workers:
             for method in methods:
                 r = simulator.simulate(
-                    x, y, method=method, workers=workers, pushes=args.pushes,
-                    n_sync=args.n_sync, batch_size=args.batch_size, eta=eta,
-                    mu=args.mu, kappa=args.kappa, hidden=args.hidden,
-                    timing=args.timing, delay=args.delay,
-                    eval_every=args.eval_every, eval_data=(xt, yt), seed=args.seed,
+                    x,
+                    y,
+                    method=method,
+                    workers=workers,
+                    pushes=args.pushes,
+                    n_sync=args.n_sync,
+                    batch_size=args.batch_size,
+                    eta=eta,
+                    mu=args.mu,
+                    kappa=args.kappa,
+                    hidden=args.hidden,
+                    timing=args.timing,
+                    delay=args.delay,
+                    eval_every=args.eval_every,
+                    eval_data=(xt, yt),
+                    seed=args.seed,
                 )
                 runs[(eta, workers, method)] = r
                 losses = [rec["loss"] for rec in r.records]
@@ -74,13 +88,22 @@ def main(argv=None):
                 # Stable: it learned (held-out loss at most half the initial one), finite.
                 stable = bool(np.isfinite(final) and final <= 0.5 * initial and not r.diverged)
                 hist = r.staleness_histogram
-                stability.append(dict(
-                    method=method, workers=workers, eta=eta, pushes=r.records[-1]["push"],
-                    initial_loss=initial, final_loss=final, best_loss=float(np.min(losses)),
-                    final_accuracy=r.records[-1]["accuracy"],
-                    mean_staleness=float((np.arange(len(hist)) * hist).sum() / max(1, hist.sum())),
-                    stable=int(stable),
-                ))
+                stability.append(
+                    dict(
+                        method=method,
+                        workers=workers,
+                        eta=eta,
+                        pushes=r.records[-1]["push"],
+                        initial_loss=initial,
+                        final_loss=final,
+                        best_loss=float(np.min(losses)),
+                        final_accuracy=r.records[-1]["accuracy"],
+                        mean_staleness=float(
+                            (np.arange(len(hist)) * hist).sum() / max(1, hist.sum())
+                        ),
+                        stable=int(stable),
+                    )
+                )
                 for rec in r.records:
                     curves.append(dict(method=method, workers=workers, eta=eta, **rec))
                 for row in r.pi:
@@ -100,14 +123,24 @@ def main(argv=None):
                 series = []
                 for method in methods:
                     recs = runs[(eta, workers, method)].records
-                    series.append((method, [r["samples"] for r in recs], [min(r[key], 10.0) for r in recs]))
-                panels.append(dict(
-                    title=f"{workers} workers, eta {eta}", xlabel="samples seen",
-                    ylabel=label, series=series,
-                    ylim=(0, 1) if key == "accuracy" else None,
-                ))
-        plots.plot_panels(os.path.join(args.out, f"curves_eta{eta:g}.png"), panels, ncols=2,
-                          title=f"Simulated async SGD on digits (MLP), {args.timing if not args.delay else args.delay} staleness")
+                    series.append(
+                        (method, [r["samples"] for r in recs], [min(r[key], 10.0) for r in recs])
+                    )
+                panels.append(
+                    dict(
+                        title=f"{workers} workers, eta {eta}",
+                        xlabel="samples seen",
+                        ylabel=label,
+                        series=series,
+                        ylim=(0, 1) if key == "accuracy" else None,
+                    )
+                )
+        plots.plot_panels(
+            os.path.join(args.out, f"curves_eta{eta:g}.png"),
+            panels,
+            ncols=2,
+            title=f"Simulated async SGD on digits (MLP), {args.timing if not args.delay else args.delay} staleness",
+        )
 
     # Stability map: final loss against eta, one panel per worker count.
     panels = []
@@ -115,9 +148,19 @@ def main(argv=None):
         series = []
         for method in methods:
             rows = [s for s in stability if s["workers"] == workers and s["method"] == method]
-            series.append((method, [s["eta"] for s in rows], [min(s["final_loss"], 10.0) for s in rows]))
-        panels.append(dict(title=f"{workers} workers: final held-out loss", xlabel="eta",
-                           ylabel="loss (capped at 10)", series=series, logx=True, logy=True))
+            series.append(
+                (method, [s["eta"] for s in rows], [min(s["final_loss"], 10.0) for s in rows])
+            )
+        panels.append(
+            dict(
+                title=f"{workers} workers: final held-out loss",
+                xlabel="eta",
+                ylabel="loss (capped at 10)",
+                series=series,
+                logx=True,
+                logy=True,
+            )
+        )
     plots.plot_panels(os.path.join(args.out, "stability.png"), panels, ncols=len(panels))
 
     # pi over time, per tensor: GEM runs at the largest worker count.
@@ -129,10 +172,22 @@ def main(argv=None):
             if not rows:
                 continue
             names = [k[: -len(":mean")] for k in rows[0] if k.endswith(":mean")]
-            series = [(f"{n} mean", [r["push"] for r in rows], [r[n + ":mean"] for r in rows]) for n in names]
-            series += [(f"{n} median", [r["push"] for r in rows], [r[n + ":median"] for r in rows]) for n in names]
-            panels.append(dict(title=f"GEM pi per tensor, {wmax} workers, eta {eta}",
-                               xlabel="push", ylabel="pi", series=series))
+            series = [
+                (f"{n} mean", [r["push"] for r in rows], [r[n + ":mean"] for r in rows])
+                for n in names
+            ]
+            series += [
+                (f"{n} median", [r["push"] for r in rows], [r[n + ":median"] for r in rows])
+                for n in names
+            ]
+            panels.append(
+                dict(
+                    title=f"GEM pi per tensor, {wmax} workers, eta {eta}",
+                    xlabel="push",
+                    ylabel="pi",
+                    series=series,
+                )
+            )
         plots.plot_panels(os.path.join(args.out, "pi.png"), panels, ncols=2)
 
     # Staleness distributions the simulator can produce (Downpour, short runs).
@@ -141,17 +196,36 @@ def main(argv=None):
     settings = [("timing", t) for t in simulator.TIMINGS] + [("delay", d) for d in simulator.DELAYS]
     for kind, value in settings:
         kw = {"timing": value} if kind == "timing" else {"delay": value}
-        r = simulator.simulate(x, y, method="downpour", workers=wmid, pushes=max(10 * wmid, 200),
-                               eta=0.01, eval_every=10**9, seed=args.seed, **kw)
+        r = simulator.simulate(
+            x,
+            y,
+            method="downpour",
+            workers=wmid,
+            pushes=max(10 * wmid, 200),
+            eta=0.01,
+            eval_every=10**9,
+            seed=args.seed,
+            **kw,
+        )
         h = r.staleness_histogram
         for tau, count in enumerate(h):
-            rows.append(dict(kind=kind, distribution=value, workers=wmid, staleness=tau, count=int(count)))
+            rows.append(
+                dict(kind=kind, distribution=value, workers=wmid, staleness=tau, count=int(count))
+            )
         series.append((f"{kind}={value}", np.arange(len(h)), h / h.sum()))
     plots.write_csv(os.path.join(args.out, "staleness.csv"), rows)
     plots.plot_panels(
         os.path.join(args.out, "staleness.png"),
-        [dict(title=f"staleness distributions, {wmid} workers", xlabel="staleness (pushes)",
-              ylabel="fraction of pushes", series=series)], ncols=1, panel_size=(8, 4),
+        [
+            dict(
+                title=f"staleness distributions, {wmid} workers",
+                xlabel="staleness (pushes)",
+                ylabel="fraction of pushes",
+                series=series,
+            )
+        ],
+        ncols=1,
+        panel_size=(8, 4),
     )
     print(f"wrote {args.out} in {time.time() - t0:.1f} s", flush=True)
     return 0
@@ -165,8 +239,16 @@ def outer_setups(workers):
         "dynsgd, add (before #13)": ("dynsgd", rules.OuterSGD(), "keep"),
         "average": ("none", rules.OuterSGD(1.0 / workers), "keep"),
         "sqrt": ("none", rules.OuterSGD(_common.sqrt_outer_learning_rate(workers)), "keep"),
-        "capped, warm-up (default to session 7)": ("none", _common.capped_outer_optimizer(workers), "keep"),
-        "default (rise and fall, warm-up)": ("none", rules.default_outer_optimizer(workers), "keep"),
+        "capped, warm-up (default to session 7)": (
+            "none",
+            _common.capped_outer_optimizer(workers),
+            "keep",
+        ),
+        "default (rise and fall, warm-up)": (
+            "none",
+            rules.default_outer_optimizer(workers),
+            "keep",
+        ),
         "average, reset": ("none", rules.OuterSGD(1.0 / workers), "reset"),
         "delayed Nesterov 0.7/0.9": ("none", rules.DelayedNesterov(0.7, 0.9), "keep"),
     }
@@ -181,22 +263,63 @@ def outer_study(args, train, held_out):
     for inner_name, (inner, eta, mu) in inners.items():
         for seed in range(args.seeds):
             plain = simulator.simulate(
-                x, y, method="downpour", workers=1, pushes=args.steps, n_sync=1,
-                batch_size=args.batch_size, eta=eta, hidden=args.hidden, eval_every=args.steps,
-                eval_data=(xt, yt), seed=seed, inner=inner, inner_momentum=mu)
-            rows.append(dict(inner=inner_name, workers=1, setup="sequential", seed=seed,
-                             accuracy=plain.records[-1]["accuracy"], loss=plain.records[-1]["loss"]))
+                x,
+                y,
+                method="downpour",
+                workers=1,
+                pushes=args.steps,
+                n_sync=1,
+                batch_size=args.batch_size,
+                eta=eta,
+                hidden=args.hidden,
+                eval_every=args.steps,
+                eval_data=(xt, yt),
+                seed=seed,
+                inner=inner,
+                inner_momentum=mu,
+            )
+            rows.append(
+                dict(
+                    inner=inner_name,
+                    workers=1,
+                    setup="sequential",
+                    seed=seed,
+                    accuracy=plain.records[-1]["accuracy"],
+                    loss=plain.records[-1]["loss"],
+                )
+            )
             for workers in args.workers:
                 for name, (rule, outer, state) in outer_setups(workers).items():
                     pushes = max(1, args.steps // args.n_sync)
                     r = simulator.simulate(
-                        x, y, method="dynsgd" if rule == "dynsgd" else "downpour", workers=workers,
-                        pushes=pushes, n_sync=args.n_sync, batch_size=args.batch_size, eta=eta,
-                        hidden=args.hidden, timing=args.timing, eval_every=pushes,
-                        eval_data=(xt, yt), seed=seed, inner=inner, inner_momentum=mu,
-                        outer=outer, worker_state=state)
-                    rows.append(dict(inner=inner_name, workers=workers, setup=name, seed=seed,
-                                     accuracy=r.records[-1]["accuracy"], loss=r.records[-1]["loss"]))
+                        x,
+                        y,
+                        method="dynsgd" if rule == "dynsgd" else "downpour",
+                        workers=workers,
+                        pushes=pushes,
+                        n_sync=args.n_sync,
+                        batch_size=args.batch_size,
+                        eta=eta,
+                        hidden=args.hidden,
+                        timing=args.timing,
+                        eval_every=pushes,
+                        eval_data=(xt, yt),
+                        seed=seed,
+                        inner=inner,
+                        inner_momentum=mu,
+                        outer=outer,
+                        worker_state=state,
+                    )
+                    rows.append(
+                        dict(
+                            inner=inner_name,
+                            workers=workers,
+                            setup=name,
+                            seed=seed,
+                            accuracy=r.records[-1]["accuracy"],
+                            loss=r.records[-1]["loss"],
+                        )
+                    )
                     print(json.dumps(rows[-1]), flush=True)
     plots.write_csv(os.path.join(args.out, "outer.csv"), rows)
     table, panels = [], []
@@ -204,19 +327,55 @@ def outer_study(args, train, held_out):
         base = [r["accuracy"] for r in rows if r["inner"] == inner_name and r["workers"] == 1]
         series = []
         for name in outer_setups(1):
-            accs = [[r["accuracy"] for r in rows if r["inner"] == inner_name and r["workers"] == w
-                     and r["setup"] == name] for w in args.workers]
-            series.append((name, args.workers, [np.mean(a) for a in accs],
-                           [np.min(a) for a in accs], [np.max(a) for a in accs]))
-            table += [[inner_name, w, name, f"{min(a):.3f}-{max(a):.3f}",
-                       f"{min(base):.3f}-{max(base):.3f}"] for w, a in zip(args.workers, accs)]
-        panels.append(dict(title=f"{inner_name}, n_sync {args.n_sync}, {args.steps} steps",
-                           xlabel="workers", ylabel="held-out accuracy", series=series, logx=True,
-                           ylim=(0, 1), hline=(float(np.mean(base)), "one worker, same samples")))
-    _common.write_lines(os.path.join(args.out, "outer.md"), _common.markdown_table(
-        ["inner optimizer", "workers", "setup", "held-out accuracy (seeds)", "one worker"], table))
+            accs = [
+                [
+                    r["accuracy"]
+                    for r in rows
+                    if r["inner"] == inner_name and r["workers"] == w and r["setup"] == name
+                ]
+                for w in args.workers
+            ]
+            series.append(
+                (
+                    name,
+                    args.workers,
+                    [np.mean(a) for a in accs],
+                    [np.min(a) for a in accs],
+                    [np.max(a) for a in accs],
+                )
+            )
+            table += [
+                [
+                    inner_name,
+                    w,
+                    name,
+                    f"{min(a):.3f}-{max(a):.3f}",
+                    f"{min(base):.3f}-{max(base):.3f}",
+                ]
+                for w, a in zip(args.workers, accs)
+            ]
+        panels.append(
+            dict(
+                title=f"{inner_name}, n_sync {args.n_sync}, {args.steps} steps",
+                xlabel="workers",
+                ylabel="held-out accuracy",
+                series=series,
+                logx=True,
+                ylim=(0, 1),
+                hline=(float(np.mean(base)), "one worker, same samples"),
+            )
+        )
+    _common.write_lines(
+        os.path.join(args.out, "outer.md"),
+        _common.markdown_table(
+            ["inner optimizer", "workers", "setup", "held-out accuracy (seeds)", "one worker"],
+            table,
+        ),
+    )
     plots.plot_panels(os.path.join(args.out, "outer.png"), panels, ncols=2)
-    print(f"wrote {args.out}/outer.csv, outer.md, outer.png in {time.time() - t0:.1f} s", flush=True)
+    print(
+        f"wrote {args.out}/outer.csv, outer.md, outer.png in {time.time() - t0:.1f} s", flush=True
+    )
     return 0
 
 

@@ -52,18 +52,24 @@ def run_config(cluster, name, data, args):
     slowest = args.workers - 1
     slowdown = {} if name == "uniform" else {slowest: args.slow}
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=args.n_sync, staleness="dynsgd",
+        cluster.resolver,
+        n_sync=args.n_sync,
+        staleness="dynsgd",
         max_staleness=args.max_staleness if name == "straggler_drop" else None,
         per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.step_ms, slowdown),
     )
     (x, y), (x_test, y_test) = data
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(
-        args.batch_size, drop_remainder=True)
+    ds = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x))
+        .batch(args.batch_size, drop_remainder=True)
+    )
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = tf_asgd.models.digits_convnet()
-        _common.compile_classifier(model, keras.optimizers.SGD(args.eta, momentum=args.momentum),
-                                   metrics=["accuracy"])
+        _common.compile_classifier(
+            model, keras.optimizers.SGD(args.eta, momentum=args.momentum), metrics=["accuracy"]
+        )
     model.fit(ds, steps_per_epoch=args.n_sync * args.workers, epochs=1, verbose=0)  # trace
     warm = len(strategy.window_log(model))
     t0, wall0 = time.perf_counter(), time.time()
@@ -81,8 +87,11 @@ def run_config(cluster, name, data, args):
     last = max((r.finished_at for r in fast), default=wall0)
     rate = (len(fast) - 1) / slowest / (last - first) if last > first else float("nan")
     row = dict(
-        config=name, workers=args.workers, slow=args.slow if slowdown else 1.0,
-        seconds=seconds, samples_per_s=len(log) * args.n_sync * args.batch_size / seconds,
+        config=name,
+        workers=args.workers,
+        slow=args.slow if slowdown else 1.0,
+        seconds=seconds,
+        samples_per_s=len(log) * args.n_sync * args.batch_size / seconds,
         fast_windows_per_worker_s=rate,
         start_s=first - wall0,
         end_wait_s=wall0 + seconds - last,
@@ -107,8 +116,12 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eta", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.0,
-                   help="the workers' SGD momentum (0.9 made 4 async workers diverge in some runs)")
+    p.add_argument(
+        "--momentum",
+        type=float,
+        default=0.0,
+        help="the workers' SGD momentum (0.9 made 4 async workers diverge in some runs)",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -137,11 +150,31 @@ def main(argv=None):
     plots.write_csv(os.path.join(args.out, "straggler.csv"), rows)
     w = args.workers
     ideal = (w - 1 + 1 / args.slow) / w
-    header = ["config", "fit seconds", "to first push", "after last fast push", "samples/s",
-              "windows/s per fast worker", "straggler windows", "straggler mean staleness",
-              "fast mean staleness", "dropped stale", "test accuracy"]
-    keys = ("seconds", "start_s", "end_wait_s", "samples_per_s", "fast_windows_per_worker_s", "slow_windows",
-            "slow_mean_staleness", "fast_mean_staleness", "dropped_stale", "test_accuracy")
+    header = [
+        "config",
+        "fit seconds",
+        "to first push",
+        "after last fast push",
+        "samples/s",
+        "windows/s per fast worker",
+        "straggler windows",
+        "straggler mean staleness",
+        "fast mean staleness",
+        "dropped stale",
+        "test accuracy",
+    ]
+    keys = (
+        "seconds",
+        "start_s",
+        "end_wait_s",
+        "samples_per_s",
+        "fast_windows_per_worker_s",
+        "slow_windows",
+        "slow_mean_staleness",
+        "fast_mean_staleness",
+        "dropped_stale",
+        "test_accuracy",
+    )
     cells = [[name] + [f"{median(name, key):.3g}" for key in keys] for name in CONFIGS]
     lines = [
         f"{w} workers (worker {w - 1} {args.slow:g}x slower), 1 PS, all tasks in one process; "
@@ -166,12 +199,21 @@ def main(argv=None):
     for name in CONFIGS[1:]:
         log = logs[name]
         start = min(r.finished_at for r in log)
-        series = [(f"worker {k}" + (" (straggler)" if k == w - 1 else ""),
-                   [r.finished_at - start for r in log if r.worker == k and r.pushed],
-                   [r.staleness for r in log if r.worker == k and r.pushed])
-                  for k in range(w)]
-        panel = dict(title=f"{name}: staleness of each push", xlabel="seconds",
-                     ylabel="staleness (pushes since its pull)", series=series, kind="scatter")
+        series = [
+            (
+                f"worker {k}" + (" (straggler)" if k == w - 1 else ""),
+                [r.finished_at - start for r in log if r.worker == k and r.pushed],
+                [r.staleness for r in log if r.worker == k and r.pushed],
+            )
+            for k in range(w)
+        ]
+        panel = dict(
+            title=f"{name}: staleness of each push",
+            xlabel="seconds",
+            ylabel="staleness (pushes since its pull)",
+            series=series,
+            kind="scatter",
+        )
         if name == "straggler_drop":
             panel["hline"] = (args.max_staleness, f"max_staleness {args.max_staleness}")
         panels.append(panel)

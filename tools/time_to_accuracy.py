@@ -83,8 +83,16 @@ SETUPS = {
     "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
     "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),
 }
-QUICK = dict(setups=["mnist1d_adam"], workers=[2], n_sync=[10], seeds=1, device_ms=4.0,
-             plain_steps=150, evals=5, out="results/time_to_accuracy/quick")
+QUICK = dict(
+    setups=["mnist1d_adam"],
+    workers=[2],
+    n_sync=[10],
+    seeds=1,
+    device_ms=4.0,
+    plain_steps=150,
+    evals=5,
+    out="results/time_to_accuracy/quick",
+)
 CPU_BOUND = 0.7  # share of the cores above which a run is CPU-bound
 
 
@@ -138,8 +146,11 @@ def train_dataset(data, batch_size, seed):
     import tensorflow as tf
 
     (x, y), _ = data
-    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).batch(
-        batch_size, drop_remainder=True)
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed)
+        .batch(batch_size, drop_remainder=True)
+    )
 
 
 class HeldOut:
@@ -164,8 +175,9 @@ class HeldOut:
         return float((logits.argmax(axis=1) == self.y).mean()), float(loss)
 
 
-def curve_callback(held_out, eval_every, batch_size, committed_steps=None, pids=(),
-                   pause_clock=True):
+def curve_callback(
+    held_out, eval_every, batch_size, committed_steps=None, pids=(), pause_clock=True
+):
     """A Keras callback that evaluates the model every `eval_every` steps.
 
     Args:
@@ -234,8 +246,16 @@ def curve_callback(held_out, eval_every, batch_size, committed_steps=None, pids=
             steps = scheduled if committed_steps is None or final else committed_steps(scheduled)
             if not self.points or steps != self.points[-1]["step"]:
                 acc, loss = held_out(weights)
-                self.points.append(dict(step=steps, samples=steps * batch_size, wall_s=wall,
-                                        cpu_s=cpu, accuracy=acc, loss=loss))
+                self.points.append(
+                    dict(
+                        step=steps,
+                        samples=steps * batch_size,
+                        wall_s=wall,
+                        cpu_s=cpu,
+                        accuracy=acc,
+                        loss=loss,
+                    )
+                )
             self.evals.append((t, time.perf_counter() - t))
             self.eval_cpu += time.process_time() - c0
 
@@ -258,9 +278,16 @@ def _timings(curve, points, end, startup, steps, workers, device_ms, cores):
     first, last = (trained[0], trained[-1]) if len(trained) > 1 else (points[0], points[-1])
     span = max(last["wall_s"] - first["wall_s"], 1e-9)
     util = (last["cpu_s"] - first["cpu_s"]) / (span * cores)
-    return dict(startup_s=startup, train_s=train_s, total_s=end, eval_s=curve.eval_s,
-                evals=len(points), cpu_s=curve.cpu(), cpu_util=util,
-                device_fraction=steps / workers * device_ms / 1000.0 / train_s)
+    return dict(
+        startup_s=startup,
+        train_s=train_s,
+        total_s=end,
+        eval_s=curve.eval_s,
+        evals=len(points),
+        cpu_s=curve.cpu(),
+        cpu_util=util,
+        device_fraction=steps / workers * device_ms / 1000.0 / train_s,
+    )
 
 
 def run_plain(setup, seed, args):
@@ -284,8 +311,17 @@ def run_plain(setup, seed, args):
     # Start-up: the first step's excess over the others (tracing).
     step_s = (end - curve.first_step_end) / max(1, steps - 1)
     startup = max(0.0, curve.first_step_end - step_s)
-    row = dict(setup=setup, method="plain", workers=1, n_sync=0, seed=seed, device_ms=device_ms,
-               batch_size=batch, steps=steps, samples=steps * batch)
+    row = dict(
+        setup=setup,
+        method="plain",
+        workers=1,
+        n_sync=0,
+        seed=seed,
+        device_ms=device_ms,
+        batch_size=batch,
+        steps=steps,
+        samples=steps * batch,
+    )
     row.update(_timings(curve, curve.points, end, startup, steps, 1, device_ms, args.cores))
     return row, curve.points
 
@@ -302,8 +338,10 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args):
     device_ms = _device_ms(setup, args)
     device = tf_asgd.data.emulated_device_time(device_ms)
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=n_sync,
-        per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i))
+        cluster.resolver,
+        n_sync=n_sync,
+        per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i),
+    )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = build_model(model_name, data)
@@ -312,12 +350,23 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args):
     def committed(scheduled):
         return min(scheduled, strategy.stats().windows * n_sync)
 
-    curve = curve_callback(HeldOut(model_name, data), _eval_every(setup, args), batch, committed,
-                           pids=list(cluster.pids().values()), pause_clock=False)
+    curve = curve_callback(
+        HeldOut(model_name, data),
+        _eval_every(setup, args),
+        batch,
+        committed,
+        pids=list(cluster.pids().values()),
+        pause_clock=False,
+    )
     wall0 = time.time()
     curve.start(model)
-    model.fit(train_dataset(data, batch, seed), steps_per_epoch=steps, epochs=1, verbose=0,
-              callbacks=[curve])
+    model.fit(
+        train_dataset(data, batch, seed),
+        steps_per_epoch=steps,
+        epochs=1,
+        verbose=0,
+        callbacks=[curve],
+    )
     end = curve.clock(time.perf_counter())
     curve.finish(steps)
     stats = strategy.model_stats(model)
@@ -326,11 +375,23 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args):
     # share this machine's clock).
     first = min((r.started_at for r in log if math.isfinite(r.started_at)), default=wall0)
     startup = curve.clock(curve.t0 + first - wall0)
-    row = dict(setup=setup, method="tf_asgd", workers=workers, n_sync=n_sync, seed=seed,
-               device_ms=device_ms, batch_size=batch, steps=steps, samples=steps * batch)
+    row = dict(
+        setup=setup,
+        method="tf_asgd",
+        workers=workers,
+        n_sync=n_sync,
+        seed=seed,
+        device_ms=device_ms,
+        batch_size=batch,
+        steps=steps,
+        samples=steps * batch,
+    )
     row.update(_timings(curve, curve.points, end, startup, steps, workers, device_ms, args.cores))
-    row.update(windows=stats.windows, mean_staleness=stats.mean_staleness,
-               max_staleness=stats.max_staleness)
+    row.update(
+        windows=stats.windows,
+        mean_staleness=stats.mean_staleness,
+        max_staleness=stats.max_staleness,
+    )
     return row, curve.points
 
 
@@ -368,14 +429,25 @@ def summarize(points, plain_points, args):
     drop = worst_drop(points)
     stable = drop <= args.max_drop
     final_ok = final >= plain_final - args.max_final_gap
-    return dict(final_accuracy=final, plain_final_accuracy=plain_final, target=target,
-                time_to_target_s=t, plain_time_to_target_s=tp,
-                speedup=_ratio(tp, t), time_to_target_with_startup_s=tw,
-                plain_time_to_target_with_startup_s=tpw, speedup_with_startup=_ratio(tpw, tw),
-                samples_to_target=s, plain_samples_to_target=sp,
-                samples_ratio=s / sp, final_gap_points=100 * (plain_final - final),
-                worst_drop_points=100 * drop, stable=int(stable), final_ok=int(final_ok),
-                must_hold=int(stable and final_ok))
+    return dict(
+        final_accuracy=final,
+        plain_final_accuracy=plain_final,
+        target=target,
+        time_to_target_s=t,
+        plain_time_to_target_s=tp,
+        speedup=_ratio(tp, t),
+        time_to_target_with_startup_s=tw,
+        plain_time_to_target_with_startup_s=tpw,
+        speedup_with_startup=_ratio(tpw, tw),
+        samples_to_target=s,
+        plain_samples_to_target=sp,
+        samples_ratio=s / sp,
+        final_gap_points=100 * (plain_final - final),
+        worst_drop_points=100 * drop,
+        stable=int(stable),
+        final_ok=int(final_ok),
+        must_hold=int(stable and final_ok),
+    )
 
 
 def _ratio(plain_s, asgd_s):
@@ -388,24 +460,32 @@ def _ratio(plain_s, asgd_s):
 
 def run_line(row):
     """One line of a run's result."""
-    cpu = (f"cpu {100 * row['cpu_util']:.0f}% of {row['cores']} cores"
-           + (" CPU-BOUND" if row["cpu_bound"] else ""))
+    cpu = f"cpu {100 * row['cpu_util']:.0f}% of {row['cores']} cores" + (
+        " CPU-BOUND" if row["cpu_bound"] else ""
+    )
     if row["method"] == "plain":
-        return (f"{row['setup']} plain seed {row['seed']}: final {row['final_accuracy']:.3f}, "
-                f"target {row['target']:.3f} at {row['time_to_target_s']:.1f} s, "
-                f"{row['train_s']:.1f} s (+{row['startup_s']:.1f} s start-up), "
-                f"device {row['device_fraction']:.2f}, {cpu}")
-    reached = (f"target at {row['time_to_target_s']:.1f} s "
-               f"(plain {row['plain_time_to_target_s']:.1f}), speed-up {row['speedup']:.2f}x, "
-               f"samples x{row['samples_ratio']:.2f}"
-               if math.isfinite(row["time_to_target_s"]) else "target never reached")
-    return (f"{row['setup']} {row['workers']}w n_sync {row['n_sync']} seed {row['seed']}: "
-            f"{reached}; final {row['final_accuracy']:.3f} "
-            f"(plain {row['plain_final_accuracy']:.3f}), "
-            f"worst drop {row['worst_drop_points']:.1f} pts, "
-            f"must-hold {'yes' if row['must_hold'] else 'NO'}; {row['train_s']:.1f} s "
-            f"(+{row['startup_s']:.1f} s start-up), "
-            f"device {row['device_fraction']:.2f}, {cpu}")
+        return (
+            f"{row['setup']} plain seed {row['seed']}: final {row['final_accuracy']:.3f}, "
+            f"target {row['target']:.3f} at {row['time_to_target_s']:.1f} s, "
+            f"{row['train_s']:.1f} s (+{row['startup_s']:.1f} s start-up), "
+            f"device {row['device_fraction']:.2f}, {cpu}"
+        )
+    reached = (
+        f"target at {row['time_to_target_s']:.1f} s "
+        f"(plain {row['plain_time_to_target_s']:.1f}), speed-up {row['speedup']:.2f}x, "
+        f"samples x{row['samples_ratio']:.2f}"
+        if math.isfinite(row["time_to_target_s"])
+        else "target never reached"
+    )
+    return (
+        f"{row['setup']} {row['workers']}w n_sync {row['n_sync']} seed {row['seed']}: "
+        f"{reached}; final {row['final_accuracy']:.3f} "
+        f"(plain {row['plain_final_accuracy']:.3f}), "
+        f"worst drop {row['worst_drop_points']:.1f} pts, "
+        f"must-hold {'yes' if row['must_hold'] else 'NO'}; {row['train_s']:.1f} s "
+        f"(+{row['startup_s']:.1f} s start-up), "
+        f"device {row['device_fraction']:.2f}, {cpu}"
+    )
 
 
 def _range(values, fmt):
@@ -427,29 +507,53 @@ def write_table(out, runs):
     rows = []
     for (setup, n_sync, workers), rs in sorted(groups.items()):
         reached = [r for r in rs if math.isfinite(r["time_to_target_s"])]
-        rows.append([
-            setup, n_sync, workers, len(rs), rs[0]["device_ms"],
-            _range([r["plain_final_accuracy"] for r in rs], "{:.3f}"),
-            _range([r["plain_time_to_target_s"] for r in rs], "{:.1f}"),
-            _range([r["time_to_target_s"] for r in reached], "{:.1f}")
-            + (f", {len(rs) - len(reached)} never" if len(reached) < len(rs) else ""),
-            _range([r["speedup"] for r in rs], "{:.2f}"),
-            _range([r["samples_ratio"] for r in reached], "{:.2f}"),
-            _range([r["final_accuracy"] for r in rs], "{:.3f}"),
-            _range([r["worst_drop_points"] for r in rs], "{:.1f}"),
-            f"{sum(r['must_hold'] for r in rs)}/{len(rs)}",
-            _range([r["cpu_util"] for r in rs], "{:.2f}"),
-            sum(r["cpu_bound"] for r in rs),
-        ])
-    header = ["setup", "n_sync", "workers", "seeds", "device ms", "plain final",
-              "plain s to target", "tf_asgd s to target", "speed-up", "samples ratio",
-              f"final at {runs[0].get('budget', 2)}x samples", "worst drop (pts)", "must hold",
-              "CPU share", "CPU-bound runs"]
-    lines = [("Target: plain Keras's final held-out accuracy minus 1 point. Speed-up: plain's "
-              "time to target over tf_asgd's (0: never reached). Must hold: after the first "
-              "quarter, accuracy never 5 points below its running best, and the final at most "
-              "2 points below plain's. Mean (min-max) over seeds."), "",
-             *_common.markdown_table(header, rows)]
+        rows.append(
+            [
+                setup,
+                n_sync,
+                workers,
+                len(rs),
+                rs[0]["device_ms"],
+                _range([r["plain_final_accuracy"] for r in rs], "{:.3f}"),
+                _range([r["plain_time_to_target_s"] for r in rs], "{:.1f}"),
+                _range([r["time_to_target_s"] for r in reached], "{:.1f}")
+                + (f", {len(rs) - len(reached)} never" if len(reached) < len(rs) else ""),
+                _range([r["speedup"] for r in rs], "{:.2f}"),
+                _range([r["samples_ratio"] for r in reached], "{:.2f}"),
+                _range([r["final_accuracy"] for r in rs], "{:.3f}"),
+                _range([r["worst_drop_points"] for r in rs], "{:.1f}"),
+                f"{sum(r['must_hold'] for r in rs)}/{len(rs)}",
+                _range([r["cpu_util"] for r in rs], "{:.2f}"),
+                sum(r["cpu_bound"] for r in rs),
+            ]
+        )
+    header = [
+        "setup",
+        "n_sync",
+        "workers",
+        "seeds",
+        "device ms",
+        "plain final",
+        "plain s to target",
+        "tf_asgd s to target",
+        "speed-up",
+        "samples ratio",
+        f"final at {runs[0].get('budget', 2)}x samples",
+        "worst drop (pts)",
+        "must hold",
+        "CPU share",
+        "CPU-bound runs",
+    ]
+    lines = [
+        (
+            "Target: plain Keras's final held-out accuracy minus 1 point. Speed-up: plain's "
+            "time to target over tf_asgd's (0: never reached). Must hold: after the first "
+            "quarter, accuracy never 5 points below its running best, and the final at most "
+            "2 points below plain's. Mean (min-max) over seeds."
+        ),
+        "",
+        *_common.markdown_table(header, rows),
+    ]
     _common.write_lines(os.path.join(out, "speedups.md"), lines)
 
 
@@ -467,20 +571,31 @@ def plot(out, runs, curves):
         target = sum(r["final_accuracy"] for r in plain) / len(plain) - 0.01
         for x_key, xlabel in (("time_s", "training time (s)"), ("samples", "samples seen")):
             series = [_mean_line("plain Keras, 1 device", by_run[(setup, "plain", 1, 0)], x_key)]
-            counts = {r["workers"] for r in runs if r["method"] == "tf_asgd"
-                      and (r["setup"], r["n_sync"]) == (setup, n_sync)}
+            counts = {
+                r["workers"]
+                for r in runs
+                if r["method"] == "tf_asgd" and (r["setup"], r["n_sync"]) == (setup, n_sync)
+            }
             for w in sorted(counts):
                 series.append(
-                    _mean_line(f"{w} workers", by_run[(setup, "tf_asgd", w, n_sync)], x_key))
+                    _mean_line(f"{w} workers", by_run[(setup, "tf_asgd", w, n_sync)], x_key)
+                )
             lo = min(min(s[2]) for s in series if len(s[2]))
-            panels[x_key].append(dict(
-                title=f"{setup}, n_sync {n_sync}, {plain[0]['device_ms']:g} ms/batch device",
-                xlabel=xlabel, ylabel="held-out accuracy", series=series,
-                ylim=(max(0.0, min(lo, target - 0.2)), 1.0), hline=(target, "target")))
+            panels[x_key].append(
+                dict(
+                    title=f"{setup}, n_sync {n_sync}, {plain[0]['device_ms']:g} ms/batch device",
+                    xlabel=xlabel,
+                    ylabel="held-out accuracy",
+                    series=series,
+                    ylim=(max(0.0, min(lo, target - 0.2)), 1.0),
+                    hline=(target, "target"),
+                )
+            )
     for x_key, name in (("time_s", "accuracy_vs_time.png"), ("samples", "accuracy_vs_samples.png")):
         if panels[x_key]:
-            plots.plot_panels(os.path.join(out, name), panels[x_key],
-                              ncols=min(3, len(panels[x_key])))
+            plots.plot_panels(
+                os.path.join(out, name), panels[x_key], ncols=min(3, len(panels[x_key]))
+            )
 
 
 def _mean_line(label, points, x_key):
@@ -516,8 +631,14 @@ def calibrate(args):
         model.fit(ds.repeat(), steps_per_epoch=20, epochs=1, verbose=0)  # traces
         c0 = time.process_time()
         model.fit(ds.repeat(), steps_per_epoch=steps, epochs=1, verbose=0)
-        rows.append(dict(setup=setup, method="plain", n_sync=0,
-                         cpu_ms_per_step=1000 * (time.process_time() - c0) / steps))
+        rows.append(
+            dict(
+                setup=setup,
+                method="plain",
+                n_sync=0,
+                cpu_ms_per_step=1000 * (time.process_time() - c0) / steps,
+            )
+        )
     with _common.local_cluster(1) as cluster:
         pids = list(cluster.pids().values())
         for setup in args.setups:
@@ -533,8 +654,14 @@ def calibrate(args):
                 n = max(n_sync, steps // n_sync * n_sync)
                 c0 = _cpu(pids)
                 model.fit(ds, steps_per_epoch=n, epochs=1, verbose=0)
-                rows.append(dict(setup=setup, method="tf_asgd", n_sync=n_sync,
-                                 cpu_ms_per_step=1000 * (_cpu(pids) - c0) / n))
+                rows.append(
+                    dict(
+                        setup=setup,
+                        method="tf_asgd",
+                        n_sync=n_sync,
+                        cpu_ms_per_step=1000 * (_cpu(pids) - c0) / n,
+                    )
+                )
     workers = max(args.workers)
     for r in rows:
         # N workers alternate d ms of device time with c ms of CPU a step: they
@@ -542,9 +669,12 @@ def calibrate(args):
         c = r["cpu_ms_per_step"]
         r["workers"] = workers if r["method"] == "tf_asgd" else 1
         r["min_device_ms"] = max(0.0, c * (r["workers"] / (args.cores / 2) - 1))
-        print(f"{r['setup']} {r['method']} n_sync {r['n_sync']}: {c:.2f} ms CPU a step; "
-              f"device time >= {r['min_device_ms']:.0f} ms for {r['workers']} "
-              f"worker(s) on {args.cores} cores", flush=True)
+        print(
+            f"{r['setup']} {r['method']} n_sync {r['n_sync']}: {c:.2f} ms CPU a step; "
+            f"device time >= {r['min_device_ms']:.0f} ms for {r['workers']} "
+            f"worker(s) on {args.cores} cores",
+            flush=True,
+        )
     os.makedirs(args.out, exist_ok=True)
     plots.write_csv(os.path.join(args.out, "calibration.csv"), rows)
     return rows
@@ -578,25 +708,40 @@ def main(argv=None):
     p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4, 8, 16])
     p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
     p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
-    p.add_argument("--device-ms", type=float, default=None,
-                   help="emulated device time per batch (default: each setup's)")
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=None,
+        help="emulated device time per batch (default: each setup's)",
+    )
     p.add_argument("--budget", type=float, default=2.0, help="tf_asgd's samples over plain's")
-    p.add_argument("--plain-steps", type=int, default=None,
-                   help="plain Keras's steps (default: each setup's)")
+    p.add_argument(
+        "--plain-steps", type=int, default=None, help="plain Keras's steps (default: each setup's)"
+    )
     p.add_argument("--evals", type=int, default=30, help="held-out points over plain's run")
     p.add_argument("--max-drop", type=float, default=0.05)
     p.add_argument("--max-final-gap", type=float, default=0.02)
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--calibrate", action="store_true",
-                   help="measure CPU per step and print the device time to use")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure CPU per step and print the device time to use",
+    )
     p.add_argument("--calibration-steps", type=int, default=300)
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items())
-                   + " (flags given override these)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: "
+        + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+        + " (flags given override these)",
+    )
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])
-                 if a.startswith("--")}
+        given = {
+            a.split("=")[0].lstrip("-").replace("-", "_")
+            for a in (argv or sys.argv[1:])
+            if a.startswith("--")
+        }
         for k, v in QUICK.items():
             if k not in given:
                 setattr(args, k, v)
@@ -609,17 +754,24 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     from tf_asgd import plots
 
-    device_s = sum(_steps(s, args) * _device_ms(s, args) / 1000 * args.seeds
-                   * (1 + args.budget * len(args.n_sync) * sum(1 / w for w in args.workers))
-                   for s in args.setups)
-    print(f"{len(args.setups) * args.seeds * (1 + len(args.workers) * len(args.n_sync))} runs; "
-          f"emulated device time alone {device_s / 60:.1f} min", flush=True)
+    device_s = sum(
+        _steps(s, args)
+        * _device_ms(s, args)
+        / 1000
+        * args.seeds
+        * (1 + args.budget * len(args.n_sync) * sum(1 / w for w in args.workers))
+        for s in args.setups
+    )
+    print(
+        f"{len(args.setups) * args.seeds * (1 + len(args.workers) * len(args.n_sync))} runs; "
+        f"emulated device time alone {device_s / 60:.1f} min",
+        flush=True,
+    )
     runs, curves, plain = [], [], {}
     t0 = time.time()
 
     def record(row, points):
-        row.update(cores=args.cores, budget=args.budget,
-                   cpu_bound=int(row["cpu_util"] > CPU_BOUND))
+        row.update(cores=args.cores, budget=args.budget, cpu_bound=int(row["cpu_util"] > CPU_BOUND))
         runs.append(row)
         tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
         curves.extend(dict(**tags, **pt) for pt in points)
@@ -645,11 +797,19 @@ def main(argv=None):
                         write_table(args.out, runs)
     plot(args.out, runs, curves)
     flagged = sum(r["cpu_bound"] for r in runs)
-    names = ("runs.csv", "curves.csv", "speedups.md", "accuracy_vs_time.png",
-             "accuracy_vs_samples.png")
+    names = (
+        "runs.csv",
+        "curves.csv",
+        "speedups.md",
+        "accuracy_vs_time.png",
+        "accuracy_vs_samples.png",
+    )
     written = [n for n in names if os.path.exists(os.path.join(args.out, n))]
-    print(f"wrote {', '.join(written)} to {args.out} in {time.time() - t0:.0f} s; "
-          f"{flagged} CPU-bound run(s)" + (": raise --device-ms" if flagged else ""), flush=True)
+    print(
+        f"wrote {', '.join(written)} to {args.out} in {time.time() - t0:.0f} s; "
+        f"{flagged} CPU-bound run(s)" + (": raise --device-ms" if flagged else ""),
+        flush=True,
+    )
     return 0
 
 

@@ -12,10 +12,13 @@
     python results/convergence/decay_probe_4w/probe.py --out DIR --models mlp --optimizers adam \
         --workers 4 --n-sync 10 --setups decay --seeds 5 --epochs 20
 """
+
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools")
+)
 import convergence  # noqa: E402
 
 from tf_asgd import update_rules  # noqa: E402
@@ -28,8 +31,11 @@ def strategy_kwargs(setup, workers):
     if setup in ("decay", "decay_2"):
         return dict(outer_optimizer=update_rules.OuterSGD(lr, schedule=((45, 2.0 / workers),)))
     if setup in ("round_decay", "round_decay_2"):
-        return dict(outer_optimizer=update_rules.OuterSGD(
-            lr, schedule=((workers, 1.0 / workers), (10 * workers, 2.0 / workers))))
+        return dict(
+            outer_optimizer=update_rules.OuterSGD(
+                lr, schedule=((workers, 1.0 / workers), (10 * workers, 2.0 / workers))
+            )
+        )
     return _orig(setup, workers)
 
 
