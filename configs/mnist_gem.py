@@ -20,7 +20,8 @@ import runpy
 def get_config():
     # Start from the default config; change only what this setup needs.
     c = runpy.run_path(os.path.join(os.path.dirname(__file__), "default.py"))["get_config"]()
-    c.model = "gem_mnist_convnet"  # the paper's convnet: conv 10x5x5, pool, conv 20x5x5, pool, dense 300, 200, 10
+    # The paper's convnet: conv 10x5x5, pool, conv 20x5x5, pool, dense 300, 200, 10.
+    c.model = "gem_mnist_convnet"
     c.dataset = "mnist"
     c.batch_size = 64  # the paper's batch
     c.n_sync = 1  # the paper pushes every step

@@ -4,10 +4,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
+import keras
+import pytest
 
-import tf_asgd  # noqa: E402
+import tf_asgd
 
 
 CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "cluster4", "sharded_cluster"}

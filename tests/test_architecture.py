@@ -7,7 +7,6 @@ a function-level import is an import that runs, only later.
 import ast
 import os
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "tf_asgd")

@@ -11,7 +11,6 @@ import time
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_asgd
 from tf_asgd import scheduling, update_rules
@@ -196,7 +195,7 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
     # budget scales with the fast pace, which a loaded machine's CPU slows;
     # 40x keeps the straggler's closure over budget up to ~120 ms of CPU a step.)
     at = 0
-    for worker, asked, run, budget in closures:
+    for worker, _asked, run, budget in closures:
         records = log[at : at + run]
         at += run
         assert all(r.worker == worker for r in records)

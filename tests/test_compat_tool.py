@@ -9,7 +9,7 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import compat  # noqa: E402
+import compat  # noqa: E402 (tools/ goes on sys.path first)
 
 
 def test_version_specs_and_summaries():

@@ -42,7 +42,8 @@ def test_config_has_every_field_of_default(name):
 
 
 def test_every_field_is_documented_once():
-    """`config_fields.CONFIG_FIELDS` (what --help prints) names exactly the fields of the default config."""
+    """`config_fields.CONFIG_FIELDS` (what --help prints) names exactly the fields of the default
+    config."""
     default = load("default")
     fields = set()
     for key, value in default.to_dict().items():

@@ -22,6 +22,7 @@ import tf_asgd
 from tf_asgd import update_rules
 
 from conftest import compile_digits
+from test_launch import assert_all_stopped, launcher, local_cluster_ports
 
 pytestmark = pytest.mark.cluster  # every test here starts TF servers
 
@@ -83,7 +84,10 @@ def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(digits):
 
         def inject():
             try:
-                log = lambda: strategy.window_log(model)  # noqa: E731
+
+                def log():
+                    return strategy.window_log(model)
+
                 _wait_for(lambda: sum(r.worker == 1 for r in log()) >= 3, 120, "worker 1 windows")
                 events["killed_at"] = time.perf_counter()
                 events["windows_at_kill"] = len(log())
@@ -131,12 +135,14 @@ def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(digits):
         log = strategy.window_log(model)
         epochs = len(history.history["loss"])
         windows = epochs * steps // n_sync
+        restarted_at = events["restarted_at"]
+        rejoined_at = [r.seen_at for r in log if r.worker == 1 and r.seen_at > restarted_at]
         print(
             f"worker kill: fit {fit_secs:.1f} s, {epochs} epochs, accuracy {acc:.3f}, "
             f"{len(log)} windows seen, version {stats.windows}, "
             f"{events['windows_while_down']} windows while down, restart took "
             f"{events['restarted_at'] - events['killed_at']:.1f} s, first worker-1 window "
-            f"{min([r.seen_at for r in log if r.worker == 1 and r.seen_at > events['restarted_at']] or [np.nan]) - events['restarted_at']:.1f} s "
+            f"{min(rejoined_at or [np.nan]) - restarted_at:.1f} s "
             f"after restart, {rejoined(log)} worker-1 windows after restart"
         )
         # Training completed: every scheduled window came back exactly once.
@@ -311,8 +317,6 @@ def test_a_straggler_does_not_hold_back_the_others_and_its_stale_pushes_are_drop
 # The launcher: a PS killed, the chief killed, SIGTERM
 
 
-from test_launch import assert_all_stopped, launcher, local_cluster_ports  # noqa: E402
-
 FAST = [
     "--config=configs/default.py",
     "--config.shared_process=False",  # one process per task: each can be killed
@@ -375,7 +379,7 @@ _NOISE = re.compile(
 def _tail(log, chars=3000):
     """The end of a launcher's log without TF's function-removal noise, for
     assertion messages (that noise can fill the whole tail)."""
-    return "\n".join(l for l in log.splitlines() if not _NOISE.search(l))[-chars:]
+    return "\n".join(line for line in log.splitlines() if not _NOISE.search(line))[-chars:]
 
 
 def _resumed(log):
@@ -420,7 +424,8 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
     per_epoch = version // epoch
     r = _results(workdir)
     print(
-        f"PS killed at epoch {epoch} (version {version}); resumed: accuracy {r['test_accuracy']:.3f}"
+        f"PS killed at epoch {epoch} (version {version}); "
+        f"resumed: accuracy {r['test_accuracy']:.3f}"
     )
     assert r["initial_epoch"] == epoch and r["epochs"] == epochs
     assert r["version"] == version + (epochs - epoch) * per_epoch
@@ -506,7 +511,7 @@ def test_soak_fit_kill_restart_cycles_leak_nothing(digits):
     cycles, samples, pids = 3, [], set()
     others = _children()  # e.g. the session's shared cluster fixture
     t0 = time.time()
-    for cycle in range(cycles):
+    for _ in range(cycles):
         with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
             strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
             with strategy.scope():

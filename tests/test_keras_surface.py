@@ -25,7 +25,6 @@ import math
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_asgd
 
@@ -548,7 +547,7 @@ def test_terminate_on_nan_stops_training(strategy, flat):
         dict(optimizer=lambda: keras.optimizers.SGD(100.0), loss="mse", metrics=[]),
         callbacks=lambda: [keras.callbacks.TerminateOnNaN()],
     )
-    for model, history in runs:
+    for _model, history in runs:
         assert history.epoch == [0]
         assert not np.isfinite(history.history["loss"][0])
     (ours, _), _ = runs

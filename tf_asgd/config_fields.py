@@ -36,14 +36,16 @@ CONFIG_FIELDS = {
     "optimizer.name": "sgd | adam",
     "optimizer.learning_rate": "learning rate of every worker's optimizer",
     "optimizer.momentum": "SGD momentum (sgd only)",
-    "outer.name": "the PS's outer optimizer: default (each push scaled by max(1/N, min(1/4, 1/sqrt(2N))), "
-    "after a schedule over the first pushes; "
+    "outer.name": "the PS's outer optimizer: default (each push scaled by "
+    "max(1/N, min(1/4, 1/sqrt(2N))), after a schedule over the first pushes; "
     "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
     "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
     "delayed_nesterov 0.7)",
     "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",
-    "worker_state": "keep | reset: a worker's own optimizer state (momentum, Adam moments) at each pull",
-    "windows_per_closure": "windows a worker runs per coordinator closure (0 = automatic, about 200 ms)",
+    "worker_state": "keep | reset: a worker's own optimizer state (momentum, Adam moments) "
+    "at each pull",
+    "windows_per_closure": "windows a worker runs per coordinator closure "
+    "(0 = automatic, about 200 ms)",
     "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
     "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
     "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",

@@ -74,7 +74,7 @@ def _as_array(value):
     floats in Keras's `floatx` as Keras's array adapter makes them, or None."""
     try:
         array = np.asarray(value)
-    except Exception:  # noqa: BLE001 (ragged and other inputs NumPy cannot take)
+    except Exception:  # ragged and other inputs NumPy cannot take
         return None
     if array.dtype.kind not in "biuf" or array.ndim == 0:
         return None
@@ -230,7 +230,7 @@ class Evaluator:
             # First use, or compiled again: build the model and its metrics as
             # Keras would; functions traced for another compile are stale.
             self._functions, self._dataset, self._mergeable = {}, None, None
-            model._maybe_symbolic_build(data_batch=self._first_batch(plan))  # noqa: SLF001
+            model._maybe_symbolic_build(data_batch=self._first_batch(plan))
             self._built = weakref.ref(internals.loss_tracker(model))
         found = self._unmergeable(model, plan)
         return metric_states.describe(found) if found else None
@@ -314,7 +314,7 @@ class Evaluator:
             if pending:  # an error: nothing may be left running
                 try:
                     coordinator.join()
-                except Exception:  # noqa: BLE001 (the first error is on its way)
+                except Exception:  # the first error is on its way
                     pass
 
     @staticmethod

@@ -67,25 +67,25 @@ check_keras_version()
 
 # Keras's TF trainer: the class whose fit/make_train_function keras_hook wraps
 # (Keras 3 has no public extension point for a parameter-server fit).
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402,F401
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401 (re-exported)
 
 # Keras's TF optimizer refuses `stateless_apply` under tf.distribute; the
 # backend-neutral BaseOptimizer implementation is what a window needs.
-from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: E402
-from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 # Keras's own data adapters and validation split: `fit(steps_per_epoch=...)`
 # on arrays must give the same batches Keras would, repeated (no public API).
-from keras.src.trainers import data_adapters  # noqa: E402
-from keras.src.trainers.data_adapters import array_slicing  # noqa: E402
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import array_slicing
 
 # Whether a RemoteValue is ready without blocking: TF has no public poll and
 # no wait-for-any over several RemoteValues.
-from tensorflow.python.distribute.coordinator import remote_value  # noqa: E402
+from tensorflow.python.distribute.coordinator import remote_value
 
 # A variable split by a `variable_partitioner`; public only as
 # `tf.__internal__.distribute.ShardedVariable`.
-from tensorflow.python.distribute.sharded_variable import ShardedVariable  # noqa: E402
+from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 
 # ---- Keras model and trainer -------------------------------------------------
@@ -314,9 +314,9 @@ def learning_rate_variable(optimizer):
 # but `handle` (what `tf.GradientTape` watches and differentiates against)
 # still asks that tensor for a resource handle, and a read of it notifies no
 # tape. Keras runs no TF `train_step` statelessly, so it has no public way.
-from keras.src.backend.common.stateless_scope import get_stateless_scope  # noqa: E402
-from keras.src.backend.tensorflow.core import Variable as _TFVariable  # noqa: E402
-from tensorflow.python.eager import tape as _tape  # noqa: E402
+from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.backend.tensorflow.core import Variable as _TFVariable
+from tensorflow.python.eager import tape as _tape
 
 
 def _mapped(variable):
@@ -601,8 +601,8 @@ def concrete_function_for(function, args):
     from tensorflow.python.distribute.coordinator import cluster_coordinator
 
     spec_args = tf.nest.map_structure(
-        cluster_coordinator._maybe_as_type_spec,  # noqa: SLF001
-        cluster_coordinator._select_worker_slice(0, args),  # noqa: SLF001
+        cluster_coordinator._maybe_as_type_spec,
+        cluster_coordinator._select_worker_slice(0, args),
     )
     return function.get_concrete_function(*spec_args)
 
@@ -612,9 +612,9 @@ def per_worker_element_spec(iterator):
     coordinator traces with, as `concrete_function_for`)."""
     from tensorflow.python.distribute.coordinator import cluster_coordinator
 
-    return cluster_coordinator._maybe_as_type_spec(  # noqa: SLF001
+    return cluster_coordinator._maybe_as_type_spec(
         cluster_coordinator._select_worker_slice(0, iterator)
-    )._element_spec  # noqa: SLF001
+    )._element_spec
 
 
 def pythonify_logs(logs):
@@ -634,7 +634,7 @@ def flatten_metrics_in_order(model, logs):
 def stop_coordinator(coordinator):
     """Stops a `ClusterCoordinator`'s threads, as only its destructor does."""
     if coordinator is not None:
-        coordinator._cluster.stop()  # noqa: SLF001
+        coordinator._cluster.stop()
 
 
 # ---- TF coordinator: reconnecting after a worker failure (lost_workers.py) ------
@@ -653,7 +653,7 @@ _reconnect_gates = weakref.WeakKeyDictionary()  # failure handler's thread -> ga
 def coordinator_cluster(coordinator):
     """The coordinator's `Cluster` (its workers, closure queue and failure
     handler): what the functions below take."""
-    return coordinator._cluster  # noqa: SLF001
+    return coordinator._cluster
 
 
 def gate_reconnection(coordinator, gate):
@@ -689,7 +689,7 @@ def gate_reconnection(coordinator, gate):
 
 def coordinator_stopping(cluster):
     """Whether the coordinator of `cluster` (`coordinator_cluster`) stops."""
-    return not cluster.failure_handler._should_preemption_thread_run  # noqa: SLF001
+    return not cluster.failure_handler._should_preemption_thread_run
 
 
 def stop_worker_threads(cluster):
@@ -702,7 +702,7 @@ def stop_worker_threads(cluster):
 def workers_awaiting_reconnection(cluster):
     """Indices of the workers whose thread waits for the reconnection (its
     last closure failed as a worker failure): they run no closure until then."""
-    return [w.worker_index for w in cluster.workers if w._is_dead_with_error]  # noqa: SLF001
+    return [w.worker_index for w in cluster.workers if w._is_dead_with_error]
 
 
 def fail_waiting_closures(cluster, error):
@@ -715,19 +715,19 @@ def fail_waiting_closures(cluster, error):
     """
     closures = cluster.closure_queue
     failed = 0
-    with closures._queue_lock:  # noqa: SLF001
+    with closures._queue_lock:
         while True:
             try:
-                closure = closures._queue.get(block=False)  # noqa: SLF001
+                closure = closures._queue.get(block=False)
             except queue.Empty:
                 break
             closure.maybe_call_with_output_remote_value(lambda rv: rv._set_error(error))
             failed += 1
         if failed:
-            closures._queue_free_slot_condition.notify_all()  # noqa: SLF001
-            if closures._error is None:  # noqa: SLF001
-                closures._error = error  # noqa: SLF001
-            closures._stop_waiting_condition.notify_all()  # noqa: SLF001
+            closures._queue_free_slot_condition.notify_all()
+            if closures._error is None:
+                closures._error = error
+            closures._stop_waiting_condition.notify_all()
     return failed
 
 
@@ -745,8 +745,8 @@ def order_coordinator_stop(coordinator, before):
 
     def stop():
         if threading.current_thread() is getattr(handler, "_preemption_handler_thread", None):
-            handler._should_preemption_thread_run = False  # noqa: SLF001
-            handler._cluster_due_for_update_or_finish.set()  # noqa: SLF001
+            handler._should_preemption_thread_run = False
+            handler._cluster_due_for_update_or_finish.set()
             return
         before()
         tf_stop()

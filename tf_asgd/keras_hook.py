@@ -241,7 +241,7 @@ def _join(trainer, failed):
         return
     try:
         trainer.coordinator.join()
-    except Exception:  # noqa: BLE001  (the error that matters is already on its way)
+    except Exception:  # the error that matters is already on its way
         pass
     trainer.drop_failed()
 

@@ -109,7 +109,7 @@ class ReconnectionWatch:
         )
         try:
             return self._wait_for_tasks(pool)
-        except Exception:  # noqa: BLE001 (a bug here must not stop TF's thread)
+        except Exception:  # a bug here must not stop TF's thread
             log.exception("Waiting for the lost cluster tasks failed; reconnecting as TF does.")
             return True
         finally:

@@ -44,7 +44,10 @@ def gem_mnist_convnet(input_shape=(28, 28, 1), num_classes=10):
 
 @keras.saving.register_keras_serializable(package="tf_asgd")
 class LocalResponseNormalization(keras.layers.Layer):
-    """cuda-convnet's response normalisation across channels (`tf.nn.local_response_normalization`)."""
+    """cuda-convnet's response normalisation across channels.
+
+    The layer form of `tf.nn.local_response_normalization`.
+    """
 
     def __init__(self, depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, **kwargs):
         super().__init__(**kwargs)

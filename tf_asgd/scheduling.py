@@ -57,7 +57,9 @@ from tf_asgd.window import APPLIED_RING, WindowFunction
 __all__ = ["APPLIED_RING", "WindowRecord", "WindowTrainer", "push_update"]
 
 MAX_IN_FLIGHT_PER_WORKER = 2  # closures scheduled but unfinished, per worker
-TARGET_CLOSURE_S = 0.2  # automatic K: about this much work on a worker per closure (0.1: 7% slower, results/README)
+# Automatic K: about this much work on a worker per closure (shorter closures were slower:
+# results/README.md).
+TARGET_CLOSURE_S = 0.2
 MAX_WINDOWS_PER_CLOSURE = 256
 MIN_BUDGET_S = 0.1  # a closure may always start windows for this long
 BUDGET_FACTOR = 4  # ... and for this many times what its windows should take

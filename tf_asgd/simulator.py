@@ -281,7 +281,7 @@ def simulate(
             losses.append(model.loss_and_accuracy(local, bx, by)[0])
             for p, g, slots in zip(local, model.gradients(local, bx, by), state):
                 p += inner_step(g, slots, step + k)
-        return [l - p for l, p in zip(local, params)], float(np.mean(losses)), state
+        return [w - p for w, p in zip(local, params)], float(np.mean(losses)), state
 
     def inner_step(g, slots, step):
         """The displacement of one Keras SGD / Adam step; updates `slots`."""

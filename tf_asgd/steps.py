@@ -288,7 +288,7 @@ class ModelStep:
             return fn(*args)
         except TrainStepError:
             raise
-        except Exception as e:  # noqa: BLE001  (any trace error: name train_step)
+        except Exception as e:  # any trace error: name train_step
             raise _refuse(
                 self.model,
                 (

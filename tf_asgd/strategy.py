@@ -79,7 +79,10 @@ class _WindowDataset:
         transform = self._strategy.per_worker_dataset_fn
         if transform is None and self._dataset in self._strategy._batch_sharded:
             n = self._strategy.num_workers
-            transform = lambda dataset, index: dataset.shard(n, index)  # noqa: E731
+
+            def transform(dataset, index):
+                return dataset.shard(n, index)
+
         if transform is None:
             source = self._dataset.repeat()
         else:
@@ -106,7 +109,8 @@ class _WindowDataset:
             out = transform(dataset, index)
             if not isinstance(out, tf.data.Dataset):
                 raise TypeError(
-                    f"per_worker_dataset_fn must return a tf.data.Dataset, got {type(out).__name__}."
+                    "per_worker_dataset_fn must return a tf.data.Dataset, "
+                    f"got {type(out).__name__}."
                 )
             if out.element_spec != spec:
                 raise ValueError(

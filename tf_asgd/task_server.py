@@ -15,7 +15,10 @@ from tf_asgd.cluster import _READY as READY
 
 
 def serve(cluster, tasks):
-    """Starts TF servers for `tasks` ("job:index") in this process and returns them; the caller keeps the process alive."""
+    """Starts TF servers for `tasks` ("job:index") in this process and returns them.
+
+    The caller keeps the process alive.
+    """
     import tensorflow as tf
 
     # Tasks that share a process share its inter-op thread pool; a pool no
@@ -42,7 +45,8 @@ def serve(cluster, tasks):
 def _main(argv):
     # Exit when the parent goes away (stdin EOF) or is asked to (SIGTERM).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    servers = serve(json.loads(argv[1]), argv[2].split(","))  # noqa: F841  (kept alive)
+    # Held, not used: the servers run while they are referenced.
+    _servers = serve(json.loads(argv[1]), argv[2].split(","))
     sys.stdin.read()
     os._exit(0)  # the servers end with the process (TF cannot stop them)
 

@@ -328,7 +328,10 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
         else None
     )
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
-    done = lambda: os.path.exists(os.path.join(workdir, DONE_FILE))  # noqa: E731
+
+    def done():
+        return os.path.exists(os.path.join(workdir, DONE_FILE))
+
     out = []
     # Poll every 5 s until DONE appears (or, with timeout_secs, until no new
     # checkpoint came for that long).

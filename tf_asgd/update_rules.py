@@ -187,7 +187,8 @@ class OuterSGD:
             ramps = tuple((pushes, rate) for pushes, rate in self.schedule)
         except (TypeError, ValueError):
             raise ValueError(
-                f"OuterSGD schedule must be a sequence of (pushes, start_rate) pairs, got {self.schedule!r}."
+                "OuterSGD schedule must be a sequence of (pushes, start_rate) pairs, "
+                f"got {self.schedule!r}."
             ) from None
         for pushes, rate in ramps:
             if isinstance(pushes, bool) or not isinstance(pushes, (int, np.integer)) or pushes < 1:

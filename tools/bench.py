@@ -230,7 +230,7 @@ def child_asgd(args):
                 use(n, k)
                 stats = {}
 
-                def fit(steps):
+                def fit(steps, stats=stats):
                     stats["before"] = strategy.model_stats(model)  # the last run's counts
                     return _timed_fit(model, ds, steps)
 

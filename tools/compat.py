@@ -236,7 +236,8 @@ def write_results(rows, args):
         [
             "# tf_asgd: TensorFlow x Keras compatibility (tools/compat.py)",
             "",
-            f'Python {sys.version.split()[0]}; fast tier: `python -m pytest tests -q -m "not cluster"`; '
+            f"Python {sys.version.split()[0]}; "
+            'fast tier: `python -m pytest tests -q -m "not cluster"`; '
             f"smoke: `{args.smoke or 'none'}`.",
             "",
         ]

@@ -438,7 +438,8 @@ def main(argv=None):
                                 s = summary[-1]
                                 print(
                                     f"[{time.time() - t0:6.0f}s] {model} {opt} n_sync {n_sync} "
-                                    f"{workers}w {setup} seed {seed}: acc {s['final_accuracy']:.3f} "
+                                    f"{workers}w {setup} seed {seed}: "
+                                    f"acc {s['final_accuracy']:.3f} "
                                     f"(plain {s['plain_accuracy']:.3f}) diverged {s['diverged']} "
                                     f"samples x{s['samples_ratio']:.2f}",
                                     flush=True,
@@ -448,7 +449,8 @@ def main(argv=None):
                                 write_summary(args.out, summary)
     plot(args.out, curves)
     print(
-        f"wrote {args.out}/summary.md, summary.csv, curves.csv and plots in {time.time() - t0:.0f} s"
+        f"wrote {args.out}/summary.md, summary.csv, curves.csv and plots "
+        f"in {time.time() - t0:.0f} s"
     )
 
 

@@ -246,7 +246,10 @@ def main(argv=None):
             h = h[: (last[-1] + 1) if len(last) else 1]
             stale.append((label, np.arange(len(h)), h / max(1, h.sum())))
             stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
-        title = f"{args.data}, {model_name}, batch {args.batch_size}, eta {args.eta}, emulated {args.step_ms} ms/step"
+        title = (
+            f"{args.data}, {model_name}, batch {args.batch_size}, eta {args.eta}, "
+            f"emulated {args.step_ms} ms/step"
+        )
         plots.plot_panels(
             os.path.join(args.out, f"{sweep}_curves.png"),
             [

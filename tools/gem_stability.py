@@ -33,7 +33,10 @@ def run_method(method, cluster, data, args):
 
     (x, y), (xt, yt) = data
     keras.utils.set_random_seed(args.seed)
-    sgd = lambda: keras.optimizers.SGD(args.eta, momentum=args.mu)  # noqa: E731
+
+    def sgd():
+        return keras.optimizers.SGD(args.eta, momentum=args.mu)
+
     started = time.time()
     row = {
         "method": method,
@@ -108,7 +111,8 @@ def write_results(rows, histories, args):
         os.path.join(out, "curves.png"),
         [
             dict(
-                title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, n_sync={args.n_sync}",
+                title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, "
+                f"n_sync={args.n_sync}",
                 xlabel="epoch",
                 ylabel="training loss",
                 logy=True,

@@ -229,7 +229,8 @@ def main(argv=None):
     lines = [
         f"Model `{args.model}` ({rows[0]['params']} parameters), batch {args.batch_size}, "
         f"emulated device time {args.step_ms} ms/step, {args.ps} PS, staleness `{args.staleness}`, "
-        f"all tasks in one process; {os.cpu_count()} CPU cores. Speed-up is over 1 worker at the same n_sync.",
+        f"all tasks in one process; {os.cpu_count()} CPU cores. "
+        "Speed-up is over 1 worker at the same n_sync.",
         "",
         *_common.markdown_table(header, cells),
     ]

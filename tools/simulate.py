@@ -139,7 +139,8 @@ def main(argv=None):
             os.path.join(args.out, f"curves_eta{eta:g}.png"),
             panels,
             ncols=2,
-            title=f"Simulated async SGD on digits (MLP), {args.timing if not args.delay else args.delay} staleness",
+            title="Simulated async SGD on digits (MLP), "
+            f"{args.timing if not args.delay else args.delay} staleness",
         )
 
     # Stability map: final loss against eta, one panel per worker count.

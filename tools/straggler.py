@@ -176,9 +176,14 @@ def main(argv=None):
         "test_accuracy",
     )
     cells = [[name] + [f"{median(name, key):.3g}" for key in keys] for name in CONFIGS]
+
+    def over_uniform(name, key):
+        return median(name, key) / median("uniform", key)
+
     lines = [
         f"{w} workers (worker {w - 1} {args.slow:g}x slower), 1 PS, all tasks in one process; "
-        f"digits convnet, SGD eta {args.eta:g} momentum {args.momentum:g}, batch {args.batch_size}, emulated device time {args.step_ms:g} ms per "
+        f"digits convnet, SGD eta {args.eta:g} momentum {args.momentum:g}, "
+        f"batch {args.batch_size}, emulated device time {args.step_ms:g} ms per "
         f"minibatch, n_sync {args.n_sync}, {args.epochs} epochs of {args.steps} steps; "
         f"median of {args.rounds} rounds; {os.cpu_count()} CPU cores.",
         "",
@@ -186,11 +191,12 @@ def main(argv=None):
         "",
         "Ratios, with the straggler over uniform:",
         "",
-        f"- windows/s per fast worker: {median('straggler', 'fast_windows_per_worker_s') / median('uniform', 'fast_windows_per_worker_s'):.2f} "
-        f"(dropping: {median('straggler_drop', 'fast_windows_per_worker_s') / median('uniform', 'fast_windows_per_worker_s'):.2f}); "
+        "- windows/s per fast worker: "
+        f"{over_uniform('straggler', 'fast_windows_per_worker_s'):.2f} "
+        f"(dropping: {over_uniform('straggler_drop', 'fast_windows_per_worker_s'):.2f}); "
         "1.00 = not held back",
-        f"- samples/s: {median('straggler', 'samples_per_s') / median('uniform', 'samples_per_s'):.2f} "
-        f"(dropping: {median('straggler_drop', 'samples_per_s') / median('uniform', 'samples_per_s'):.2f}); "
+        f"- samples/s: {over_uniform('straggler', 'samples_per_s'):.2f} "
+        f"(dropping: {over_uniform('straggler_drop', 'samples_per_s'):.2f}); "
         f"ideal {ideal:.2f}",
     ]
     _common.write_lines(os.path.join(args.out, "straggler.md"), lines)

@@ -19,9 +19,9 @@ import sys
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools")
 )
-import convergence  # noqa: E402
+import convergence
 
-from tf_asgd import update_rules  # noqa: E402
+from tf_asgd import update_rules
 
 _orig = convergence.strategy_kwargs
 
