@@ -35,6 +35,7 @@ True
 
 import dataclasses
 import heapq
+import types
 
 import numpy as np
 
@@ -175,6 +176,21 @@ def _delay(rng, delay, workers):
     raise ValueError(f"Unknown delay {delay!r}; expected one of {DELAYS}.")
 
 
+def _validate(method, workers, pushes, n_sync, delay, timing, inner, inner_momentum):
+    if method not in METHODS:
+        raise ValueError(f"Unknown method {method!r}; expected one of {tuple(METHODS)}.")
+    if workers < 1 or pushes < 1 or n_sync < 1:
+        raise ValueError("workers, pushes and n_sync must be positive.")
+    if delay is not None and delay not in DELAYS:
+        raise ValueError(f"Unknown delay {delay!r}; expected one of {DELAYS}.")
+    if delay is None and timing not in TIMINGS:
+        raise ValueError(f"Unknown timing {timing!r}; expected one of {TIMINGS}.")
+    if inner not in INNERS:
+        raise ValueError(f"Unknown inner optimizer {inner!r}; expected one of {INNERS}.")
+    if method == "gem" and (inner != "sgd" or inner_momentum):
+        raise ValueError("GEM's workers run plain SGD: inner='sgd', inner_momentum=0.")
+
+
 def simulate(
     x,
     y,
@@ -224,19 +240,12 @@ def simulate(
             `DelayedNesterov`); default `OuterSGD()`, adding each push as is.
         worker_state: `"keep"` the inner optimizer's state across windows,
             or `"reset"` it at every pull.
+
+    Raises:
+        ValueError: an unknown method, delay, timing or inner optimizer, a count
+            below 1, or GEM with an inner optimizer other than plain SGD.
     """
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; expected one of {tuple(METHODS)}.")
-    if workers < 1 or pushes < 1 or n_sync < 1:
-        raise ValueError("workers, pushes and n_sync must be positive.")
-    if delay is not None and delay not in DELAYS:
-        raise ValueError(f"Unknown delay {delay!r}; expected one of {DELAYS}.")
-    if delay is None and timing not in TIMINGS:
-        raise ValueError(f"Unknown timing {timing!r}; expected one of {TIMINGS}.")
-    if inner not in INNERS:
-        raise ValueError(f"Unknown inner optimizer {inner!r}; expected one of {INNERS}.")
-    if method == "gem" and (inner != "sgd" or inner_momentum):
-        raise ValueError("GEM's workers run plain SGD: inner='sgd', inner_momentum=0.")
+    _validate(method, workers, pushes, n_sync, delay, timing, inner, inner_momentum)
     outer = update_rules.validate_outer_optimizer(outer or update_rules.OuterSGD())
     update_rules.validate_worker_state(worker_state)
     config = dict(
@@ -258,34 +267,73 @@ def simulate(
         delay=delay,
         seed=seed,
     )
-    rule, use_gem = METHODS[method]
-    rng = np.random.default_rng(seed)
-    x = np.asarray(x, np.float32)
-    y = np.asarray(y)
-    ex, ey = eval_data if eval_data is not None else (x, y)
-    model = NumpyModel(x.shape[1], int(max(y.max(), ey.max())) + 1, hidden)
-    central = model.init(rng)
+    run = _Simulation(x, y, eval_data, config, outer=outer, eval_every=eval_every)
+    return run.run()
 
-    def minibatch():
-        idx = rng.integers(0, len(x), batch_size)
-        return x[idx], y[idx]
 
-    def window(params, opt_state, step):
+class _Simulation:
+    """One `simulate` run: the central parameters, the PS and every worker's state.
+
+    `config` is `simulate`'s validated configuration; the methods share the one
+    random generator in a fixed order, so a seed gives the same run.
+    """
+
+    def __init__(self, x, y, eval_data, config, outer, eval_every):
+        c = types.SimpleNamespace(**config)
+        self.c, self.outer, self.eval_every = c, outer, eval_every
+        self.rule, self.use_gem = METHODS[c.method]
+        self.rng = np.random.default_rng(c.seed)
+        self.config = config
+        self.x = np.asarray(x, np.float32)
+        self.y = np.asarray(y)
+        self.ex, self.ey = eval_data if eval_data is not None else (self.x, self.y)
+        self.model = NumpyModel(
+            self.x.shape[1], int(max(self.y.max(), self.ey.max())) + 1, c.hidden
+        )
+        central = self.central = self.model.init(self.rng)
+        workers = c.workers
+        # Worker state: what it pulled (params and the version), GEM's momentum.
+        self.version = 0
+        self.pulled = [[p.copy() for p in central] for _ in range(workers)]
+        self.pulled_version = [0] * workers
+        self.momentum = [[np.zeros_like(p) for p in central] for _ in range(workers)]
+        self.opt_states = [self.fresh_state() for _ in range(workers)]
+        self.outer_state = [{} for _ in central]
+        self.steps_applied = 0  # the global step count (the optimizer's iterations on the PS)
+        self.pulled_steps = [0] * workers
+        self.history = [[p.copy() for p in central]]  # delay mode: central by version
+        self.events = []
+        if c.delay is None:
+            for w, d in enumerate(_durations(self.rng, c.timing, workers, c.spread)):
+                heapq.heappush(self.events, (float(d), w))
+        self.hist = np.zeros(max(256, 16 * workers), np.int64)
+        self.records, self.pis = [], []
+        self.pi_acc = {n: [] for n in self.model.names}
+        self.window_losses = []
+        self.now = 0.0
+
+    def minibatch(self):
+        idx = self.rng.integers(0, len(self.x), self.c.batch_size)
+        return self.x[idx], self.y[idx]
+
+    def window(self, params, opt_state, step):
         """n_sync local steps of the inner optimizer from `params`;
         returns (update, mean loss, new optimizer state)."""
+        model = self.model
         local = [p.copy() for p in params]
         state = [[s.copy() for s in slots] for slots in opt_state]
         losses = []
-        for k in range(n_sync):
-            bx, by = minibatch()
+        for k in range(self.c.n_sync):
+            bx, by = self.minibatch()
             losses.append(model.loss_and_accuracy(local, bx, by)[0])
             for p, g, slots in zip(local, model.gradients(local, bx, by), state):
-                p += inner_step(g, slots, step + k)
+                p += self.inner_step(g, slots, step + k)
         return [w - p for w, p in zip(local, params)], float(np.mean(losses)), state
 
-    def inner_step(g, slots, step):
+    def inner_step(self, g, slots, step):
         """The displacement of one Keras SGD / Adam step; updates `slots`."""
-        if inner == "adam":
+        eta, inner_momentum = self.c.eta, self.c.inner_momentum
+        if self.c.inner == "adam":
             m, v = slots
             m += (1 - ADAM_B1) * (g - m)
             v += (1 - ADAM_B2) * (g * g - v)
@@ -299,113 +347,123 @@ def simulate(
             return v.copy()
         return -eta * g
 
-    def fresh_state():
-        n = {"adam": 2, "sgd": 1 if inner_momentum else 0}[inner]
-        return [[np.zeros_like(p) for _ in range(n)] for p in central]
+    def fresh_state(self):
+        n = {"adam": 2, "sgd": 1 if self.c.inner_momentum else 0}[self.c.inner]
+        return [[np.zeros_like(p) for _ in range(n)] for p in self.central]
 
-    # Worker state: what it pulled (params and the version), GEM's momentum.
-    version = 0
-    pulled = [[p.copy() for p in central] for _ in range(workers)]
-    pulled_version = [0] * workers
-    momentum = [[np.zeros_like(p) for p in central] for _ in range(workers)]
-    opt_states = [fresh_state() for _ in range(workers)]
-    outer_state = [{} for _ in central]
-    steps_applied = 0  # the global step count (the optimizer's iterations on the PS)
-    pulled_steps = [0] * workers
-    history = [[p.copy() for p in central]]  # delay mode: central by version
-    events = []
-    if delay is None:
-        for w, d in enumerate(_durations(rng, timing, workers, spread)):
-            heapq.heappush(events, (float(d), w))
-
-    hist = np.zeros(max(256, 16 * workers), np.int64)
-    records, pis = [], []
-    pi_acc = {n: [] for n in model.names}
-    window_losses = []
-    now = 0.0
-    diverged = False
-
-    def record():
-        loss, acc = model.loss_and_accuracy(central, ex, ey)
-        records.append(
+    def record(self):
+        """Evaluates the central parameters; False once the loss is not finite."""
+        loss, acc = self.model.loss_and_accuracy(self.central, self.ex, self.ey)
+        window_losses = self.window_losses
+        self.records.append(
             dict(
-                push=version,
-                samples=version * n_sync * batch_size,
-                time=now,
+                push=self.version,
+                samples=self.version * self.c.n_sync * self.c.batch_size,
+                time=self.now,
                 loss=loss,
                 accuracy=acc,
                 window_loss=float(np.mean(window_losses)) if window_losses else float("nan"),
             )
         )
         window_losses.clear()
-        if use_gem and version:
-            row = {"push": version}
-            for n, values in pi_acc.items():
+        if self.use_gem and self.version:
+            row = {"push": self.version}
+            for n, values in self.pi_acc.items():
                 values = np.concatenate(values) if values else np.array([np.nan])
                 row[n + ":mean"] = float(np.mean(values))
                 row[n + ":median"] = float(np.median(values))
-            pis.append(row)
-            for n in pi_acc:
-                pi_acc[n] = []
+            self.pis.append(row)
+            for n in self.pi_acc:
+                self.pi_acc[n] = []
         return np.isfinite(loss)
 
-    record()
-    for _ in range(pushes):
-        if delay is None:
-            now, w = heapq.heappop(events)
-            start, start_version = pulled[w], pulled_version[w]
-        else:
-            w = version % workers
-            tau = min(_delay(rng, delay, workers), len(history) - 1)
-            start_version = version - tau
-            start = history[-1 - tau]
-            now = float(version)
-        if worker_state == "reset":
-            opt_states[w] = fresh_state()
-        step = pulled_steps[w] if delay is None else max(0, steps_applied - tau * n_sync)
-        update, wloss, new_state = window(start, opt_states[w], step)
-        opt_states[w] = new_state
-        window_losses.append(wloss)
-        tau = version - start_version
-        hist[min(tau, len(hist) - 1)] += 1
-        if use_gem:
-            # GEM: dc is how far the central variable moved since this
-            # worker's previous pull; the worker pushes pi * g.
-            pushed = []
-            for i, (g, c, s) in enumerate(zip(update, central, start)):
-                out, momentum[w][i], pi = update_rules.gem_step(
-                    g, momentum[w][i], c - s, mu, kappa, xp=np
-                )
-                pushed.append(out)
-                pi_acc[model.names[i]].append(np.asarray(pi, np.float32).ravel()[:4096])
-            update = pushed
+    def pull(self):
+        """The next pushing worker and what its window starts from.
+
+        Returns:
+            (worker, start parameters, start version, the global step count it read).
+        """
+        c = self.c
+        if c.delay is None:
+            self.now, w = heapq.heappop(self.events)
+            return w, self.pulled[w], self.pulled_version[w], self.pulled_steps[w]
+        w = self.version % c.workers
+        tau = min(_delay(self.rng, c.delay, c.workers), len(self.history) - 1)
+        self.now = float(self.version)
+        step = max(0, self.steps_applied - tau * c.n_sync)
+        return w, self.history[-1 - tau], self.version - tau, step
+
+    def gem_push(self, w, update, start):
+        """GEM: dc is how far the central variable moved since this worker's
+        previous pull; the worker pushes pi * g."""
+        pushed = []
+        for i, (g, c, s) in enumerate(zip(update, self.central, start)):
+            out, self.momentum[w][i], pi = update_rules.gem_step(
+                g, self.momentum[w][i], c - s, self.c.mu, self.c.kappa, xp=np
+            )
+            pushed.append(out)
+            self.pi_acc[self.model.names[i]].append(np.asarray(pi, np.float32).ravel()[:4096])
+        return pushed
+
+    def apply(self, update, tau):
+        """The PS applies one push of staleness `tau` to every tensor."""
+        central = self.central
         for i, (c, u) in enumerate(zip(central, update)):
-            central[i], outer_state[i] = update_rules.ps_push(
+            central[i], self.outer_state[i] = update_rules.ps_push(
                 c,
                 u.astype(c.dtype),
                 tau,
-                version,
-                outer_state[i],
-                rule,
-                outer=outer,
-                num_workers=workers,
+                self.version,
+                self.outer_state[i],
+                self.rule,
+                outer=self.outer,
+                num_workers=self.c.workers,
                 xp=np,
             )
-        version += 1
-        steps_applied += n_sync
-        if delay is None:
-            pulled[w] = [p.copy() for p in central]
-            pulled_version[w] = version
-            pulled_steps[w] = steps_applied
-            heapq.heappush(events, (now + float(_durations(rng, timing, 1, spread)[0]), w))
+        self.version += 1
+        self.steps_applied += self.c.n_sync
+
+    def repull(self, w):
+        """After a push: worker `w` pulls and starts its next window (event mode),
+        or the central parameters join the history (delay mode)."""
+        c = self.c
+        if c.delay is None:
+            self.pulled[w] = [p.copy() for p in self.central]
+            self.pulled_version[w] = self.version
+            self.pulled_steps[w] = self.steps_applied
+            duration = float(_durations(self.rng, c.timing, 1, c.spread)[0])
+            heapq.heappush(self.events, (self.now + duration, w))
         else:
-            history.append([p.copy() for p in central])
-            del history[: max(0, len(history) - (8 * workers + 2))]
-        if version % eval_every == 0 or version == pushes:
-            if not record():
-                diverged = True
-                break
-    last = np.nonzero(hist)[0]
-    return SimulationResult(
-        config, records, hist[: (last[-1] + 1) if len(last) else 1], pis, diverged
-    )
+            self.history.append([p.copy() for p in self.central])
+            del self.history[: max(0, len(self.history) - (8 * c.workers + 2))]
+
+    def run(self):
+        c = self.c
+        diverged = False
+        self.record()
+        for _ in range(c.pushes):
+            w, start, start_version, step = self.pull()
+            if c.worker_state == "reset":
+                self.opt_states[w] = self.fresh_state()
+            update, wloss, new_state = self.window(start, self.opt_states[w], step)
+            self.opt_states[w] = new_state
+            self.window_losses.append(wloss)
+            tau = self.version - start_version
+            self.hist[min(tau, len(self.hist) - 1)] += 1
+            if self.use_gem:
+                update = self.gem_push(w, update, start)
+            self.apply(update, tau)
+            self.repull(w)
+            if self.version % self.eval_every == 0 or self.version == c.pushes:
+                if not self.record():
+                    diverged = True
+                    break
+        hist = self.hist
+        last = np.nonzero(hist)[0]
+        return SimulationResult(
+            self.config,
+            self.records,
+            hist[: (last[-1] + 1) if len(last) else 1],
+            self.pis,
+            diverged,
+        )

@@ -59,8 +59,25 @@ def main(argv=None):
     if args.outer_study:
         return outer_study(args, (x, y), (xt, yt))
 
-    stability, curves, pis, runs = [], [], [], {}
     t0 = time.time()
+    stability, curves, pis, runs = _sweep(args, methods, (x, y), (xt, yt))
+    plots.write_csv(os.path.join(args.out, "stability.csv"), stability)
+    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+    if pis:
+        plots.write_csv(os.path.join(args.out, "pi.csv"), pis)
+    _plot_curves(args, methods, runs)
+    _plot_stability(args, methods, stability)
+    if pis:
+        _plot_pi(args, runs)
+    _staleness_distributions(args, x, y)
+    print(f"wrote {args.out} in {time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+def _sweep(args, methods, train, held_out):
+    """Every eta x worker count x method; returns (stability, curves, pi rows, runs)."""
+    (x, y), (xt, yt) = train, held_out
+    stability, curves, pis, runs = [], [], [], {}
     for eta in args.etas:
         for workers in args.workers:
             for method in methods:
@@ -109,13 +126,11 @@ def main(argv=None):
                 for row in r.pi:
                     pis.append(dict(workers=workers, eta=eta, **row))
                 print(json.dumps(stability[-1]), flush=True)
+    return stability, curves, pis, runs
 
-    plots.write_csv(os.path.join(args.out, "stability.csv"), stability)
-    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
-    if pis:
-        plots.write_csv(os.path.join(args.out, "pi.csv"), pis)
 
-    # Curves: one figure per eta, a loss and an accuracy panel per worker count.
+def _plot_curves(args, methods, runs):
+    """One figure per eta, a loss and an accuracy panel per worker count."""
     for eta in args.etas:
         panels = []
         for workers in args.workers:
@@ -143,7 +158,9 @@ def main(argv=None):
             f"{args.timing if not args.delay else args.delay} staleness",
         )
 
-    # Stability map: final loss against eta, one panel per worker count.
+
+def _plot_stability(args, methods, stability):
+    """The stability map: final loss against eta, one panel per worker count."""
     panels = []
     for workers in args.workers:
         series = []
@@ -164,34 +181,36 @@ def main(argv=None):
         )
     plots.plot_panels(os.path.join(args.out, "stability.png"), panels, ncols=len(panels))
 
-    # pi over time, per tensor: GEM runs at the largest worker count.
-    if pis:
-        panels = []
-        wmax = max(args.workers)
-        for eta in args.etas:
-            rows = [r for r in runs[(eta, wmax, "gem")].pi] if (eta, wmax, "gem") in runs else []
-            if not rows:
-                continue
-            names = [k[: -len(":mean")] for k in rows[0] if k.endswith(":mean")]
-            series = [
-                (f"{n} mean", [r["push"] for r in rows], [r[n + ":mean"] for r in rows])
-                for n in names
-            ]
-            series += [
-                (f"{n} median", [r["push"] for r in rows], [r[n + ":median"] for r in rows])
-                for n in names
-            ]
-            panels.append(
-                dict(
-                    title=f"GEM pi per tensor, {wmax} workers, eta {eta}",
-                    xlabel="push",
-                    ylabel="pi",
-                    series=series,
-                )
-            )
-        plots.plot_panels(os.path.join(args.out, "pi.png"), panels, ncols=2)
 
-    # Staleness distributions the simulator can produce (Downpour, short runs).
+def _plot_pi(args, runs):
+    """pi over time, per tensor: GEM runs at the largest worker count."""
+    panels = []
+    wmax = max(args.workers)
+    for eta in args.etas:
+        rows = [r for r in runs[(eta, wmax, "gem")].pi] if (eta, wmax, "gem") in runs else []
+        if not rows:
+            continue
+        names = [k[: -len(":mean")] for k in rows[0] if k.endswith(":mean")]
+        series = [
+            (f"{n} mean", [r["push"] for r in rows], [r[n + ":mean"] for r in rows]) for n in names
+        ]
+        series += [
+            (f"{n} median", [r["push"] for r in rows], [r[n + ":median"] for r in rows])
+            for n in names
+        ]
+        panels.append(
+            dict(
+                title=f"GEM pi per tensor, {wmax} workers, eta {eta}",
+                xlabel="push",
+                ylabel="pi",
+                series=series,
+            )
+        )
+    plots.plot_panels(os.path.join(args.out, "pi.png"), panels, ncols=2)
+
+
+def _staleness_distributions(args, x, y):
+    """The staleness distributions the simulator can produce (Downpour, short runs)."""
     wmid = args.workers[len(args.workers) // 2]
     rows, series = [], []
     settings = [("timing", t) for t in simulator.TIMINGS] + [("delay", d) for d in simulator.DELAYS]
@@ -228,8 +247,6 @@ def main(argv=None):
         ncols=1,
         panel_size=(8, 4),
     )
-    print(f"wrote {args.out} in {time.time() - t0:.1f} s", flush=True)
-    return 0
 
 
 def outer_setups(workers):
