@@ -153,3 +153,36 @@ def test_no_per_model_state_is_set_on_the_model():
         with open(path) as f:
             text = f.read()
         assert "_asgd_trainer" not in text and "_asgd_fitting" not in text, module
+
+
+MAX_MODULE_DOCSTRING_LINES = 15
+
+
+def _module_docstring_lines(path):
+    """Source lines of `path`'s module docstring, quotes included (0 without one)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    first = tree.body[0] if tree.body else None
+    if not (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        return 0
+    return first.end_lineno - first.lineno + 1
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what the module is and its contract; how it works is in
+    docs/architecture.md. Checked for the package, the tools and the tests."""
+    paths = list(MODULES.values())
+    for folder in ("tools", "tests"):
+        directory = os.path.join(ROOT, folder)
+        paths += [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".py")]
+    long = {
+        os.path.relpath(p, ROOT): n
+        for p in sorted(paths)
+        if (n := _module_docstring_lines(p)) > MAX_MODULE_DOCSTRING_LINES
+    }
+    assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {long}"
+    assert _module_docstring_lines(MODULES["tf_asgd.window"]) > 0  # the checker reads them

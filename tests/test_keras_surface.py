@@ -1,20 +1,13 @@
 """Keras 3's compile options, fit arguments and model-writing callbacks under
-`AsyncParameterServerStrategy` (2 workers, n_sync 10), each against plain
-Keras on the same data and seed.
+`AsyncParameterServerStrategy` (2 workers, n_sync 10), each against plain Keras on the
+same data and seed.
 
-A feature is either honoured (the held-out metric within `POINTS` of plain
-Keras, or exactly the same where the outcome is deterministic: epochs run,
-steps, learning rates, which epochs validate, frozen weights) or refused
-before any window is scheduled, with an error that names it and the
-alternative. Models train with SGD with momentum and a decaying rate;
-exact checks of epochs at learning rate 0 use plain SGD, which then leaves
-every weight exactly as it was.
-
-Covered elsewhere: `validation_split`'s validation metrics equal chief
-evaluation of the last rows (tests/test_evaluation.py,
-`test_fit_validation_on_the_workers_equals_chief_evaluation`); a model's own
-`train_step` under `run_eagerly=True` is refused (tests/test_train_step.py,
-`test_train_step_that_cannot_run_in_a_window_is_refused`); errors raised by
+A feature is either honoured (the held-out metric within `POINTS` of plain Keras, or
+exactly the same where the outcome is deterministic: epochs run, steps, learning rates,
+which epochs validate, frozen weights) or refused before any window is scheduled, with an
+error that names it and the alternative. Exact checks at learning rate 0 use plain SGD.
+Covered elsewhere: `validation_split`'s metrics (tests/test_evaluation.py), a model's own
+`train_step` under `run_eagerly=True` (tests/test_train_step.py), errors raised by
 callbacks (tests/test_errors.py).
 """
 

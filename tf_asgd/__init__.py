@@ -1,22 +1,17 @@
 """tf_asgd: asynchronous parameter-server training for Keras 3 on TensorFlow.
 
-GPU A-SGD (Paine et al. 2013): workers train local copies for `n_sync`
-minibatches between a pull and a push; the PS scales each push by its
-staleness. GEM (Hermans & Louppe 2018): an optimizer wrapper that rescales
-each worker's update to match a momentum-SGD proxy's energy.
+GPU A-SGD (Paine et al. 2013): workers train local copies for `n_sync` minibatches
+between a pull and a push, and the PS scales each push by its staleness. GEM (Hermans &
+Louppe 2018) rescales each worker's update to match a momentum-SGD proxy's energy.
 
-```python
-import keras, tf_asgd
-with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
-    with strategy.scope():
-        model = tf_asgd.models.digits_convnet()
-        model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    (x, y), _ = tf_asgd.data.load_digits()
-    model.fit(x, y, batch_size=32, epochs=3)
-```
+Example:
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+        with strategy.scope():
+            model = tf_asgd.models.digits_convnet()
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        (x, y), _ = tf_asgd.data.load_digits()
+        model.fit(x, y, batch_size=32, epochs=3)
 """
 
 import importlib

@@ -1,18 +1,13 @@
 """Clusters: `TF_CONFIG` parsing and local loopback clusters of TF servers.
 
-A `LocalCluster` starts parameter-server and worker tasks as child
-processes bound to loopback ports, and always stops them: on `close()`, on
-leaving its `with` block (also on an exception or Ctrl-C), at interpreter
-exit, and, through a stdin lifeline, when the parent process dies.
+A `LocalCluster` starts parameter-server and worker tasks as child processes bound to
+loopback ports, and always stops them: on `close()`, on leaving its `with` block (also on
+an exception or Ctrl-C), at interpreter exit, and, through a stdin lifeline, when the
+parent process dies.
 
 Example:
-
-```python
-import tf_asgd
-with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
-    ...
-```
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
 """
 
 import atexit

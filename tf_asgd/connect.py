@@ -1,24 +1,16 @@
 """A bounded wait for a cluster's tasks before TensorFlow connects to them.
 
-TensorFlow's connection (`set_server_def`, inside `ParameterServerStrategy`)
-waits for every task without a bound and without a word (on a cluster that
-never started: still waiting after 180 s, measured): the first RPC to each
-task (GetStatus) waits until the task is ready (gRPC's wait-for-ready under
-TF's default `GRPC_FAIL_FAST`; TF's RFC 355), and `ParameterServerStrategy`
-adds 50 retries (about 3 minutes, its source says). `GRPC_FAIL_FAST=true`
-would fail it at once, but for every RPC of the process, training's
-included. So the strategy first waits here, for at most `connect_timeout`
-seconds, until every task it will connect to answers as a gRPC server (a TCP
-connection, then an HTTP/2 handshake: what a TF server speaks), logging
-which tasks it still waits for; tasks that start a little later are waited
-for. A cluster that does not answer in time raises `ClusterUnreachableError`
-before TF is asked to connect: no coordinator thread, no server of this
-process.
+TF's own connection waits for every task without a bound. The strategy first waits here,
+at most `connect_timeout` seconds, until every task answers as a gRPC server, logging the
+tasks it still waits for; a cluster that does not answer in time raises
+`ClusterUnreachableError` before TF is asked to connect. Workers lost later are
+`lost_workers`' (`WorkersLostError`). Why and what it cannot bound: docs/architecture.md.
 
-What this cannot bound: a task that stops between this wait and TF's own
-connection a moment later (TF then waits for it as before). Tasks lost later,
-during training, are waited for with the same bound by `lost_workers`
-(`WorkersLostError`).
+Example:
+    try:
+        strategy = tf_asgd.AsyncParameterServerStrategy(resolver, connect_timeout=30)
+    except tf_asgd.ClusterUnreachableError as e:
+        print(e)  # names each unanswering task, its address and the reason
 """
 
 import concurrent.futures

@@ -1,44 +1,11 @@
 """Distributed evaluation: `evaluate` and `fit`'s validation sharded over the workers.
 
-With `AsyncParameterServerStrategy(evaluation="workers")` (the default),
-`model.evaluate(...)` (and so `fit`'s `validation_data` / `validation_split`)
-is split into shards of whole batches, one `ClusterCoordinator` closure per
-shard, run by whichever worker is free. A closure reads the central variables
-once, runs the model's `test_step` on each of its batches statelessly (a
-`keras.StatelessScope` maps the model's variables to the values read and its
-metric variables to loop tensors that start from the reset state, and collects
-`add_loss` terms for `compute_loss`) and returns
-its metric-variable states. The chief adds the shards' states, as Keras
-itself merges metric variables across replicas (`aggregation="sum"`), writes
-them to the model's metric variables and returns the usual dict or list.
-
-Exact: the batches are the ones Keras would make on the chief (arrays:
-`batch_size` rows each, the last one partial; a dataset: its own batches),
-each in exactly one shard. Shards are fixed-size runs of batches, and a
-shard's data has an unknown batch dimension in the traced function, so one
-trace serves every shard (the last partial batch included).
-
-- Arrays (NumPy, tensors; Keras's array inputs): a shard's rows travel as the
-  closure's arguments.
-- A finite `tf.data.Dataset` (already batched, as Keras expects): its graph
-  is serialized once and rebuilt on the worker; shard `k` of `S` batches is
-  `dataset.skip(k * S).take(S)` (a dataset of infinite or unknown length
-  needs `steps`; a shard stops at the data's end). Skipping runs the
-  pipeline for the skipped batches (tf.data has no random access): a
-  pipeline whose per-batch work is heavy (decoding) is better evaluated from
-  arrays or on the chief.
-
-A shard only reads: when a worker dies, the coordinator re-runs its shard on
-another worker and the chief counts the shard's one result.
-
-The chief path (`evaluation="chief"`: Keras's own loop on the chief against
-the central variables) is taken, with one log line saying why, for what the
-workers cannot do exactly: a model that overrides `test_step` (its logs need
-not come from merged metrics), a metric variable whose state does not merge
-by addition (`metric_states`: its `aggregation` is not "sum", or an update
-does not only add to it, e.g. a running max), `run_eagerly`, Python-side
-inputs (generators, PyDataset, `py_function` in a dataset) and datasets of
-infinite or unknown length without `steps`.
+With `AsyncParameterServerStrategy(evaluation="workers")` (the default), `evaluate` is split
+into shards of whole batches, one closure per shard; each runs the model's `test_step`
+statelessly against the central variables and returns its metric states, which the chief
+adds (`Evaluator`). The result is exact: the batches are Keras's, each in one shard. What
+the workers cannot evaluate exactly runs on the chief (Keras's own loop), with a log line
+saying why. How shards are made and read: docs/architecture.md.
 """
 
 import logging

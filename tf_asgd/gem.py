@@ -1,37 +1,17 @@
 """GEM, Gradient Energy Matching (Hermans & Louppe 2018), as a Keras optimizer.
 
-Each worker rescales its update element-wise so that the asynchronous
-system's kinetic energy stays at or below that of a target momentum-SGD
-process, the *proxy* (learning rate `eta` and momentum `mu`, taken from the
-wrapped optimizer). Per push, with the worker's update `g`:
-
-1. `g = -eta * grad` (see "Windows" below for `n_sync > 1`),
-2. `m <- mu * m + g` (the worker's estimate of the proxy's momentum),
-3. `dc = central_now - central_at_previous_pull`,
-4. `pi = clip((kappa * |m| - |dc|) / (|g| + eps), 0, pi_max)`,
-5. push `pi * g`.
-The rule itself is `update_rules.gem_step`.
-
-Windows: under `AsyncParameterServerStrategy` a worker runs `n_sync` local
-steps of plain SGD (learning rate `eta`, no momentum: momentum belongs to the
-proxy) and treats the window as one push: `g` is the window's accumulated
-update `sum_k -eta * grad_k`, `m` takes one proxy step per window, and
-`central_now` is the central value pulled at the start of this window
-(`central_at_previous_pull` the one pulled at the start of the worker's
-previous window; `dc = 0` on a worker's first window). With `n_sync = 1`
-this is the paper's algorithm. `m`, the previous pull and a first-window
-flag are per-worker variables: they persist across windows on the worker
-that owns them and start fresh on a worker that (re)joins.
-
-Without a parameter-server strategy (one process), `GEM` is an ordinary
-Keras optimizer: one worker, `n_sync = 1`, central = the model's variables.
+Each worker rescales its update element-wise so that the asynchronous system's kinetic
+energy stays at or below that of a momentum-SGD proxy (learning rate `eta` and momentum
+`mu` of the wrapped optimizer). Per push, with the worker's update `g = -eta * grad`:
+`m <- mu * m + g`; `dc = central_now - central_at_previous_pull`;
+`pi = clip((kappa * |m| - |dc|) / (|g| + eps), 0, pi_max)`; push `pi * g`
+(`update_rules.gem_step`). Windows of `n_sync` steps: docs/architecture.md.
 
 Example:
-
->>> import keras, tf_asgd
->>> opt = tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=2.0)
->>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
->>> model.compile(opt, "mse")
+    >>> import keras, tf_asgd
+    >>> opt = tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.1, momentum=0.9), kappa=2.0)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(opt, "mse")
 """
 
 import math

@@ -1,45 +1,12 @@
 """The narrow hook into Keras 3's TensorFlow trainer.
 
-Keras 3 (3.13 to 3.15) has no parameter-server path: under TF's `ParameterServerStrategy`
-its `fit` raises `ValueError: To use this dataset, you need to pass this
-dataset to ClusterCoordinator.create_per_worker_dataset`. `install()` wraps a
-few methods of `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`; each
-wrapper checks whether the model's strategy is an
-`AsyncParameterServerStrategy` and otherwise calls the original unchanged.
-
-For models of ours:
-- `fit` checks the model, refuses compile options a window cannot honour
-  (`run_eagerly=True`; a `steps_per_execution` other than 1 or `n_sync`),
-  sets `steps_per_execution` to `n_sync` for the fit only (one Keras
-  execution is one window; batch-level callbacks then run once per window,
-  said once in the log), puts the strategy in training mode (datasets are
-  then handed out as per-worker iterators) and drives windows;
-- `make_train_function` returns a function that schedules one window closure
-  (`scheduling.WindowTrainer`) per `n_sync` steps and returns at once;
-- `_get_metrics_result_or_logs` (called by `fit` at each epoch's end) joins
-  the windows and returns the epoch's metrics and push counters;
-- `evaluate` (and so `fit`'s validation) runs on the workers, sharded
-  (`strategy._evaluator_for(model)`, see `evaluation`), or on the chief with
-  `evaluation="chief"` and for what the workers cannot evaluate exactly;
-- `predict`, chief evaluation and `_maybe_symbolic_build` run on the chief
-  against the central variables (without XLA), with datasets handed out as local iterators
-  (a model that only overrides `train_step`, without `call`, is left for its
-  first trace to build, as plain Keras without a strategy does);
-- `train_on_batch` is refused (windows need an iterator per worker);
-- Python-side training data (a PyDataset, a generator, a tf.data pipeline
-  that calls Python) is read by the chief, which sends each closure its
-  batches (`python_inputs`); with a `per_worker_dataset_fn`, which the
-  workers would run on it, it is refused.
-
-The hook never imports the strategy: it recognises one by its marker
-attribute `_is_tf_asgd_strategy` (as TF's `ClusterCoordinator` recognises a
-parameter-server strategy by `_is_parameter_server_strategy_v2`) and asks it
-for the model's `WindowTrainer` (`strategy._trainer_for(model)`) and for the
-model's per-fit state. Nothing is stored on the user's model.
-
-Pinned to the Keras versions in `internals.SUPPORTED_KERAS`: importing
-`internals` refuses others rather than patch code it has not been tested
-against. Every private Keras API it touches is reached through `internals`.
+Keras 3 has no parameter-server path. `install()` wraps a few methods of Keras's
+`TensorFlowTrainer` (reached through `internals`); each wrapper runs the original
+unchanged unless the model's strategy is an `AsyncParameterServerStrategy`, which it
+recognises by the marker attribute `_is_tf_asgd_strategy` without importing it. For such
+models `fit` drives windows, `evaluate` runs sharded on the workers (or on the chief),
+`predict` runs on the chief, and what a window cannot honour is refused before any window.
+Nothing is stored on the user's model. Each wrapped method: docs/architecture.md.
 """
 
 import collections.abc

@@ -1,19 +1,15 @@
-r"""Launcher: `python -m tf_asgd.launch --config=configs/default.py --workdir=DIR`.
+"""Launcher: `python -m tf_asgd.launch --config=configs/default.py --workdir=DIR`.
 
-Without `TF_CONFIG` it starts a local loopback cluster (`--config.num_workers`
-workers, `--config.num_ps` parameter servers), trains, evaluates, writes the
-workdir and stops every process. With `TF_CONFIG` the task's role decides:
-`chief` trains, `worker`/`ps` serve until SIGTERM, `evaluator` evaluates new
-checkpoints. See docs/launcher.md.
+Without `TF_CONFIG` it starts a local loopback cluster (`--config.num_workers` workers,
+`--config.num_ps` parameter servers), trains, evaluates, writes the workdir and stops every
+process. With `TF_CONFIG` the task's role decides: `chief` trains, `worker`/`ps` serve
+until SIGTERM, `evaluator` evaluates new checkpoints. See docs/launcher.md.
 
 Config fields are overridden with `--config.<field>=<value>`, for example
 `--config.epochs=5 --config.optimizer.learning_rate=0.1 --config.gem.enabled=False`.
-`--help` lists every flag and config field (the fields' meanings are
-written once, in `tf_asgd.config_fields.CONFIG_FIELDS`).
-
-The console shows the config, Keras's progress, the launcher's own log lines
-and the results; TensorFlow's start-up lines and INFO logs (C++ and Python)
-are off in the launcher and in every task it starts, unless `--verbose_tf`.
+`--help` lists every flag and config field (`tf_asgd.config_fields.CONFIG_FIELDS`).
+TensorFlow's start-up lines and INFO logs are off in the launcher and every task it starts,
+unless `--verbose_tf`.
 """
 
 import os

@@ -1,29 +1,12 @@
 """A bounded wait for workers lost during training or evaluation on the workers.
 
-When a worker fails, TF's `ClusterCoordinator` puts its closure back in the
-queue, and the worker's thread waits until the coordinator's failure handler
-has reconnected this process to the cluster (`update_server_def`). That
-reconnection waits, without a bound, until every task answers. While another
-worker is alive, training goes on there meanwhile. With every worker
-waiting, nothing runs: `fit` would wait forever in `join` (or polling its
-closures' results) with not a word.
-
-`ReconnectionWatch` runs in the failure handler's thread before each
-reconnection (`internals.gate_reconnection`). It probes every ps and worker
-task (`connect.probe`) and lets TF reconnect once all of them answer. While
-no worker can run, it logs the unanswered tasks at most every
-`connect.LOG_EVERY_SECS`; after the strategy's `connect_timeout` it fails the
-closures waiting in the queue with a `connect.WorkersLostError` naming those
-tasks, so `fit` and `evaluate` raise it, and it goes on failing new closures
-at once while the tasks stay silent. Once every task answers, TF reconnects
-and the strategy trains again. When the coordinator stops (its
-`LocalCluster` closes, the strategy is freed, the process exits), the watch
-lets TF's threads end instead of reconnecting: nothing is left waiting.
-
-What this cannot bound: a task that stops between its answer and TF's
-reconnection a moment later (TF then waits for it as before), and a closure
-in flight on a worker that hangs without closing its connections (TF waits
-for that RPC).
+TF's coordinator reconnects after a worker failure by waiting, without a bound, for every
+task; with every worker waiting, `fit` would hang. `ReconnectionWatch` gates that
+reconnection (`internals.gate_reconnection`): it lets TF reconnect once every task answers
+(`connect.probe`), logs the unanswered tasks meanwhile, and after the strategy's
+`connect_timeout` fails the waiting closures with `connect.WorkersLostError`, so `fit` and
+`evaluate` raise it. When the coordinator stops, TF's threads end instead of reconnecting.
+How, and what it cannot bound: docs/architecture.md.
 """
 
 import atexit

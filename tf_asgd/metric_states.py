@@ -1,39 +1,11 @@
 """Which metric states merge by addition over windows and evaluation shards.
 
-A training window and an evaluation shard each start the model's metric
-variables from one state `s0` (the epoch's start, or the reset state), run
-their batches and return the change; the chief adds the changes
-(`scheduling.WindowTrainer`, `evaluation.Evaluator`). The sum is what one
-Keras process would hold after all of their batches exactly when every update
-adds to the variable a value that depends on no metric state:
-`s <- s + g(batch, weights)`. Keras's `Mean` and `Sum`, the
-`MeanMetricWrapper` metrics ("accuracy", "mae", ...), the confusion-matrix
-metrics (`Precision`, `Recall`, `AUC`, `F1Score`, `MeanIoU`) and `R2Score`
-update that way; a running max (`s <- max(s, x)`), a moving average, an
-overwrite (`s <- x`) or an increment that reads a state (`total += x * count`)
-do not.
-
-Keras merges a metric variable over replicas by its `aggregation` ("sum"
-adds, "mean" averages, "only_first_replica" takes the first replica's, and
-tf.distribute cannot read a "none" one across replicas at all). Windows and
-shards are not replicas that each saw part of every batch: they are
-successive runs of batches, each from the same start. So here:
-
-- "sum": merged by addition, if the update is additive (above);
-- "none", "mean", "only_first_replica": never merged. The metric declares
-  that its state does not add up, and neither a mean nor the first part of
-  successive runs is the state one process would hold.
-
-Additivity is read from the update itself, not from a list of classes:
-`unmergeable` traces one update of the metric states as windows and shards
-run it (the model's step under a `keras.StatelessScope`, on placeholders; it
-runs nothing) and follows each new state back through the graph. The op type
-of the write cannot decide it: Keras 3 writes `v.assign_add(x)` as
-`v.assign(v + x)` (an `AssignVariableOp` of an `AddV2`), as its own metrics
-write their updates, so a running max and a sum end in the same op.
-
-This module is the one rule: training refuses what it finds before any window
-is scheduled (`MetricStateError`), evaluation runs it on the chief instead.
+Windows and shards each start the metric variables from one state and return the change;
+the chief adds the changes. That sum is what one Keras process would hold exactly when the
+variable's `aggregation` is "sum" and every update adds a value that depends on no metric
+state (`s <- s + g(batch, weights)`). `unmergeable` reads that from a traced update (it
+runs nothing). Training refuses what it finds before any window (`MetricStateError`);
+evaluation runs on the chief instead. Why the op type cannot decide: docs/architecture.md.
 """
 
 import tensorflow as tf

@@ -1,26 +1,14 @@
 """Loopback-only networking for local clusters (Linux).
 
-TensorFlow 2.21's gRPC server listens on `0.0.0.0:PORT` whatever the cluster
-spec says (`GrpcServer::Init` hard-codes it), and its runtime has no
-authentication: a `LocalCluster` on a machine with a reachable network
-interface accepts ops from anyone who can reach its ports. The only way to
-keep such a job to loopback is to give it a network of its own:
-`reexec_in_loopback_namespace()` starts the current program again inside a
-new user and network namespace (`unshare --user --map-root-user --net`, no
-privileges needed where the kernel allows unprivileged user namespaces),
-whose only interface is `lo`. The chief and every task it starts live there;
-nothing outside can connect to them, and they cannot reach anything outside
-(no downloads).
+TF's gRPC server listens on every interface and has no authentication, so
+`reexec_in_loopback_namespace()` starts the current program again inside a new user and
+network namespace whose only interface is `lo` (docs/architecture.md says why). The
+launcher does this by default for local runs (`--isolate_network`).
 
-The launcher does this by default for local runs (`--isolate_network`).
-A script of your own can do it first thing:
-
-```python
-import tf_asgd
-tf_asgd.network.reexec_in_loopback_namespace()   # returns inside the namespace
-with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    ...
-```
+Example:
+    tf_asgd.network.reexec_in_loopback_namespace()  # returns inside the namespace
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        ...
 """
 
 import fcntl

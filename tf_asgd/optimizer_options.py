@@ -1,46 +1,11 @@
 """Keras optimizer options under windows: each honoured exactly, or refused.
 
-Every option of Keras 3's `BaseOptimizer`, and mixed precision, either means
-under `AsyncParameterServerStrategy` what it means in plain Keras, or is
-refused with an `UnsupportedFeatureError` before any window is scheduled:
-
-- `clipnorm`, `clipvalue`, `global_clipnorm`, `weight_decay`,
-  `loss_scale_factor`: per local step, by Keras's own code
-  (`internals.stateless_apply`; the step scales the loss by
-  `optimizer.scale_loss`, as Keras's `train_step` does).
-- `gradient_accumulation_steps`: the accumulators are the worker's own
-  optimizer state, as momentum is; the step counter on the PS counts local
-  steps (`_iterations`, what learning-rate schedules read), so
-  `optimizer.iterations` is, as in Keras, that count divided by the
-  accumulation steps. Every window must hold whole accumulation cycles
-  (`check_window_steps`): a window whose steps are not a multiple of them
-  would leave part of a cycle's gradients on a worker while others push,
-  and an update would then average gradients of several pulls.
-- `use_ema`, `ema_momentum`, `ema_overwrite_frequency`: the moving average
-  follows the central variables (`CentralAverages`). The EMA variables stay
-  where Keras made them (beside each variable, on its PS); a worker carries
-  no copy. At each push the PS updates the average of the central variables
-  as they are after the push, with momentum `ema_momentum ** k` for a push
-  of `k` optimizer steps (0 while Keras's `iterations` is 0), so that with
-  one worker and `n_sync=1` it is Keras's per-step EMA exactly; once the
-  step count reaches a multiple of `ema_overwrite_frequency` the PS
-  overwrites the central variables with the average, as Keras overwrites
-  its variables. `fit` ends with Keras's own `finalize_variable_values`.
-- Mixed precision (`mixed_float16`, `mixed_bfloat16`, an explicit
-  `LossScaleOptimizer`): the central variables stay in the policy's
-  variable dtype (float32); a `LossScaleOptimizer` runs its own
-  `stateless_apply`, its dynamic scale and step counter being the worker's
-  own state, and its inner optimizer's step counter (its `iterations`,
-  which skipped non-finite steps do not advance) and learning rate on the PS.
-
-Refused (`UnsupportedFeatureError`): GEM with `use_ema`,
-`gradient_accumulation_steps`, `loss_scale_factor`, `weight_decay` or mixed
-float16 (GEM's push replaces the local optimizer's own update rule);
-`gradient_accumulation_steps` under a `LossScaleOptimizer` (a skipped
-non-finite step shifts the accumulation cycle of one worker against the
-shared step count) or in a model's own `train_step` (how often it applies
-an optimizer per step is not known before it runs), `use_ema` in a model's
-own `train_step`, and windows that are not whole accumulation cycles.
+Every option of Keras 3's `BaseOptimizer`, and mixed precision, either means under
+`AsyncParameterServerStrategy` what it means in plain Keras, or is refused with an
+`UnsupportedFeatureError` before any window is scheduled. Clipping, weight decay and loss
+scaling run per local step by Keras's own code; gradient accumulation keeps whole cycles
+per window (`check_window_steps`); the EMA follows the central variables on the PS
+(`CentralAverages`). Each option, and what is refused: docs/architecture.md.
 """
 
 import keras

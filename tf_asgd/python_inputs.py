@@ -1,50 +1,11 @@
 """Python-side training data, read by the chief and sent to the workers.
 
-A `keras.utils.PyDataset`, a Python generator (or a torch / grain loader),
-and a `tf.data` pipeline that calls Python (`Dataset.from_generator`,
-`tf.py_function`, `tf.numpy_function`) make each batch in the chief's
-interpreter. A worker that read such data itself would call back into the
-chief for every batch, which stalls the cluster. So `fit` on such data has
-the chief read it, with Keras's own data adapter (its shuffling, class
-weights, and a `PyDataset`'s `workers` / `use_multiprocessing` /
-`max_queue_size` enqueuer), and each closure takes its windows' batches as
-arguments (`ClusterCoordinator.schedule` copies them to the worker):
-
-- `ChiefFeed.read` takes a window's batches on the chief's main thread when
-  Keras asks for the window (`scheduling.WindowTrainer.train_function`), in
-  order: the workers together train on each batch once per pass, as one
-  Keras process does. While the workers run the closures in flight, the
-  chief reads the next ones; it stops reading once
-  `scheduling.MAX_IN_FLIGHT_PER_WORKER` closures per worker are unfinished.
-  A window's batches are kept until its result is back (a closure cut short
-  by its time budget sends its windows' batches again), so the chief holds
-  the batches of at most those closures and the one it is filling
-  (`batches_held`), and TF's coordinator one packed copy of each closure
-  in flight (kept to run it again if its worker fails).
-- `ChiefFeed.pack` flattens a closure's batches, per component, into one
-  1-D tensor of values and an `[N, rank]` matrix of their shapes: batches of
-  any size (a `PyDataset`'s last partial batch, sequences padded per batch)
-  travel as they are, neither padded nor dropped, and every closure has the
-  same signature (one trace per element spec).
-- `sent_batches` rebuilds them on the worker, inside the traced closure, as a
-  `tf.data` iterator over the batches in order. The window's code
-  (`window.WindowFunction.run`) reads it as it reads a per-worker iterator,
-  without the per-worker data shift (the batches already differ).
-
-Epochs, as Keras's `fit` makes them: an epoch is `steps_per_epoch` steps, by
-default one pass (`len()` of a `PyDataset`). For data of known length (a
-`PyDataset`, a torch loader) an epoch also ends where a pass ends, with
-Keras's "ran out of data" warning, and the next epoch starts a new pass
-(Keras's adapter: reshuffled with `shuffle=True`). The adapter's (so the
-`PyDataset`'s) `on_epoch_end` is called once before the first epoch and
-`on_epoch_begin` / `on_epoch_end` around each epoch, as Keras calls them. A
-`tf.data` pipeline is repeated, as this strategy repeats any `tf.data`
-dataset: an epoch may span passes. A Python generator gives one pass: when
-it runs out, training stops after the steps it gave, with Keras's warning.
-
-Errors: an exception raised by the user's data code (a `PyDataset`'s
-`__getitem__`, a generator) is raised from `fit` as it is, once the
-closures in flight have finished; a `tf.data` pipeline's, as TF raises it.
+A `keras.utils.PyDataset`, a Python generator and a `tf.data` pipeline that calls Python
+make each batch in the chief's interpreter, so the chief reads them with Keras's own data
+adapter and each closure takes its windows' batches as arguments: `ChiefFeed.read` takes
+them in order (each batch once per pass), `ChiefFeed.pack` flattens them into tensors of
+values and shapes, and `sent_batches` rebuilds them on the worker. Epochs, `on_epoch_*`
+calls and errors are as in Keras. Details: docs/architecture.md.
 """
 
 import warnings

@@ -1,43 +1,12 @@
 """Window scheduling: `ClusterCoordinator` closures of `K` windows of `n_sync` steps.
 
-A window is GPU A-SGD's unit of work (Paine et al. 2013). On one worker it:
-
-1. pulls the central variables and the version counter from the PS,
-2. runs `n_sync` local steps on the worker's own batches, carrying the
-   weights, optimizer state and metric state as loop tensors (the model's
-   `stateless_call`; nothing is written to the PS meanwhile),
-3. pushes the accumulated update `local_end - local_start` once: it takes a
-   version ticket (staleness `tau` = tickets issued since the pull) and the
-   PS adds `scale(tau) * update` (`update_rules.staleness_scale`).
-
-This module is the chief's side (`WindowTrainer`: schedule windows, record
-their results, metrics and logs). The worker's side, phase by phase, is
-`window.WindowFunction`; the PS side of a push is `push.push_update`; the
-result a window returns, and its record, are defined in `records`.
-
-Closures: one Keras `train_function` call is one window (Keras's
-`steps_per_execution` is `n_sync`; an epoch's last window may be shorter,
-so that an epoch is exactly `steps_per_epoch` steps). The trainer queues
-the windows Keras asks for and schedules them `K` at a time, as one closure
-that runs them back to back on its worker (`window.WindowFunction.run`):
-one `schedule`, one dispatch and one fetch per `K` windows instead of per
-window. `K` is the strategy's `windows_per_closure`, or automatic: about
-`TARGET_CLOSURE_S` of work per closure, from the windows' measured
-durations on the workers. Near an epoch's end closures shrink (at most the
-epoch's windows left divided by the workers), and a closure stops starting
-windows once it has run `BUDGET_FACTOR` times as long as `K` windows should
-take on a typical worker; the chief reschedules what it did not run. So a
-slow worker holds back at most a few closures' time, not `K` of its own
-slow windows.
-
-Exactly once: when a worker dies, TF's `ClusterCoordinator` puts its
-in-flight closure back and runs it again on a live worker. If the dead worker
-had already pushed some of its windows (it died before returning the
-closure's result), a plain re-run would push those windows a second time.
-Each window therefore carries an id from the chief; a push records it in a
-ring of applied ids on the PS, and an attempt whose id is already recorded
-runs no steps and pushes nothing (`WindowRecord.replayed`): a re-run closure
-runs only its windows that had not pushed.
+A window (GPU A-SGD's unit of work) pulls the central variables, runs `n_sync` local steps
+on loop tensors and pushes `local_end - local_start` once, scaled on the PS by its
+staleness. This module is the chief's side: `WindowTrainer` schedules the windows Keras
+asks for `K` at a time per closure (`windows_per_closure`, or about `TARGET_CLOSURE_S` of
+work), records their results, metrics and logs, and runs each window exactly once. The
+worker's side is `window`, the PS side of a push `push`, the results `records`. How
+closures are sized and re-runs made safe: docs/architecture.md.
 """
 
 import statistics

@@ -1,36 +1,17 @@
 """A many-worker asynchronous SGD simulator in one process (NumPy).
 
-It runs 1 to hundreds of simulated workers against one central parameter
-vector, with the *same* update rules as the cluster: the PS applies
-`update_rules.ps_push` (Downpour: `rule="none"`, DynSGD: `rule="dynsgd"`)
-and GEM workers call `update_rules.gem_step`, all with `xp=numpy`. Nothing
-here re-implements those formulas; a change to `update_rules` changes the
-simulator too.
-
-The model is small and real: a softmax regression or a one-hidden-layer MLP
-with hand-written NumPy gradients, trained on real data (the digits set by
-default).
-
-Two ways to control staleness:
-
-- `timing=...` (event-driven): each worker's window takes a random duration
-  drawn from `"constant"`, `"uniform"`, `"exponential"` or `"lognormal"`;
-  pushes happen in order of completion, and staleness (pushes committed
-  between a worker's pull and its push) emerges as on a real cluster.
-  `"constant"` gives round-robin order (tau = workers - 1 for every push).
-- `delay=...` (explicit): every push's staleness is drawn directly, e.g.
-  `"fixed"` (tau = workers - 1), `"uniform"` (0 .. 2 (workers - 1)) or
-  `"geometric"` (mean workers - 1); the gradient is computed on the central
-  parameters of `tau` pushes ago. The worker count then only sets the scale.
+Hundreds of simulated workers train a small NumPy model against one central parameter
+vector with the cluster's own rules (`update_rules.ps_push`, `update_rules.gem_step`).
+Staleness comes from random window durations (`timing=...`) or is drawn directly
+(`delay=...`): docs/architecture.md.
 
 Example:
-
->>> from tf_asgd import simulator
->>> (x, y), _ = simulator.digits_features()
->>> run = simulator.simulate(x, y, method="gem", workers=16, pushes=200,
-...                          eta=0.05, seed=0, eval_every=100)
->>> run.records[-1]["loss"] < run.records[0]["loss"]
-True
+    >>> from tf_asgd import simulator
+    >>> (x, y), _ = simulator.digits_features()
+    >>> run = simulator.simulate(x, y, method="gem", workers=16, pushes=200,
+    ...                          eta=0.05, seed=0, eval_every=100)
+    >>> run.records[-1]["loss"] < run.records[0]["loss"]
+    True
 """
 
 import dataclasses

@@ -1,44 +1,12 @@
 """One local step of a window, on loop tensors: Keras's step or the model's own.
 
-`window.WindowFunction` carries a window's state as loop tensors (the central
-variables, the optimizer state, the metric state) and calls one of these per
-local step:
-
-- `keras_step`: the step of Keras's `train_step` (forward pass, the compiled
-  loss, one `apply` of the local optimizer, the loss tracker and compiled
-  metrics), written with Keras's `stateless_*` API. Used for every model
-  whose class does not override `train_step`.
-- `ModelStep.step`: the model's own `train_step` (a subclass that overrides
-  it: fine-tuning that applies gradients to part of the model, a GAN with an
-  optimizer per sub-model, distillation, any "Customizing what happens in
-  fit()" recipe), called as Keras would call it, inside a
-  `keras.StatelessScope` that maps every variable it may touch to the loop
-  tensors: the model's variables, the variables of every optimizer the model
-  holds (the compiled one and any other, e.g. `d_optimizer` and
-  `g_optimizer`), and its metrics' variables. Its assigns (the optimizers'
-  `apply`, `SeedGenerator`s, metric updates, layers' state) land in the
-  scope; the new values are read back from it. So a window's update is
-  exactly what `n_sync` calls of `train_step` would do to those variables.
-
-What is shared and what is per worker, for a model with its own
-`train_step`: the model's variables are central (pulled, updated by
-pushes), as for any model; every optimizer's step counter and learning rate
-(the compiled optimizer's, and any other's whose variables are on a PS) are
-read from the PS at each pull, so schedules see global steps, and a push
-advances each step counter by the number of times the window's
-`train_step` calls applied that optimizer (so `model.optimizer.iterations`
-stays 0 for a GAN that never applies it, as in Keras); every other
-optimizer variable (momentum, Adam's moments) is the worker's own, as the
-compiled optimizer's is (the PS copies are not updated). Metrics are
-carried per window and summed on the chief, as for any model (a metric
-whose state does not add up is refused first, `metric_states`).
-
-`ModelStep` refuses, before anything is scheduled, a `train_step` that
-cannot run inside a window: a model compiled with `run_eagerly=True` (a
-window is a `tf.function` on a worker), one whose `train_step` fails when
-traced (`.numpy()`, Python control flow on tensors), calls Python
-(`tf.py_function`), writes a variable the window does not carry, creates
-variables, or is combined with a worker-side push rule (GEM).
+`window.WindowFunction` calls one of these per local step: `keras_step`, Keras's
+`train_step` written with its `stateless_*` API (models that do not override
+`train_step`), or `ModelStep.step`, the model's own `train_step` called inside a
+`keras.StatelessScope` that maps the model's, every optimizer's and the metrics' variables
+to the loop tensors, so a window does what `n_sync` calls of it would. `ModelStep` refuses,
+before anything is scheduled, a `train_step` that cannot run inside a window. What is
+shared and what is per worker: docs/architecture.md.
 """
 
 import keras

@@ -1,19 +1,15 @@
 """`AsyncParameterServerStrategy`: GPU A-SGD on TF's parameter-server runtime.
 
 Example:
+    import keras, tf_asgd
 
-```python
-import keras, tf_asgd
-
-with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=10)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, epochs=2, batch_size=32)
-    print(strategy.stats())
-```
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, epochs=2, batch_size=32)
+        print(strategy.stats())
 """
 
 import weakref

@@ -1,33 +1,15 @@
 """The launcher's task roles: chief, worker, ps, evaluator, or all of them locally.
 
-`python -m tf_asgd.launch` is a thin absl front end over these functions;
-they can be called from Python too:
+`python -m tf_asgd.launch` is a thin absl front end over these functions. `run` dispatches
+on `TF_CONFIG`: none, `run_local` (a loopback cluster, stopped at the end); `chief`,
+`train_and_evaluate`; `worker` / `ps`, `serve_task`; `evaluator`, `evaluate_checkpoints`.
+Roles and the workdir layout: docs/architecture.md and docs/launcher.md.
 
-```python
-from tf_asgd import training
-import ml_collections.config_flags  # or build the ConfigDict yourself
+Example:
+    from tf_asgd import training
 
-config = ...  # configs/default.py's get_config(), overridden as needed
-results = training.run(config, workdir="/tmp/asgd")  # TF_CONFIG decides the role
-```
-
-Roles (`run` dispatches on `TF_CONFIG`, see `tf_asgd.cluster.parse_tf_config`):
-- no `TF_CONFIG`: `run_local` starts a `LocalCluster` (loopback), trains on
-  it as the chief, evaluates, writes the workdir, and stops every process;
-- `chief`: `train_and_evaluate` against the cluster of `TF_CONFIG`;
-- `worker` / `ps`: `serve_task` starts the TF server and serves until SIGTERM;
-- `evaluator`: `evaluate_checkpoints` evaluates each new checkpoint.
-
-What the roles build comes from `tf_asgd.input_pipeline` (the data) and
-`tf_asgd.train_lib` (model, optimizer, callbacks, checkpoints, signals).
-TensorFlow is imported at the top, as `import tf_asgd` does anyway:
-`hide_gpus` has to run before TensorFlow first uses a device, not before
-it is imported.
-
-Workdir layout: `checkpoints/` (central variables, optimizer step, push
-counters and the epoch, by `tf.train.CheckpointManager`), `model.keras`
-(`model.save` at the end), `tensorboard/`, `metrics.csv` (one row per
-epoch), `results.json` (final metrics and push statistics), `DONE`.
+    config = ...  # configs/default.py's get_config(), overridden as needed
+    results = training.run(config, workdir="/tmp/asgd")  # TF_CONFIG decides the role
 """
 
 import json

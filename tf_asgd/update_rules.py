@@ -1,18 +1,16 @@
 """Pure update rules: staleness scaling on the PS and GEM's energy matching.
 
-Every rule here is a small function of arrays and an array namespace `xp`
-(`numpy` or `tensorflow.experimental.numpy`), so that one definition serves
-the cluster path (TF ops placed on the PS or the worker), the many-worker
-simulator (NumPy) and the tests' references.
+Every rule is a small function of arrays and an array namespace `xp` (`numpy` or
+`tensorflow.experimental.numpy`), so one definition serves the cluster path (TF ops on the
+PS or the worker), the many-worker simulator (NumPy) and the tests' references.
 
 Example:
-
->>> import numpy as np
->>> from tf_asgd import update_rules
->>> float(update_rules.staleness_scale(3, "dynsgd"))
-0.25
->>> update_rules.apply_push(np.zeros(2), np.ones(2), tau=1, rule="dynsgd")
-array([0.5, 0.5])
+    >>> import numpy as np
+    >>> from tf_asgd import update_rules
+    >>> float(update_rules.staleness_scale(3, "dynsgd"))
+    0.25
+    >>> update_rules.apply_push(np.zeros(2), np.ones(2), tau=1, rule="dynsgd")
+    array([0.5, 0.5])
 """
 
 import dataclasses

@@ -1,45 +1,12 @@
 """The function a closure of windows runs on a worker, in named phases.
 
-`WindowFunction.run` is traced into the `tf.function` that
-`scheduling.WindowTrainer` schedules on some worker per closure. A closure
-runs `K` windows back to back (a `tf.while_loop`), each with its own step
-count, window id, pull, ticket and push, and returns one packed row per
-window it ran. It stops early, leaving the rest to the chief, once its time
-budget is spent: a slow worker does not hold `K` windows hostage. Each
-window's phases, each a method:
-
-1. `_shift_data_once`: before its first window, worker `i` skips `i` batches;
-2. `_already_pushed`: a re-run of a window that already pushed is a replay;
-3. `_pull`: the central variables, the version counter, the optimizer state;
-4. `_local_steps`: `n_sync` steps on loop tensors (`_step` is one: Keras's
-   step, or the model's own `train_step`, see `steps.py`);
-5. `_outgoing`: the update to push, through the push rule (GEM) if any;
-6. `_push_skip_or_replay`: push it (`push.push_update`), or count a NaN/Inf
-   update as skipped, or do nothing for a replay;
-7. `_write_worker_state`: the worker's own optimizer and push-rule state;
-8. `_pack_result`: one row for the chief (`records.WindowResultLayout`).
-
-What crosses between worker and PS is what costs (each transfer is an RPC
-whose fixed cost outweighs its bytes for a small model): per closure, the
-window ids and step counts go to the PS once, and the windows' staleness
-comes back once, at the end; per window, one transfer each way (the pull,
-with the replay flag and optimizer step; the update, with its push flag),
-small tensors fused (`push.move`).
-
-Order: inside one `tf.function` TF runs an op as soon as its inputs are
-ready, whatever the source order: a ticket taken without a dependency on
-the window's computation ran right after the pull. Every ordering that
-matters is a data or control dependency made here: on the PS a window's
-replay check and pull run after the previous window's push is written
-(`ps_token`, a loop value that stays on the PS), on the worker its reads
-of the worker's own state after the previous window's writes (`token`);
-the version ticket is taken under control dependencies on the whole
-update having reached the PS (`push.push_update`); the step count and the
-window's id are written under the ticket; the per-worker variables are
-written outside any `tf.cond` (per-worker variables are captured at call
-time, which does not reach into cond branches; a while loop's body does
-pass them on), under a control dependency on the push decision; the row,
-with its timestamp, under control dependencies on those writes.
+`WindowFunction.run` is traced into the `tf.function` that `scheduling.WindowTrainer`
+schedules per closure: `K` windows back to back in a `tf.while_loop`, each with its own
+pull, local steps, ticket and push, one packed row per window, stopping early once the
+closure's time budget is spent. Each phase is a method (`_pull`, `_local_steps`,
+`_outgoing`, `_push_skip_or_replay`, ...). Every ordering that matters is a data or
+control dependency made here: TF runs an op as soon as its inputs are ready, whatever the
+source order. Phases, transfers and orderings: docs/architecture.md.
 """
 
 import typing

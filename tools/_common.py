@@ -38,16 +38,15 @@ def float_list(text):
 
 
 def sqrt_outer_learning_rate(workers):
-    """The default outer rate before its cap at 1/4 and warm-up (issue #13's
-    first choice), kept for side-by-side runs: `max(1, sqrt(N / 2)) / N`."""
+    """An outer rate without the default's cap at 1/4 and warm-up, for side-by-side
+    runs: `max(1, sqrt(N / 2)) / N`."""
     return max(1.0, (workers / 2) ** 0.5) / workers
 
 
 def capped_outer_optimizer(workers):
-    """The default outer optimizer before its first-round rise and fall
-    (sessions 6 and 7): the capped rate, warmed up from `1 / N` over `4 N`
-    pushes where it is above the average. It differs from today's default
-    from 3 to 7 workers only; kept for side-by-side runs."""
+    """The default outer rate without the default's first-round rise and fall, for
+    side-by-side runs: the capped rate, warmed up from `1 / N` over `4 N` pushes where
+    it is above the average. It differs from the default from 3 to 7 workers only."""
     from tf_asgd import update_rules as rules
 
     lr = rules.default_outer_learning_rate(workers)

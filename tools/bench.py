@@ -1,40 +1,17 @@
 """Throughput, side by side in one run: plain Keras, stock PS training, tf_asgd.
 
-On one machine, one model and one synthetic data set, it measures in rounds
-(every configuration once per round, the rounds alternating so that drift in
-the machine's load hits all of them alike):
+Measures samples/s in alternating rounds on one model and one synthetic data set: `keras`
+(plain single-process `fit`), `pss` (stock `ParameterServerStrategy` with `tf_keras`, at
+each `--pss-spe`) and `asgd` (`AsyncParameterServerStrategy`, at each `--n-sync` and
+`--windows-per-closure`), each PS configuration on a `LocalCluster` for each of
+`--processes`, each in a fresh child process. Reports medians over rounds, ratios to plain
+Keras and to stock PS, and bytes moved per sample. Method: docs/architecture.md (Tools).
 
-1. `keras`: plain single-process Keras 3 `model.fit` (this machine's
-   compute limit);
-2. `pss`: stock `tf.distribute.experimental.ParameterServerStrategy` with
-   `tf_keras` `model.fit` at each `--pss-spe` (`steps_per_execution`; every
-   step reads all variables from the PS and writes the update back);
-3. `asgd`: `tf_asgd.AsyncParameterServerStrategy` with Keras 3 `model.fit`
-   at each `--n-sync` (and each `--windows-per-closure`, `auto` by default).
-
-Every PS configuration runs on a `LocalCluster` with one PS, for each of
-`--processes`: `shared` (every task in one child process) and/or
-`separate` (one process per task, as on a real cluster). Each configuration
-runs in a fresh child process. For each it reports the median over rounds of
-samples/s, the ratio to (1) and to (2) (stock PS with `steps_per_execution`
-1, same worker count and process mode; `x best pss` takes the faster of the
-stock runs), ratios of medians measured in the same run, and bytes pulled
-from / pushed to the PS per sample (tf_asgd: the strategy's counters; stock
-PS: the model's size per step, once each way, which is what its `fit`
-moves).
-
-Each run's steps are planned from the configuration's fastest rate so far
-(warm-up fits first), so that a run lasts about `--seconds`; a run shorter
-than half of that (the rate was underestimated, e.g. a warm-up `fit` that
-stalled at its start) is planned again and repeated, and only the repeat
-counts.
-
-Writes `raw.csv` (every measurement), `summary.csv` and `summary.md` to
-`--out`.
+Writes `raw.csv` (every measurement), `summary.csv` and `summary.md` to `--out`.
 
     python tools/bench.py                       # the full default run
     python tools/bench.py --workers 1 --n-sync 1,10 --rounds 1 --seconds 0.5
-    python tools/bench.py --workers 2 --processes separate --pss-spe 1,10   # issue #10's table
+    python tools/bench.py --workers 2 --processes separate --pss-spe 1,10
 """
 
 import argparse

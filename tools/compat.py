@@ -1,30 +1,16 @@
 """Which TensorFlow and Keras versions tf_asgd works with, measured.
 
-For each TensorFlow version in `--tf`, one throwaway venv (`python -m venv`):
-TensorFlow and its TensorBoard go in first, then each Keras version in
-`--keras` in turn, each time together with this checkout's own requirements
-(`pip install "<repo>[test]"`, the `pip install -e ".[test]"` of the README
-resolved against the pinned TF and Keras; pyproject.toml's ranges must admit the
-pair or pip refuses it). Then, with this checkout on the path:
+For each TensorFlow version in `--tf`, one throwaway venv, into which each Keras version
+of `--keras` is installed in turn with this checkout's requirements; each pair runs
+`import tf_asgd`, the fast test tier and, unless `--no-smoke`, one cluster test
+(`--smoke`). `--unsupported-keras` records that an out-of-range Keras is refused. Venvs go
+under `--venv-dir` and are deleted after their TF version unless `--keep-venvs`. Method:
+docs/architecture.md (Tools).
 
-- `import tf_asgd` (the version check runs there);
-- the fast test tier, `python -m pytest tests -q -m "not cluster"`;
-- unless `--no-smoke`, one cluster test (`--smoke`: a real loopback cluster,
-  `fit`, `evaluate`, `predict`, `save`).
+Writes `compat.csv` and `compat.md` to `--out` after every pair, and, with `--docs`,
+rewrites the table in that file between its `<!-- compat-table -->` markers. Run it niced:
 
-A pair that pip refuses is recorded with pip's reason and not tested.
-`--unsupported-keras` (default 3.12) is installed last into the venv of the
-newest TF, to record that `import tf_asgd` refuses a Keras out of range with
-a message naming the supported versions.
-
-Writes `compat.csv` and `compat.md` to `--out` after every pair (an
-interrupted run keeps what it measured), and, with `--docs`, rewrites the
-table in that file between its `<!-- compat-table -->` markers. Venvs are
-made under `--venv-dir` (default: a new temporary directory) and deleted
-after their TF version, also on error or Ctrl-C, unless `--keep-venvs`.
-Each TF venv takes about 2 GB. Run it niced on a shared machine:
-
-    nice -n 19 python tools/compat.py                         # 3 x 3, about 40 min on 2 cores
+    nice -n 19 python tools/compat.py
     nice -n 19 python tools/compat.py --tf 2.21 --keras 3.15 --no-smoke
 """
 

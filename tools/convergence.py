@@ -1,28 +1,13 @@
 """Convergence against plain Keras: held-out accuracy and loss against samples seen.
 
-Every run trains an unmodified Keras model with an unmodified optimizer on
-scikit-learn's digits (1437 training images, 360 held out), side by side with
-plain Keras `fit` given the same samples and seed:
+Every run trains an unmodified Keras model with an unmodified optimizer on the digits,
+side by side with plain Keras `fit` given the same samples and seed, for each model,
+optimizer, worker count, `n_sync`, setup (a strategy configuration: `default`, `average`,
+`capped`, `sqrt`, `dynsgd`, `none`, `diloco`, `delayed_nesterov`, `reset`, `gem`) and
+seed. Setups and the divergence rule: docs/architecture.md (Tools).
 
-- one pass over the data per epoch (45 steps of batch 32) for `--epochs`; at
-  `n_sync` above one pass, an epoch is `workers x n_sync` steps and there are
-  at least `--min-windows` of them, so every worker pushes that many windows;
-- `setups` name strategy configurations: `default` (only `n_sync` given),
-  `average` (`OuterSGD(1 / workers)`), `capped` (the default before its
-  first-round rise and fall: the same as `default` but from 3 to 7 workers), `sqrt` (`OuterSGD(max(1, sqrt(workers / 2)) / workers)`,
-  the default from issue #13 until the cap at 1/4 a push and the warm-up were added),
-  `dynsgd` (the defaults before issue #13: DynSGD, every push added as is),
-  `none` (Downpour), `diloco` (`OuterSGD(0.7 / workers, 0.9, nesterov)`),
-  `delayed_nesterov` (`DelayedNesterov(0.7, 0.9)`), `reset` (the default with
-  `worker_state="reset"`) and `gem` (the optimizer wrapped in GEM, kappa 1;
-  momentum SGD only).
-
-A run diverged if an epoch's held-out loss exceeds twice its first epoch's.
-Writes to `--out`: `curves.csv` (every epoch of every run), `summary.csv`
-(one row a run: final accuracy, gap to plain, divergence, samples to reach
-plain's final accuracy minus 1 point as a ratio to plain's), `summary.md`
-(the table, min/max over seeds) and `curves_<model>_<optimizer>.png` (held-out
-accuracy against samples, mean and min-max band over seeds).
+Writes to `--out`: `curves.csv` (every epoch of every run), `summary.csv` (one row a run),
+`summary.md` (min/max over seeds) and `curves_<model>_<optimizer>.png`.
 
 Example (a few minutes):
 

@@ -1,21 +1,10 @@
 """Evaluation on the workers against evaluation on the chief, side by side.
 
-For each worker count of `--workers`, one `LocalCluster` (all tasks in one
-process) and one seeded model: the digits convnet behind a layer that costs
-`--step-ms` of emulated device time per batch wherever the model runs
-(tf.data's per-element sleep, no CPU: `tf_asgd.data.sleep_transformation`,
-inside the model's forward pass, so the chief pays it per batch in
-`evaluation="chief"` exactly as a worker does per batch of its shard in
-`evaluation="workers"`). The data are `--examples` digits images (all 1,797
-by default, repeated if more are asked for), evaluated with `--batch-size`.
-
-In alternating rounds (the first call of each mode, which traces, is not
-timed), `model.evaluate` runs with `strategy.evaluation = "chief"` and
-`"workers"`. Reported: the median wall seconds of each (and per batch),
-the speed-up (chief / workers), and the largest difference between the two
-modes' metrics (exactness: float rounding, ~1e-7). `--step-ms 0` measures
-the paths' own costs (the chief reads the PS variables for every batch; a
-worker reads them once per shard).
+For each worker count of `--workers`, one `LocalCluster` and one seeded digits convnet
+whose forward pass costs `--step-ms` of emulated device time per batch wherever it runs;
+`model.evaluate` on `--examples` images runs with `evaluation="chief"` and `"workers"` in
+alternating rounds. Reports the median wall seconds of each, the speed-up and the largest
+difference between the two modes' metrics. Method: docs/architecture.md (Tools).
 
 Writes `evaluation.csv` (one row per timed call) and `evaluation.md` to `--out`.
 

@@ -1,26 +1,12 @@
 """The GPU A-SGD paper's experiments on a real local cluster: n_sync sweep,
 worker sweep, cold versus warm start.
 
-Each run trains a fresh model with Keras 3 `model.fit` under
-`tf_asgd.AsyncParameterServerStrategy` on a `LocalCluster` and records every
-window as it finishes on the coordinator: its finish time and its training
-loss and error (the minibatch metrics the worker computed during the
-window). Curves are the training error smoothed over the last 400
-minibatches (as in Paine et al. 2013), against wall time and samples seen.
-
-Runs (defaults in brackets):
-
-- `nsync`: n_sync in `--nsyncs` [1,10,100,900] at `--nsync-workers` [2];
-- `workers`: workers in `--workers` [1,2,4,8] at `--workers-nsync` [10];
-- `start`: cold (all workers from step 0) versus warm start (the first
-  `--warm-steps` minibatches one window at a time, so one worker trains and
-  staleness is 0, then all workers) at `--start-workers` [4] and
-  `--start-nsync` [100].
-
-`--step-ms` adds an emulated device time per minibatch (tf.data sleep, no
-CPU; see tools/scaleout.py) so that several workers on 2 cores behave like
-several GPUs in wall time. Data: the digits set (offline); `--data mnist` or
-`cifar10` use `~/.keras/datasets` if the files are already there.
+Each run trains a fresh model with Keras 3 `fit` under `AsyncParameterServerStrategy` on a
+`LocalCluster` and records every window as it finishes; curves are the training error
+smoothed over the last 400 minibatches, against wall time and samples seen. Sweeps
+(`--sweeps`): `nsync` (`--nsyncs` at `--nsync-workers`), `workers` (`--workers` at
+`--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--step-ms` adds
+emulated device time per minibatch. Method: docs/architecture.md (Tools).
 
 Writes `windows.csv` (one row per window), `summary.csv`, and
 `<sweep>_curves.png`, `<sweep>_staleness.png` to `--out`.

@@ -1,19 +1,13 @@
-r"""GEM's stability claim on a real local cluster (Hermans & Louppe 2018, MNIST).
+"""GEM's stability claim on a real local cluster (Hermans & Louppe 2018, MNIST).
 
-At eta = 0.1, mu = 0.9, with many workers and n_sync = 1, the paper expects
-plain Downpour to diverge or stall while GEM trains, and GEM to generalise at
-least as well as its single-worker momentum-SGD proxy. This tool runs, on the
-offline digits data and one local cluster:
+At eta = 0.1, mu = 0.9, many workers and n_sync = 1, the paper expects plain Downpour to
+diverge or stall while GEM trains, and GEM to generalise at least as well as its
+single-worker momentum-SGD proxy. On the offline digits data and one local cluster it runs
+`proxy`, `downpour`, `dynsgd` and `gem` (kappa 1 and 2) for the same number of epochs
+(docs/architecture.md, Tools), and writes `results.csv`, `results.md` and `curves.png` to
+`--out` (default `results/gem_stability`).
 
-- proxy: single-process Keras `fit`, SGD(eta, momentum=mu) (the target process);
-- downpour: each worker SGD(eta, momentum=mu), pushes applied as they come;
-- dynsgd: the same, pushes scaled by 1/(tau+1) on the PS;
-- gem (kappa 1 and 2): GEM(SGD(eta, momentum=mu)), pushes applied as they come;
-
-all for the same number of epochs (samples seen), and writes
-`results/gem_stability/results.csv`, `results.md` and `curves.png`.
-
-    python tools/gem_stability.py            # 8 workers, 20 epochs, a few minutes
+    python tools/gem_stability.py            # 8 workers, 20 epochs
     python tools/gem_stability.py --workers 4 --epochs 5 --out /tmp/gem
 """
 

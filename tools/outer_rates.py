@@ -1,18 +1,11 @@
 """Held-out accuracy on MNIST-1D under constant outer rates, against the stability limit.
 
-Each run trains the MNIST-1D paper's CNN (`tf_asgd.models.mnist1d_cnn`, 4,000
-generated signals, batch 100) on N workers at `n_sync` with the user's
-optimizer unchanged, for `--steps` steps in all (default 6000: twice plain
-Keras's 3000), and evaluates the held-out set after every 300 steps. The
-outer rate is the default (`default`) or a constant per-push rate
-(`OuterSGD(rate)`); `limit` is `update_rules.stability_limit(N)`. `--workers 0` runs plain
-Keras (no strategy) for half the steps, the reference.
-
-Per run it reports the final and best held-out accuracy and the largest
-fall below the running best after the first quarter of training (the
-"collapse" check: more than 5 points fails). No emulated device time: the
-curves are against samples, not wall time (tools/time_to_accuracy.py
-measures time).
+Each run trains the MNIST-1D paper's CNN on N workers at `n_sync` with the user's
+optimizer unchanged for `--steps` steps, under the default outer rate (`default`) or a
+constant per-push rate (`OuterSGD(rate)`; `limit` is `update_rules.stability_limit(N)`);
+`--workers 0` runs plain Keras, the reference. Reports final and best held-out accuracy
+and the largest fall below the running best (the collapse check). Curves are against
+samples, not wall time. Method: docs/architecture.md (Tools).
 
     python tools/outer_rates.py --workers 8 --rates default,0.25,0.125 --optimizers sgd,adam
 """

@@ -1,29 +1,11 @@
 """The floor of one push on TF's distributed runtime: no model, no window logic.
 
-A worker and a PS on loopback. One `tf.function`, scheduled once on the
-worker, runs a `tf.while_loop`; each iteration runs one of these bodies:
-
-- `local`: on the worker only (the loop's own cost, no PS);
-- `round_trip`: a tensor of `--elements` floats to the PS and back;
-- `push_pull`: what a push and a pull do there: the tensor to the PS, a
-  ticket (`assign_add` of a counter), the tensor added into a PS variable
-  under it, the variable read back to the worker;
-- `push_pull_x2`, `push_pull_x4`: the `push_pull` body written 2 or 4
-  times in one iteration.
-
-A loop that spans two tasks pays, per iteration, besides its data: the loop
-condition sent to the PS's part of the loop, the iteration's control
-trigger, and (with stateful ops on the PS) a control edge back, from TF's
-automatic control dependencies. The `_x2` and `_x4` bodies share those among
-2 or 4 round trips: the difference to `push_pull` is what they cost.
-
-For each body it reports, per round trip (per iteration for `local`), the
-wall time and the CPU time of the task processes (worker and PS) and of
-this process (the chief, which only waits here): medians over `--rounds`
-rounds that alternate the bodies. `tf_asgd`'s window does one round trip
-per window (its push, then the next window's pull), so no window can be
-cheaper than `push_pull` on the same machine; `tools/scaleout.py --ceiling`
-measures the real window.
+A worker and a PS on loopback; one `tf.function` on the worker runs a `tf.while_loop`
+whose iterations run one body: `local`, `round_trip` (`--elements` floats to the PS and
+back), `push_pull` (what a push and a pull do there), `push_pull_x2` / `push_pull_x4`
+(that body 2 or 4 times per iteration). Reports per round trip the wall time and the CPU
+time of the task processes and of the chief, medians over alternating rounds. No tf_asgd
+window can be cheaper than `push_pull`. Method: docs/architecture.md (Tools).
 
 Writes `push_floor.csv` and `push_floor.md` to `--out`.
 

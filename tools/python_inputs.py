@@ -1,30 +1,12 @@
 """A `keras.utils.PyDataset` against the same data as NumPy arrays: samples/s of `fit`.
 
-With arrays, each worker reads its own shard of batches (a tf.data pipeline
-on the worker). With a PyDataset, the chief runs the Python: it reads every
-batch and sends it with each closure (`tf_asgd.python_inputs`), so the
-chief's CPU (reading, packing, sending) is what can stop it scaling.
-
-For each worker count (`--workers`), one `LocalCluster` (all tasks in one
-child process) and one `AsyncParameterServerStrategy`; the digits convnet
-(`--model`) trains on `--samples` digits (the 1,437 training images tiled),
-batch `--batch-size`, one pass per `fit`, once on arrays and once on a
-PyDataset of the same arrays, alternating, `--rounds` times, after a warm-up
-fit of each (the traces). Arrays make a new dataset on the workers at
-every `fit`, a fixed cost per fit: short fits favour the PyDataset.
-Optional `--getitem-ms`: a per-batch sleep in `__getitem__` (Python-side
-loading, I/O-like, no CPU), with `--py-workers` threads of Keras's
-enqueuer (`PyDataset(workers=...)`).
-
-Reports per worker count and input: samples/s (median of the rounds), the
-PyDataset / arrays ratio, the chief's and the task host's CPU seconds per
-1000 samples and as a share of the wall time (1.0 = one core busy). Then,
-per input, the speed-up from the smallest to the largest worker count, and
-where the PyDataset stops scaling: below the arrays' speed-up, with the
-chief's CPU near one core, the chief is the limit (its ceiling: 1000 /
-chief CPU ms per 1000 samples); below the arrays with the chief's CPU
-idle, the wait for `__getitem__` is; with both flat, the machine is (the
-workers and the chief share `os.cpu_count()` cores).
+With arrays each worker reads its own shard; with a PyDataset the chief reads every batch
+and sends it with each closure (`tf_asgd.python_inputs`), so the chief's CPU can stop it
+scaling. For each worker count (`--workers`), the digits convnet trains on `--samples`
+images, once on arrays and once on a PyDataset of them, alternating, `--rounds` times;
+`--getitem-ms` adds a per-batch sleep in `__getitem__` (`--py-workers` enqueuer threads).
+Reports samples/s, the PyDataset / arrays ratio, the chief's and the tasks' CPU, and where
+the PyDataset stops scaling. Method and how to read it: docs/architecture.md (Tools).
 
 Writes `python_inputs.csv` and `python_inputs.md` to `--out`.
 

@@ -1,25 +1,12 @@
 """Scale-out with emulated GPU workers: speed-up over 1 worker, and where time goes.
 
-A 2-core machine cannot run 8 or 32 GPUs, so each worker's step is made to
-cost a fixed *device time* that uses no CPU: tf.data's `SleepDataset` op
-(via `tf_asgd.data.sleep_transformation`) delays each element (one minibatch) of
-the per-worker dataset by `--step-ms`, as a GPU kernel would keep a step busy. The rest is real: Keras 3
-`model.fit` under `tf_asgd.AsyncParameterServerStrategy`, every window
-pulls all variables from the PS and pushes its update, the PS applies it.
-All tasks share one child process (`LocalCluster(shared_process=True)`), so
-32 workers fit in memory. To keep the real per-step CPU work small next to
-the emulated device time, the minibatch is `--batch-size` (default 1), the
-local optimizer plain SGD and the default model the small digits convnet
-(38k parameters): the GEM MNIST convnet costs more real CPU a step (about
-7 ms at batch 1, measured when it lacked the paper's pooling and had 2.47M
-parameters; 164k now), and 2 cores cannot emulate many such workers.
-
-For each worker count and `n_sync` it reports samples/s, the speed-up over
-1 worker at the same `n_sync`, the ideal (workers), and per push (window):
-the coordinator's CPU time (this process) and the task host's CPU time
-(workers' real compute + PS + RPC; PS and workers share that process).
-`--ceiling` also measures the cluster's maximal push rate with no device time
-(`--step-ms 0`, n_sync 1): the cost of a push when nothing else limits it.
+Each worker's minibatch costs `--step-ms` of device time that uses no CPU (tf.data's
+`SleepDataset`, via `tf_asgd.data.sleep_transformation`); the rest is real Keras 3 `fit`
+under `tf_asgd.AsyncParameterServerStrategy`, all tasks in one child process. For each
+worker count and `n_sync` it reports samples/s, the speed-up over 1 worker at the same
+`n_sync`, the ideal, and the coordinator's and the task host's CPU time per push.
+`--ceiling` also measures the maximal push rate with no device time. Method:
+docs/architecture.md (Tools).
 
 Writes `scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
 

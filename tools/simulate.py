@@ -1,15 +1,13 @@
 """Many-worker simulator runs: GEM's stability claim at 16 to 100 workers.
 
-Runs `tf_asgd.simulator` (the very update rules of the cluster, with NumPy)
-for every method x worker count x learning rate, and writes to `--out`:
+Runs `tf_asgd.simulator` (the very update rules of the cluster, with NumPy) for every
+method x worker count x learning rate, and writes to `--out`:
 
-- `stability.csv`, `stability.png`: final and best held-out loss per run,
-  and whether it stayed stable (finite final loss at most half the initial);
-- `curves.csv`, `curves_eta<eta>.png`: held-out loss and accuracy of the
-  central parameters against pushes / samples seen;
+- `stability.csv`, `stability.png`: final and best held-out loss per run, and whether it
+  stayed stable (finite final loss at most half the initial);
+- `curves.csv`, `curves_eta<eta>.png`: held-out loss and accuracy against samples seen;
 - `pi.csv`, `pi.png`: GEM's pi per tensor (mean and median) over time;
-- `staleness.csv`, `staleness.png`: staleness histograms for each timing /
-  delay distribution the simulator offers.
+- `staleness.csv`, `staleness.png`: staleness histograms per timing / delay distribution.
 
 Example (a few seconds):
 

@@ -1,31 +1,14 @@
 """A straggler, side by side: does one slow worker hold back the others?
 
-One `LocalCluster` of `--workers` workers (all tasks in one process), each
-minibatch costing `--step-ms` of emulated device time (tf.data sleep, no CPU:
-`tf_asgd.data.emulated_device_time`), the digits convnet on the real digits
-data. In alternating rounds, each configuration with its own strategy and a
-freshly seeded model:
+One `LocalCluster` of `--workers` workers, each minibatch costing `--step-ms` of emulated
+device time, the digits convnet on the digits. In alternating rounds: `uniform`,
+`straggler` (the last worker `--slow` times slower, staleness `dynsgd`) and
+`straggler_drop` (the same with `--max-staleness`). Reports medians over rounds of `fit`'s
+time and where it goes, samples/s, windows/s per fast worker, staleness, dropped pushes and
+held-out accuracy, and the ratios with the straggler over without next to the ideal
+`(W - 1 + 1/slow) / W`. Method: docs/architecture.md (Tools).
 
-- `uniform`: every worker at `--step-ms`;
-- `straggler`: the last worker `--slow` times slower, staleness `dynsgd`
-  (its stale pushes scaled by 1/(tau+1));
-- `straggler_drop`: the same with `--max-staleness` (its stale pushes
-  dropped).
-
-For each it reports the median over rounds of: wall seconds of `fit`, of
-which the time to the first push (`fit` builds the per-worker datasets; each
-configuration's first `fit`, which traces, is not timed) and the time after
-the fast workers' last push (`fit` waits for the straggler's window in
-flight), samples/s, windows/s per fast worker (between their first and last
-push), the straggler's windows and mean staleness, pushes dropped as stale,
-and held-out accuracy. The ratios are
-measured side by side in one run: a fast worker's window rate with the
-straggler over its rate without (1.0: not held back), and samples/s with the
-straggler over without, next to the ideal `(W - 1 + 1/slow) / W` (every
-worker at its own speed, no waiting).
-
-Writes `straggler.csv`, `straggler.md` and `straggler.png` (staleness of
-each push over time, by worker) to `--out`.
+Writes `straggler.csv`, `straggler.md` and `straggler.png` (each push's staleness) to `--out`.
 
     python tools/straggler.py                          # the default run
     python tools/straggler.py --workers 3 --steps 100 --epochs 1 --rounds 1

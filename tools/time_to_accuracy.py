@@ -1,67 +1,17 @@
 """Time to accuracy: plain Keras on one emulated device against tf_asgd on N of them.
 
-Every run trains an unmodified Keras model with an unmodified optimizer. A
-device is emulated: each minibatch costs `--device-ms` of device time that
-uses no CPU (`tf_asgd.data.emulated_device_time`, tf.data's sleep), applied
-alike to plain Keras's dataset (one device) and to every tf_asgd worker's.
-Plain Keras runs a setup's `plain_steps`; tf_asgd (one `fit` of one epoch,
-so that no epoch end holds the workers, defaults otherwise: only `n_sync` is
-set) may use `--budget` times plain's samples (default 2x). Each worker
-reads its own shard of the shuffled batches (`ds.shard(workers, i)`).
+Each minibatch costs `--device-ms` of device time that uses no CPU, for plain Keras and for
+every worker. Per setup (`--setups`), worker count and `n_sync`: time and samples to reach
+plain's final held-out accuracy minus 1 point, the speed-up, final accuracy, the `stable`
+and `final_ok` checks, and CPU use (`cpu_bound` runs measure the CPU, not the devices).
+`--calibrate` measures instead the CPU a step costs and the smallest device time that
+keeps the largest `--workers` under half the cores. Details: docs/architecture.md (Tools).
 
-Held-out accuracy is measured along training on the chief, every
-`plain_steps / --evals` steps: the central weights are copied into a plain
-Keras twin of the model and the whole held-out set is run through it
-once. Plain Keras's clock stops while it does; tf_asgd's workers train on
-meanwhile, so its clock runs on (evaluation time is reported, `eval_s`).
-For tf_asgd the samples of a point are the committed ones (pushes counted on
-the PS, read after the weights), not the scheduled ones. Training time
-starts when the first step runs: the start-up before it (tracing; for
-tf_asgd also the workers' datasets and functions, until the first window
-starts on a worker) is reported apart (`startup_s`), and the time to target
-with it included too (`*_with_startup`).
+Writes to `--out`: `runs.csv`, `curves.csv`, `speedups.md`, `accuracy_vs_time.png`,
+`accuracy_vs_samples.png`; `calibration.csv` with `--calibrate`.
 
-Per run (against plain Keras with the same setup and seed):
-
-- target: plain's final held-out accuracy minus 1 point;
-- time to target (s of training, the first point at or above the target)
-  and the speed-up, plain's time to target over tf_asgd's (0: never reached);
-- samples to target, and their ratio to plain's;
-- final accuracy at the budget's end (2x plain's samples);
-- the must-hold checks: `stable` (after the run's first quarter of samples,
-  accuracy never falls more than 5 points below its running best) and
-  `final_ok` (final accuracy at most 2 points below plain's final);
-- CPU use: seconds of CPU of this process and the cluster's task process
-  (Linux /proc), over wall time x cores. A run above 70% of the cores is
-  CPU-bound (`cpu_bound`, flagged in its line): its times measure the CPU,
-  not the emulated devices; use a larger `--device-ms`. `device_fraction`
-  is the ideal device-bound time (steps / workers x device time) over the
-  measured training time (1.0: nothing but device time).
-
-Setups (model, data, optimizer, batch, plain steps, default device ms):
-mnist1d_adam and mnist1d_sgd (the MNIST-1D paper's CNN, 4,000 generated
-training signals, Adam(1e-2) / SGD(0.05, momentum 0.9), batch 100, 3000
-steps), mnist1d16k_adam (16,000 signals), digits_sgd and digits_adam (the
-digits convnet, SGD(0.05, momentum 0.9) / Adam(1e-3), batch 32, 900 steps),
-resnet_sgd (`models.resnet_bn` on the digits upsampled to 32x32x3, SGD(0.05,
-momentum 0.9, Nesterov, weight decay 5e-4) at a constant rate, batch 32, 450
-steps). Device time by default: 50 ms a batch (400 ms for resnet_sgd), enough
-for 16 workers on 2 cores by `--calibrate`.
-
-`--calibrate` measures instead the CPU a training step costs (plain Keras
-and tf_asgd on one worker, no device time) and prints the smallest device
-time that keeps the largest `--workers` count under half the cores.
-
-Writes to `--out`: `runs.csv` (one row a run), `curves.csv` (every held-out
-point of every run), `speedups.md` (a row per setup, n_sync and workers:
-mean and range over seeds), `accuracy_vs_time.png` and
-`accuracy_vs_samples.png` (a panel per setup and n_sync, a line per worker
-count, mean over seeds, the target dashed), as in the GPU A-SGD paper's
-figures. `calibration.csv` with `--calibrate`.
-
-    python tools/time_to_accuracy.py --quick                # a smoke run, under a minute
+    python tools/time_to_accuracy.py --quick                # a smoke run
     python tools/time_to_accuracy.py --setups mnist1d_adam --workers 4,8,16 --n-sync 10,100
-    python tools/time_to_accuracy.py --calibrate --setups mnist1d_adam,resnet_sgd
 """
 
 import collections
