@@ -1,4 +1,4 @@
-"""Closures of K windows (issue #10): each window of a closure keeps its own
+"""Closures of K windows: each window of a closure keeps its own
 pull, ticket, staleness, exactly-once id, GEM state and record; epochs stay
 exact; a bad `windows_per_closure` is rejected; a worker killed in the middle
 of a closure leaves every window applied exactly once; a slow worker's closure

@@ -1,5 +1,5 @@
-"""tools/compat.py's own logic, without venvs (the full run takes about 2 GB
-and 40 minutes per TF version: docs/compat.md has its table)."""
+"""tools/compat.py's own logic, without venvs (the full run's table is in
+docs/compat.md)."""
 
 import csv
 import os

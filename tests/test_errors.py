@@ -25,7 +25,7 @@ from conftest import compile_digits
 
 pytestmark = pytest.mark.cluster  # every test here trains on a real cluster
 
-ERROR_BOUND_SECS = 30  # issue #11: an error reaches the user within 30 s
+ERROR_BOUND_SECS = 30  # an error reaches the user within 30 s
 REFUSE_BOUND_SECS = 10  # a refused input is refused within 10 s
 
 

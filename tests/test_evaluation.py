@@ -1,4 +1,4 @@
-"""Evaluation on the workers (issue #11 item 5): `evaluate` and `fit`'s
+"""Evaluation on the workers: `evaluate` and `fit`'s
 validation sharded over the workers give the chief's metrics, exactly."""
 
 import logging

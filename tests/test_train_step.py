@@ -1,5 +1,5 @@
 """A model's own `train_step`, `compute_loss` and `test_step` under
-AsyncParameterServerStrategy (issue #11, item 1), on real loopback clusters."""
+AsyncParameterServerStrategy, on real loopback clusters."""
 
 import time
 

@@ -589,7 +589,7 @@ def _connected_to_gone_task(context):
     )
 
 
-# ---- scheduling: closures scheduled as concrete functions (issue #10) ----------
+# ---- scheduling: closures scheduled as concrete functions ----------------------
 
 
 def concrete_function_for(function, args):

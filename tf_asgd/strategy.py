@@ -441,7 +441,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         `per_worker_dataset_fn`, else a new one, `make()`, which replaces it.
 
         Kept because deleting a per-worker iterator holds the workers for up
-        to seconds at the next `fit`'s start (results/README, session 10),
+        to seconds at the next `fit`'s start (results/README.md),
         and because each worker skips its offset of batches only once per
         model (`window.WindowFunction._shift_data_once`): fresh iterators
         would start every worker at the same batch again.

@@ -81,7 +81,7 @@ def _measure(fit, rate, seconds, unit, attempts=3):
     Steps are planned from `rate` (steps/s, an estimate) as multiples of
     `unit`. A `fit` sometimes stalls for seconds at its start (separate
     processes: the previous fit's per-worker iterators being deleted,
-    results/README, session 10), so an estimate from a stalled warm-up is too low and
+    results/README.md), so an estimate from a stalled warm-up is too low and
     plans a run so short that a stall would be most of it: a run shorter than
     half of `seconds` is planned again from the faster rate and repeated, up
     to `attempts` runs; the last one counts.
