@@ -33,6 +33,11 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x
 _H2_SETTINGS = 4
 
 
+def _named(tasks):
+    """`"job:index at address (reason); ..."` for `(job, index, address, reason)` tuples."""
+    return "; ".join(f"{job}:{i} at {address} ({reason})" for job, i, address, reason in tasks)
+
+
 class ClusterUnreachableError(ConnectionError):
     """Some cluster tasks did not answer within the strategy's `connect_timeout`.
 
@@ -44,7 +49,7 @@ class ClusterUnreachableError(ConnectionError):
 
     def __init__(self, tasks, timeout):
         self.tasks, self.timeout = list(tasks), timeout
-        named = "; ".join(f"{job}:{i} at {address} ({reason})" for job, i, address, reason in tasks)
+        named = _named(tasks)
         super().__init__(
             f"Could not reach {len(self.tasks)} cluster task(s) within {timeout:g} s: {named}. "
             "Check that these tasks are running and that the cluster (TF_CONFIG, or the "
@@ -66,7 +71,7 @@ class WorkersLostError(ClusterUnreachableError):
 
     def __init__(self, tasks, timeout):
         self.tasks, self.timeout = list(tasks), timeout
-        named = "; ".join(f"{job}:{i} at {address} ({reason})" for job, i, address, reason in tasks)
+        named = _named(tasks)
         ConnectionError.__init__(
             self,
             f"Lost the workers: none could run for {timeout:g} s, and {len(self.tasks)} "

@@ -119,14 +119,7 @@ def train_validation_split(arrays, validation_split):
 def keras_tf_dataset(x, y, sample_weight, batch_size, shuffle, class_weight):
     """The `tf.data.Dataset` Keras's data adapter would feed `fit` for these
     arguments, and its number of batches (None if unknown)."""
-    adapter = data_adapters.get_data_adapter(
-        x=x,
-        y=y,
-        sample_weight=sample_weight,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        class_weight=class_weight,
-    )
+    adapter = keras_data_adapter(x, y, sample_weight, batch_size, shuffle, class_weight)
     return adapter.get_tf_dataset(), adapter.num_batches
 
 
