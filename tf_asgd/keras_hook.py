@@ -20,7 +20,7 @@ import types
 import keras
 import tensorflow as tf
 
-from tf_asgd import internals, python_inputs
+from tf_asgd import internals, optimizer_options, python_inputs
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
@@ -100,6 +100,10 @@ def _fit(original, model, *args, **kwargs):
     _refuse_compile_options(model, strategy)
     model.train_function = None
     kwargs = _steps_and_repeated_data(original, model, args, kwargs)
+    # Before Keras starts the epoch (and the workers' iterators): nothing scheduled.
+    optimizer_options.check_window_steps(
+        model.optimizer, strategy.n_sync, kwargs["steps_per_epoch"]
+    )
     if model.steps_per_execution != strategy.n_sync:
         _say_batch_callbacks_run_per_window(kwargs["callbacks"], strategy.n_sync)
     feed = python_inputs.feed_of(kwargs["x"])
@@ -119,7 +123,7 @@ def _fit(original, model, *args, **kwargs):
         model.steps_per_execution = users_steps_per_execution
         strategy._set_fitting(model, False)
         try:
-            _join(strategy._trainer_of(model), failed)
+            _join(strategy.coordinator, strategy._trainer_of(model), failed)
         finally:
             python_inputs.end_fit(model, strategy._trainer_of(model))
 
@@ -192,25 +196,32 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
         )
 
 
-def _join(trainer, failed):
-    """Waits for the model's scheduled windows: nothing is left running after
-    `fit`, even on an error, and the strategy is ready for the next `fit`.
+_JOIN_ATTEMPTS = 8
 
-    After an error (a worker's, a callback's, KeyboardInterrupt) the windows'
-    own errors are not raised again: the user sees the first error, not a
-    CancelledError of the windows it stopped; the closures that failed are
-    dropped, so the next `fit` does not raise their errors either.
+
+def _join(coordinator, trainer, failed):
+    """Waits for everything `fit` scheduled (windows, and the workers' dataset
+    iterators, made before the model's trainer exists): nothing is left running
+    after `fit`, even on an error, and the strategy is ready for the next `fit`.
+    (A worker still making an iterator while a new strategy connected to the
+    same cluster crashed the process.)
+
+    After an error (a worker's, a callback's, a refusal, KeyboardInterrupt) the
+    windows' own errors are not raised again: the user sees the first error,
+    not a CancelledError of the windows it stopped; the closures that failed
+    are dropped, so the next `fit` does not raise their errors either.
     """
-    if trainer is None:
-        return
     if not failed:
-        trainer.coordinator.join()
+        coordinator.join()
         return
-    try:
-        trainer.coordinator.join()
-    except Exception:  # the error that matters is already on its way
-        pass
-    trainer.drop_failed()
+    for _ in range(_JOIN_ATTEMPTS):  # `join` returns at the first error; the rest may run on
+        try:
+            coordinator.join()
+            break
+        except Exception:  # the error that matters is already on its way
+            continue
+    if trainer is not None:
+        trainer.drop_failed()
 
 
 def _steps_and_repeated_data(original, model, args, kwargs):
