@@ -434,7 +434,9 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
 
 def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
     workdir = str(tmp_path / "run")
-    args = [*FAST, "--config.epochs=5", f"--workdir={workdir}"]
+    # Enough epochs that the SIGTERM lands mid-run: an epoch of the default config
+    # takes about 0.3 s on an idle machine.
+    args = [*FAST, "--config.epochs=40", f"--workdir={workdir}"]
     # SIGTERM in the middle of epoch 2: a checkpoint, every task stopped.
     launch = Launch(args)
     try:
@@ -479,7 +481,7 @@ def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
     _, epoch3, version3 = _resumed(log3)
     assert epoch3 == epoch + 1 and version3 > version
     r = _results(workdir)
-    assert r["initial_epoch"] == epoch3 and r["epochs"] == 5
+    assert r["initial_epoch"] == epoch3 and r["epochs"] == 40
 
 
 # ---------------------------------------------------------------------------

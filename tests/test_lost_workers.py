@@ -146,10 +146,12 @@ def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_
         f"(connect_timeout {TIMEOUT:g} s); then fit raised in {fit_again:.2f} s, evaluate "
         f"in {evaluate_secs:.2f} s; the cluster closed in {close_secs:.2f} s"
     )
-    assert TIMEOUT <= raised_after < TIMEOUT + SLACK
+    # The gate's clock starts at the failure, which TF may see a moment before the kill returns.
+    assert TIMEOUT - 0.5 <= raised_after < TIMEOUT + SLACK
     assert fit_again < TIMEOUT + SLACK and evaluate_secs < TIMEOUT + SLACK
     assert close_secs < 10
-    assert len(left) == threads_before, left  # this strategy's threads ended
+    # This strategy's threads ended (earlier tests' may have ended meanwhile too).
+    assert len(left) <= threads_before, left
     assert not any(_alive(pid) for pid in pids.values())
 
 
@@ -192,6 +194,7 @@ def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(digits, ca
         f"bound fit raised {raised_after:.2f} s after the kill; after its restart a fit "
         f"pushed {after - before} windows"
     )
-    assert TIMEOUT <= raised_after < TIMEOUT + SLACK
+    # The gate's clock starts at the failure, which TF may see a moment before the kill returns.
+    assert TIMEOUT - 0.5 <= raised_after < TIMEOUT + SLACK
     assert np.isfinite(history.history["loss"][0])
     assert after - before >= steps // 2  # (windows a failed fit queued but never scheduled run too)
