@@ -134,15 +134,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     optimizer to the pseudo-gradient `-staleness_scale(tau) * update`, where
     `tau` counts the pushes committed between this window's pull and its push.
 
-    Defaults: each push counts `max(1/N, min(1/4, 1/sqrt(2N)))` for N workers
-    (`update_rules.default_outer_optimizer(N)`, no staleness scaling): their
-    average up to 4 workers, 1/4 up to 8, then the square-root rule. N
-    workers each carry their own momentum (or Adam moments), so their pushes
-    added as they are overshoot; these rates keep the user's optimizer
-    stable unchanged. Where the rate is above the average, it ramps up from
-    `1 / N` over the first 4N pushes: the first windows all start from the
-    same weights, so their pushes agree and would overshoot added up. See
-    README, "Convergence".
+    Defaults: each push counts the average `1/N` up to 4 workers, then 2/3 of
+    `update_rules.stability_limit(N)` (`update_rules.default_outer_optimizer(N)`,
+    no staleness scaling), after a schedule over the first rounds: the user's
+    optimizer stays unchanged and stable. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
 
     The strategy keeps each model's training state (its `WindowTrainer`,
