@@ -427,9 +427,11 @@ def test_decaying_learning_rate_and_plateau_match_keras(strategy, flat):
     )
     (ours, h_ours), (plain, _) = runs
     assert len(h_ours.history["learning_rate"]) == 12
-    assert float(ours.optimizer.learning_rate.numpy()) == pytest.approx(
-        h_ours.history["learning_rate"][-1], rel=1e-6
-    )
+    # ReduceLROnPlateau logs the rate before it reduces it: a plateau at the last
+    # epoch (as in plain Keras) leaves the optimizer at half the logged rate.
+    last = h_ours.history["learning_rate"][-1]
+    final = float(ours.optimizer.learning_rate.numpy())
+    assert final == pytest.approx(last, rel=1e-6) or final == pytest.approx(0.5 * last, rel=1e-6)
     _assert_close_to_keras(_accuracy(ours, xt, yt), _accuracy(plain, xt, yt), "held-out")
 
 
