@@ -115,7 +115,7 @@ def test_simulate_outer_study(tmp_path):
     assert {
         "sequential",
         "default (rise and fall, warm-up)",
-        "capped, warm-up (default to session 7)",
+        "capped square-root rate, warm-up",
         "delayed Nesterov 0.7/0.9",
     } <= setups
     assert len(rows) == 2 * len(setups)  # momentum SGD and Adam, one seed each

@@ -44,12 +44,13 @@ def sqrt_outer_learning_rate(workers):
 
 
 def capped_outer_optimizer(workers):
-    """The default outer rate without the default's first-round rise and fall, for
-    side-by-side runs: the capped rate, warmed up from `1 / N` over `4 N` pushes where
-    it is above the average. It differs from the default from 3 to 7 workers only."""
+    """A baseline for side-by-side runs: the capped square-root rate
+    `max(1/N, min(1/4, 1/sqrt(2N)))`, warmed up from `1 / N` over `4 N` pushes where it
+    is above the average. From 8 workers on it is above the stability limit
+    (`update_rules.stability_limit`)."""
     from tf_asgd import update_rules as rules
 
-    lr = rules.default_outer_learning_rate(workers)
+    lr = max(1.0 / workers, min(0.25, (2.0 * workers) ** -0.5))
     if lr > 1.0 / workers:
         return rules.OuterSGD(lr, schedule=((4 * workers, 1.0 / workers),))
     return rules.OuterSGD(lr)

@@ -252,10 +252,10 @@ def outer_setups(workers):
     from tf_asgd import update_rules as rules
 
     return {
-        "dynsgd, add (before #13)": ("dynsgd", rules.OuterSGD(), "keep"),
+        "dynsgd, every push added": ("dynsgd", rules.OuterSGD(), "keep"),
         "average": ("none", rules.OuterSGD(1.0 / workers), "keep"),
         "sqrt": ("none", rules.OuterSGD(_common.sqrt_outer_learning_rate(workers)), "keep"),
-        "capped, warm-up (default to session 7)": (
+        "capped square-root rate, warm-up": (
             "none",
             _common.capped_outer_optimizer(workers),
             "keep",
