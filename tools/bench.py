@@ -81,7 +81,7 @@ def _measure(fit, rate, seconds, unit, attempts=3):
     Steps are planned from `rate` (steps/s, an estimate) as multiples of
     `unit`. A `fit` sometimes stalls for seconds at its start (separate
     processes: the previous fit's per-worker iterators being deleted,
-    results/README.md), so an estimate from a stalled warm-up is too low and
+    results/throughput/README.md), so an estimate from a stalled warm-up is too low and
     plans a run so short that a stall would be most of it: a run shorter than
     half of `seconds` is planned again from the faster rate and repeated, up
     to `attempts` runs; the last one counts.
@@ -382,7 +382,7 @@ def markdown(rows, args):
 
 def main(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/bench")
+    p.add_argument("--out", default="results/throughput")
     p.add_argument("--model", default="gem_mnist_convnet")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", default="1,2,4")
