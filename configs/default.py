@@ -8,7 +8,7 @@ Runs offline (scikit-learn's 8x8 digits, no download) in about 30 s on
 Every field can be overridden on the command line, e.g.
 `--config.epochs=5 --config.gem.enabled=False --config.n_sync=1`.
 
-What each field means is written once, in `tf_asgd.config_fields.CONFIG_FIELDS`;
+What each field means is written once, in `tf_asgd.launch.config_fields.CONFIG_FIELDS`;
 `python -m tf_asgd.launch --help` prints it. A new field goes in both places
 (tests/test_configs.py checks that they name the same fields).
 """

@@ -9,7 +9,6 @@ import pytest
 
 import tf_asgd
 
-
 CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "cluster4", "sharded_cluster"}
 
 

@@ -1,12 +1,11 @@
 """The package's layering, checked statically (no TF import, no cluster).
 
-Every `tf_asgd/*.py` is parsed with `ast`. Imports inside functions count:
+Every module under `tf_asgd/` is parsed with `ast`. Imports inside functions count:
 a function-level import is an import that runs, only later.
 """
 
 import ast
 import os
-
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "tf_asgd")
@@ -15,13 +14,16 @@ PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
 
 
 def _modules():
-    """`{module name: path}` of every module of the package (`tf_asgd` for __init__)."""
+    """`{module name: path}` of every module of the package, subpackages included
+    (`tf_asgd.x` for `tf_asgd/x/__init__.py`)."""
     out = {}
-    for name in sorted(os.listdir(PACKAGE)):
-        if name.endswith(".py"):
-            module = "tf_asgd" if name == "__init__.py" else f"tf_asgd.{name[:-3]}"
-            out[module] = os.path.join(PACKAGE, name)
-    return out
+    for folder, _, names in os.walk(PACKAGE):
+        parts = os.path.relpath(folder, ROOT).split(os.sep)
+        for name in names:
+            if name.endswith(".py"):
+                stem = [] if name == "__init__.py" else [name[:-3]]
+                out[".".join(parts + stem)] = os.path.join(folder, name)
+    return dict(sorted(out.items()))
 
 
 MODULES = _modules()
@@ -96,22 +98,48 @@ def test_no_import_cycle_among_tf_asgd_modules():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_imports_run_one_way_through_the_core():
-    """update_rules, counters, internals <- scheduling <- strategy -> keras_hook."""
+# The package's layers, lowest first. A module may import modules of its own
+# layer or a lower one, never a higher one (docs/architecture.md).
+LAYERS = (
+    ("internals", "rules"),
+    ("optimizers", "data", "models"),
+    ("cluster",),
+    ("runtime",),
+    ("keras_glue",),
+    ("strategy",),
+    ("launch", "sim"),
+)
+LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+
+def _layer(module):
+    """`module`'s layer: that of its subpackage, or of the top-level module itself."""
+    return LAYER_OF[module.split(".")[1]]
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        if module != "tf_asgd":  # the package exports everything, lazily
+            assert module.split(".")[1] in LAYER_OF, module
+
+
+def test_imports_run_one_way_down_the_layers():
+    upward = sorted(
+        f"{module} -> {dep}"
+        for module, deps in _graph().items()
+        if module != "tf_asgd"
+        for dep in deps
+        if dep != "tf_asgd" and _layer(dep) > _layer(module)
+    )
+    assert not upward, "imports from a lower layer to a higher one: " + ", ".join(upward)
+
+
+def test_the_layer_checker_sees_the_core_edges():
     graph = _graph()
-    assert "tf_asgd.scheduling" in graph["tf_asgd.strategy"]
-    assert "tf_asgd.keras_hook" in graph["tf_asgd.strategy"]
-    for low in ("tf_asgd.update_rules", "tf_asgd.counters", "tf_asgd.internals"):
-        assert not graph[low] & {"tf_asgd.scheduling", "tf_asgd.strategy", "tf_asgd.keras_hook"}, (
-            low
-        )
-    assert not graph["tf_asgd.keras_hook"] & {"tf_asgd.strategy", "tf_asgd.scheduling"}
-    assert not graph["tf_asgd.scheduling"] & {"tf_asgd.strategy", "tf_asgd.keras_hook"}
-    assert not graph["tf_asgd.gem"] & {
-        "tf_asgd.strategy",
-        "tf_asgd.scheduling",
-        "tf_asgd.keras_hook",
-    }
+    assert "tf_asgd.runtime.scheduling" in graph["tf_asgd.strategy"]
+    assert "tf_asgd.keras_glue.keras_hook" in graph["tf_asgd.strategy"]
+    assert "tf_asgd.rules.update_rules" in graph["tf_asgd.optimizers.gem"]
+    assert _layer("tf_asgd.runtime.window") > _layer("tf_asgd.rules.outer")
 
 
 def test_private_tf_and_keras_imports_stay_in_few_modules():
@@ -177,12 +205,12 @@ def test_module_docstrings_are_short():
     docs/architecture.md. Checked for the package, the tools and the tests."""
     paths = list(MODULES.values())
     for folder in ("tools", "tests"):
-        directory = os.path.join(ROOT, folder)
-        paths += [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".py")]
+        for directory, _, names in os.walk(os.path.join(ROOT, folder)):
+            paths += [os.path.join(directory, n) for n in names if n.endswith(".py")]
     long = {
         os.path.relpath(p, ROOT): n
         for p in sorted(paths)
         if (n := _module_docstring_lines(p)) > MAX_MODULE_DOCSTRING_LINES
     }
     assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {long}"
-    assert _module_docstring_lines(MODULES["tf_asgd.window"]) > 0  # the checker reads them
+    assert _module_docstring_lines(MODULES["tf_asgd.runtime.window"]) > 0  # the checker reads them

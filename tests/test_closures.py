@@ -11,13 +11,13 @@ import time
 import keras
 import numpy as np
 import pytest
+from conftest import compile_digits
 
 import tf_asgd
-from tf_asgd import scheduling, update_rules
-from tf_asgd.cluster import make_resolver
-from tf_asgd.window import APPLIED_RING
-
-from conftest import compile_digits
+from tf_asgd.cluster.local_cluster import make_resolver
+from tf_asgd.rules import update_rules
+from tf_asgd.runtime import scheduling
+from tf_asgd.runtime.window import APPLIED_RING
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "4", scheduling.MAX_WINDOWS_PER_CLOSURE + 1])
@@ -92,9 +92,9 @@ def test_gem_is_exact_with_several_windows_per_closure(cluster1, outer):
     NumPy reference does window by window (with outer state, the push is a
     `tf.cond` on the PS; without, branch-free)."""
     from test_gem import (
+        KAPPA,
         LR,
         MU,
-        KAPPA,
         N_SYNC,
         RecordWeights,
         ReferenceGEM,

@@ -11,7 +11,9 @@ import tensorflow as tf
 from absl import flags
 from ml_collections import config_flags
 
-from tf_asgd import config_fields, data, input_pipeline, models, train_lib
+from tf_asgd import data, models
+from tf_asgd.launch import config_fields, input_pipeline
+from tf_asgd.launch import library as train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -100,7 +102,7 @@ def test_make_optimizer_wraps_gem_when_enabled():
 
 
 def test_outer_optimizer_fields_build_the_strategys_outer_optimizer():
-    from tf_asgd import update_rules
+    from tf_asgd.rules import update_rules
 
     assert train_lib.make_outer_optimizer(load("default")) is None  # the strategy's default
     c = load("default", "--config.outer.name=nesterov")

@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd import connect
-from tf_asgd.cluster import _pick_ports, make_resolver
+from tf_asgd.cluster import connect
+from tf_asgd.cluster.local_cluster import _pick_ports, make_resolver
 
 TIMEOUT = 3.0
 SLACK = 10.0  # what the bound may be overrun by: one probe round, a loaded machine

@@ -197,7 +197,8 @@ def test_the_tfjob_runs_this_image_as_written(dockerfile, tfjob, tmp_path):
         command = container["command"]
         assert command[:3] == ["python", "-m", "tf_asgd.launch"], role
         app = image / container["workingDir"].lstrip("/")
-        assert (app / "pyproject.toml").exists() and (app / "tf_asgd" / "launch.py").exists()
+        assert (app / "pyproject.toml").exists()
+        assert (app / "tf_asgd" / "launch" / "__main__.py").exists()
         config = next(a.split("=", 1)[1] for a in command if a.startswith("--config="))
         assert (app / config).exists(), (
             f"{role}: {config} is not in the image's {container['workingDir']}"

@@ -10,10 +10,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import compile_digits
 
 import tf_asgd
-
-from conftest import compile_digits
 
 pytestmark = pytest.mark.cluster  # every test here starts TF servers
 

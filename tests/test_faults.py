@@ -17,12 +17,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tf_asgd
-from tf_asgd import update_rules
-
 from conftest import compile_digits
 from test_launch import assert_all_stopped, launcher, local_cluster_ports
+
+import tf_asgd
+from tf_asgd.rules import update_rules
 
 pytestmark = pytest.mark.cluster  # every test here starts TF servers
 
@@ -208,7 +207,8 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
     Neither variable, nor the version counter, nor the outer optimizer's
     state has changed; once the worker is back, TF's coordinator runs the
     closure again and the whole update lands exactly once."""
-    from tf_asgd import outer, scheduling
+    from tf_asgd.rules import outer
+    from tf_asgd.runtime import scheduling
 
     with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
         # Its only worker is down until restarted (up to 25 s on a loaded machine): a
@@ -503,7 +503,7 @@ def _children():
     return {
         int(line.split()[0])
         for line in out.splitlines()[1:]
-        if int(line.split()[1]) == os.getpid() and "tf_asgd.task_server" in line
+        if int(line.split()[1]) == os.getpid() and "tf_asgd.cluster.task_server" in line
     }
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tf_asgd
-from tf_asgd import update_rules
+from tf_asgd.rules import update_rules
 
 LR, MU, KAPPA, N_SYNC = 0.1, 0.9, 2.0, 3
 
@@ -164,13 +164,13 @@ def test_gem_trains_digits_and_reports_pi(cluster, digits, tmp_path):
         batch_size=32,
         epochs=epochs,
         verbose=0,
-        callbacks=[tf_asgd.gem.PiMonitor(str(tmp_path / "pi"))],
+        callbacks=[tf_asgd.optimizers.gem.PiMonitor(str(tmp_path / "pi"))],
     )
     assert model.evaluate(xt, yt, verbose=0)[1] >= 0.95
     for key in ("gem_pi_mean", "gem_pi_zero", "gem_pi_max"):
         assert len(history.history[key]) == epochs
     assert all(0.0 <= p <= 5.0 for p in history.history["gem_pi_mean"])
-    names, pis = tf_asgd.gem.pi_history(model)
+    names, pis = tf_asgd.optimizers.gem.pi_history(model)
     assert pis.shape == (strategy.model_stats(model).applied, len(model.trainable_variables), 3)
     assert list(tmp_path.joinpath("pi").glob("events.out.tfevents.*"))
 

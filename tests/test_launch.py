@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from tf_asgd import train_lib, training
+from tf_asgd.launch import library as train_lib
+from tf_asgd.launch import roles as training
 
 pytestmark = pytest.mark.cluster  # every test here starts TF servers
 
@@ -67,7 +68,7 @@ def local_cluster_ports(log):
 
 
 def task_server_processes(ports):
-    """Live tf_asgd.task_server processes of the cluster whose worker and PS
+    """Live tf_asgd.cluster.task_server processes of the cluster whose worker and PS
     ports are `ports` (each task's command line holds the whole cluster spec).
     All ports must match: a launcher in its own network namespace can pick a
     port number that a cluster outside it uses too."""
@@ -80,7 +81,7 @@ def task_server_processes(ports):
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "tf_asgd.task_server" in cmd and all(f':{p}"' in cmd for p in ports):
+        if "tf_asgd.cluster.task_server" in cmd and all(f':{p}"' in cmd for p in ports):
             found.append((pid, cmd))
     return found
 
@@ -122,7 +123,7 @@ def test_help_lists_every_flag_and_loads_no_tensorflow():
         for line in proc.stderr.splitlines()
         if line.startswith("import time:")
     }
-    assert "tf_asgd.config_fields" in imported
+    assert "tf_asgd.launch.config_fields" in imported
     assert not imported & {"tensorflow", "keras"}
 
 
@@ -181,7 +182,7 @@ def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path
 
 
 def _userns_available():
-    from tf_asgd import network
+    from tf_asgd.cluster import network
 
     try:
         network.check_available()

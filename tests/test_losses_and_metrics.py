@@ -5,7 +5,7 @@ against plain Keras on the same data and weights.
   each counted once, as Keras counts them: in a window's local steps (Keras's
   step and a model's own `train_step`) and in evaluation on the workers.
 - A metric state merges over windows and evaluation shards only if its update
-  is additive (`tf_asgd.metric_states`): Keras's built-in metrics are; a
+  is additive (`tf_asgd.runtime.metric_states`): Keras's built-in metrics are; a
   running max is not, and is refused in training and evaluated on the chief.
 """
 
@@ -17,8 +17,9 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd import evaluation, metric_states, steps
-from tf_asgd.metric_states import MetricStateError
+from tf_asgd.keras_glue import evaluation
+from tf_asgd.runtime import metric_states, steps
+from tf_asgd.runtime.metric_states import MetricStateError
 
 TOL = 1e-5
 

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd import connect
+from tf_asgd.cluster import connect
 
 pytestmark = pytest.mark.cluster  # every test here starts its own TF servers
 

@@ -1,4 +1,4 @@
-"""Loopback-only namespaces (tf_asgd.network), in a real child process."""
+"""Loopback-only namespaces (tf_asgd.cluster.network), in a real child process."""
 
 import os
 import subprocess
@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from tf_asgd import network
+from tf_asgd.cluster import network
 
 SCRIPT = """
 import os, socket, sys
 import tf_asgd
 print("before", os.getpid(), flush=True)
-tf_asgd.network.reexec_in_loopback_namespace()
+tf_asgd.cluster.network.reexec_in_loopback_namespace()
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()  # loopback is up
 print("inside", os.getpid(), [n for _, n in socket.if_nameindex()], sys.argv[1:], flush=True)
 """

@@ -11,8 +11,8 @@ import tensorflow as tf
 
 import tf_asgd
 from tf_asgd import internals
-from tf_asgd.optimizer_options import UnsupportedFeatureError
-from tf_asgd.push import device_of, raw
+from tf_asgd.runtime.optimizer_options import UnsupportedFeatureError
+from tf_asgd.runtime.push import device_of, raw
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

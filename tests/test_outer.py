@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_asgd import outer, update_rules
+from tf_asgd.rules import outer, update_rules
 
 OPTIMIZERS = [
     update_rules.OuterSGD(),
@@ -225,7 +225,7 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
     over 2 PS (and an unsplit one): central variables and outer state follow
     `update_rules.ps_push`, and the step counter the tickets."""
     import tf_asgd
-    from tf_asgd import push
+    from tf_asgd.runtime import push
 
     partitioner = tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=16)
     strategy = tf_asgd.AsyncParameterServerStrategy(
@@ -281,6 +281,7 @@ def test_outer_state_round_trips_through_a_checkpoint(sharded_cluster, tmp_path)
     """The outer momentum is saved beside the model, and a checkpoint restored
     before `fit` fills a fresh strategy's slots when `fit` creates them."""
     import keras
+
     import tf_asgd
 
     (x, y), _ = tf_asgd.data.load_digits()

@@ -1,6 +1,6 @@
 """Python-side training data (`keras.utils.PyDataset`, `Dataset.from_generator`,
 `py_function` pipelines, generators) is read by the chief and sent to the
-workers with each closure (`tf_asgd.python_inputs`): trained, as Keras trains
+workers with each closure (`tf_asgd.runtime.python_inputs`): trained, as Keras trains
 it, not refused.
 """
 
@@ -13,12 +13,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tf_asgd
-from tf_asgd import python_inputs, scheduling
-
 from conftest import compile_digits
 from test_errors import ERROR_BOUND_SECS, bounded
+
+import tf_asgd
+from tf_asgd.runtime import python_inputs, scheduling
 
 pytestmark = pytest.mark.cluster  # every test here trains on a real cluster
 

@@ -5,7 +5,8 @@ measured on digits."""
 import numpy as np
 import pytest
 
-from tf_asgd import simulator, update_rules
+from tf_asgd.rules import update_rules
+from tf_asgd.sim import simulator
 
 
 @pytest.fixture(scope="module")

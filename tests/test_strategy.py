@@ -7,12 +7,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import compile_digits
 
 import tf_asgd
-from tf_asgd import scheduling, update_rules
-from tf_asgd.cluster import make_resolver
-
-from conftest import compile_digits
+from tf_asgd.cluster.local_cluster import make_resolver
+from tf_asgd.rules import update_rules
+from tf_asgd.runtime import scheduling
 
 pytestmark = pytest.mark.cluster  # every test here starts TF servers
 
@@ -265,7 +265,9 @@ def test_train_on_batch_is_refused(cluster, digits):
 
 def _task_servers():
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines() if "tf_asgd.task_server" in line}
+    return {
+        int(line.split()[0]) for line in out.splitlines() if "tf_asgd.cluster.task_server" in line
+    }
 
 
 def test_local_cluster_stops_every_process_also_on_error():

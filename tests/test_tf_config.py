@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tf_asgd import cluster as cluster_lib
+from tf_asgd.cluster import local_cluster as cluster_lib
 
 CLUSTER = {
     "chief": ["host0:2222"],

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd.steps import TrainStepError
+from tf_asgd.runtime.steps import TrainStepError
 
 pytestmark = pytest.mark.cluster  # every test here starts TF servers
 

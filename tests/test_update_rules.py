@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow.experimental.numpy as tnp
 
-from tf_asgd import update_rules
+from tf_asgd.rules import update_rules
 
 
 def test_staleness_scales():

@@ -19,19 +19,19 @@ import sys
 
 _EXPORTS = {
     "AsyncParameterServerStrategy": "tf_asgd.strategy",
-    "AsyncStats": "tf_asgd.counters",
-    "ClusterUnreachableError": "tf_asgd.connect",
-    "DelayedNesterov": "tf_asgd.update_rules",
-    "LocalCluster": "tf_asgd.cluster",
-    "MetricStateError": "tf_asgd.metric_states",
-    "OuterSGD": "tf_asgd.update_rules",
-    "TrainStepError": "tf_asgd.steps",
-    "UnsupportedFeatureError": "tf_asgd.optimizer_options",
-    "WindowRecord": "tf_asgd.records",
-    "WorkersLostError": "tf_asgd.connect",
-    "parse_tf_config": "tf_asgd.cluster",
+    "AsyncStats": "tf_asgd.runtime.counters",
+    "ClusterUnreachableError": "tf_asgd.cluster.connect",
+    "DelayedNesterov": "tf_asgd.rules.update_rules",
+    "LocalCluster": "tf_asgd.cluster.local_cluster",
+    "MetricStateError": "tf_asgd.runtime.metric_states",
+    "OuterSGD": "tf_asgd.rules.update_rules",
+    "TrainStepError": "tf_asgd.runtime.steps",
+    "UnsupportedFeatureError": "tf_asgd.runtime.optimizer_options",
+    "WindowRecord": "tf_asgd.runtime.records",
+    "WorkersLostError": "tf_asgd.cluster.connect",
+    "parse_tf_config": "tf_asgd.cluster.local_cluster",
 }
-_SUBMODULES = ("data", "gem", "models", "network", "optimizers", "update_rules")
+_SUBMODULES = ("data", "models", "optimizers", "rules")
 
 
 def __getattr__(name):
@@ -79,10 +79,8 @@ __all__ = [
     "WindowRecord",
     "WorkersLostError",
     "data",
-    "gem",
     "models",
-    "network",
     "optimizers",
     "parse_tf_config",
-    "update_rules",
+    "rules",
 ]

@@ -201,7 +201,7 @@ def emulated_device_time(step_ms, slowdown=None):
 
 
 # ---------------------------------------------------------------------------
-# Larger data sets for the launcher's configs (tf_asgd.input_pipeline). Loaded with
+# Larger data sets for the launcher's configs (tf_asgd.launch.input_pipeline). Loaded with
 # the ecosystem's readers (keras.datasets, keras.utils.image_dataset_from_directory,
 # tf.data TFRecords); a missing data set raises `MissingDataError` naming the
 # path tried and how to get the data.

@@ -67,11 +67,10 @@ check_keras_version()
 
 # Keras's TF trainer: the class whose fit/make_train_function keras_hook wraps
 # (Keras 3 has no public extension point for a parameter-server fit).
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401 (re-exported)
-
 # Keras's TF optimizer refuses `stateless_apply` under tf.distribute; the
 # backend-neutral BaseOptimizer implementation is what a window needs.
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401 (re-exported)
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 # Keras's own data adapters and validation split: `fit(steps_per_epoch=...)`
@@ -86,7 +85,6 @@ from tensorflow.python.distribute.coordinator import remote_value
 # A variable split by a `variable_partitioner`; public only as
 # `tf.__internal__.distribute.ShardedVariable`.
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
-
 
 # ---- Keras model and trainer -------------------------------------------------
 

@@ -16,11 +16,15 @@ import weakref
 
 import tensorflow as tf
 
-from tf_asgd import cluster as cluster_lib
-from tf_asgd import connect, internals, keras_hook, lost_workers, python_inputs, update_rules
-from tf_asgd.counters import PushCounters
-from tf_asgd.evaluation import Evaluator, validate_evaluation
-from tf_asgd.scheduling import WindowTrainer, validate_windows_per_closure
+from tf_asgd import internals
+from tf_asgd.cluster import connect, lost_workers
+from tf_asgd.cluster import local_cluster as cluster_lib
+from tf_asgd.keras_glue import keras_hook
+from tf_asgd.keras_glue.evaluation import Evaluator, validate_evaluation
+from tf_asgd.rules import update_rules
+from tf_asgd.runtime import python_inputs
+from tf_asgd.runtime.counters import PushCounters
+from tf_asgd.runtime.scheduling import WindowTrainer, validate_windows_per_closure
 
 # ExternalStatePolicy.WARN of DatasetToGraphV2, as TF's coordinator serializes
 # a dataset for its workers (values.serialize_dataset_to_graph).
@@ -436,7 +440,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         `per_worker_dataset_fn`, else a new one, `make()`, which replaces it.
 
         Kept because deleting a per-worker iterator holds the workers for up
-        to seconds at the next `fit`'s start (results/README.md),
+        to seconds at the next `fit`'s start (results/throughput/README.md),
         and because each worker skips its offset of batches only once per
         model (`window.WindowFunction._shift_data_once`): fresh iterators
         would start every worker at the same batch again.

@@ -4,8 +4,8 @@ Every tool is a script, `python tools/NAME.py --flag value`; Python puts
 tools/ first on `sys.path` for it, so `import _common` finds this module.
 Each tool parses its flags with `parser(__doc__)` (argparse, `--out` for
 its output directory, dashes in flag names), writes CSV with
-`tf_asgd.plots.write_csv`, Markdown tables with `markdown_table` and plots
-with `tf_asgd.plots.plot_panels`.
+`plots.write_csv`, Markdown tables with `markdown_table` and plots
+with `plots.plot_panels`.
 
 TensorFlow, Keras and tf_asgd are imported inside the helpers, not here:
 bench.py's stock-PS child must set `TF_USE_LEGACY_KERAS` before TensorFlow
@@ -48,7 +48,7 @@ def capped_outer_optimizer(workers):
     `max(1/N, min(1/4, 1/sqrt(2N)))`, warmed up from `1 / N` over `4 N` pushes where it
     is above the average. From 8 workers on it is above the stability limit
     (`update_rules.stability_limit`)."""
-    from tf_asgd import update_rules as rules
+    from tf_asgd.rules import update_rules as rules
 
     lr = max(1.0 / workers, min(0.25, (2.0 * workers) ** -0.5))
     if lr > 1.0 / workers:
@@ -93,7 +93,7 @@ def compile_classifier(model, optimizer, metrics=None, keras_module=None):
 
 def columns(rows):
     """The keys of a list of dicts, in order of first appearance (the
-    columns `tf_asgd.plots.write_csv` writes)."""
+    columns `plots.write_csv` writes)."""
     out = []
     for row in rows:
         out += [k for k in row if k not in out]

@@ -416,7 +416,7 @@ def main(argv=None):
         {"keras": child_keras, "pss": child_pss, "asgd": child_asgd}[args.child](args)
         return 0
 
-    from tf_asgd import plots
+    import plots
 
     workers = [int(w) for w in args.workers.split(",")]
     pss_workers = [int(w) for w in (args.pss_workers or args.workers).split(",")]

@@ -210,7 +210,7 @@ def test_pair(venv, tf_version, keras_version, args, expect_refusal=False):
 
 
 def write_results(rows, args):
-    # csv here, not tf_asgd.plots.write_csv: this process never imports TF.
+    # csv here, not plots.write_csv: this process never imports TF.
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compat.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")

@@ -72,7 +72,7 @@ def make_optimizer(name, gem=False):
 
 def strategy_kwargs(setup, workers):
     """The strategy arguments of a setup, beyond `n_sync`."""
-    from tf_asgd import update_rules as rules
+    from tf_asgd.rules import update_rules as rules
 
     return {
         "default": {},
@@ -217,7 +217,7 @@ def plot(out, curves):
     """`curves_<model>_<optimizer>_n<n_sync>.png`: held-out accuracy and loss
     against samples seen, a panel per worker count; each setup (and plain
     Keras) as its mean over seeds with a min-max band."""
-    from tf_asgd import plots
+    import plots
 
     runs = collections.defaultdict(
         list
@@ -284,7 +284,7 @@ def _band(label, rows, metric):
 
 def merge(dirs, out):
     """Combines the CSVs of several runs of this tool; rewrites the table and plots."""
-    from tf_asgd import plots
+    import plots
 
     numeric = ("n_sync", "workers", "seed", "steps_per_epoch", "epoch", "samples", "diverged")
     tables = {"curves.csv": [], "summary.csv": []}
@@ -356,7 +356,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     import tf_asgd
-    from tf_asgd import plots
+
+    import plots
 
     data = tf_asgd.data.load_digits()
     args.steps_per_pass = int(np.ceil(len(data[0][0]) / args.batch_size))

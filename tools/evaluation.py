@@ -110,7 +110,8 @@ def main(argv=None):
     import numpy as np
 
     import tf_asgd
-    from tf_asgd import plots
+
+    import plots
 
     (x, y), (xt, yt) = tf_asgd.data.load_digits()
     x, y = np.concatenate([x, xt]), np.concatenate([y, yt])

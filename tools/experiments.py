@@ -135,7 +135,7 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
 
 
 def _smoothed(rows, args):
-    from tf_asgd import plots
+    import plots
 
     return plots.sliding_mean(
         [r["error"] for r in rows], args.smooth, weights=[r["minibatches"] for r in rows]
@@ -164,7 +164,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import tf_asgd
-    from tf_asgd import plots
+
+    import plots
 
     data, model_name = load_data(args.data)
     sweeps = args.sweeps.split(",")

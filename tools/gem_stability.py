@@ -86,7 +86,7 @@ def run_method(method, cluster, data, args):
 
 
 def write_results(rows, histories, args):
-    from tf_asgd import plots
+    import plots
 
     out = args.out
     os.makedirs(out, exist_ok=True)

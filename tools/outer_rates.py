@@ -92,7 +92,7 @@ def run(workers, n_sync, rate, optimizer, seed, steps, eval_every=300):
     quarter = len(curve) // 4
     best = np.maximum.accumulate(curve)
     rate_value = (
-        tf_asgd.update_rules.default_outer_learning_rate(workers)
+        tf_asgd.rules.update_rules.default_outer_learning_rate(workers)
         if rate == "default"
         else float(rate)
     )
@@ -101,7 +101,7 @@ def run(workers, n_sync, rate, optimizer, seed, steps, eval_every=300):
         n_sync=n_sync,
         rate=rate,
         rate_value=round(rate_value, 4),
-        limit=round(tf_asgd.update_rules.stability_limit(workers), 4),
+        limit=round(tf_asgd.rules.update_rules.stability_limit(workers), 4),
         optimizer=optimizer,
         seed=seed,
         final=round(curve[-1], 4),

@@ -159,7 +159,7 @@ def main(argv=None):
         p.error(f"unknown --bodies {bad}; choose from {list(BODIES)}")
     if args.iterations < 4 or args.rounds < 1 or args.elements < 1:
         p.error("--iterations must be >= 4, --rounds and --elements >= 1")
-    from tf_asgd import plots
+    import plots
 
     rows = measure(args)
     os.makedirs(args.out, exist_ok=True)

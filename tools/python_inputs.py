@@ -1,7 +1,7 @@
 """A `keras.utils.PyDataset` against the same data as NumPy arrays: samples/s of `fit`.
 
 With arrays each worker reads its own shard; with a PyDataset the chief reads every batch
-and sends it with each closure (`tf_asgd.python_inputs`), so the chief's CPU can stop it
+and sends it with each closure (`tf_asgd.runtime.python_inputs`), so the chief's CPU can stop it
 scaling. For each worker count (`--workers`), the digits convnet trains on `--samples`
 images, once on arrays and once on a PyDataset of them, alternating, `--rounds` times;
 `--getitem-ms` adds a per-batch sleep in `__getitem__` (`--py-workers` enqueuer threads).
@@ -188,7 +188,7 @@ def main(argv=None):
         "--py-workers", type=int, default=1, help="PyDataset(workers=...): Keras's enqueuer threads"
     )
     args = p.parse_args(argv)
-    from tf_asgd import plots
+    import plots
 
     t0 = time.time()
     x, y = digits_arrays(args.samples)

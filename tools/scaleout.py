@@ -151,7 +151,7 @@ def main(argv=None):
     p.add_argument("--ceiling", action="store_true", help="also measure the push-rate ceiling")
     p.add_argument("--tag", default="", help="suffix for the output files")
     args = p.parse_args(argv)
-    from tf_asgd import plots
+    import plots
 
     n_syncs = [int(n) for n in args.n_sync.split(",")]
     rows = []

@@ -1,6 +1,6 @@
 """Many-worker simulator runs: GEM's stability claim at 16 to 100 workers.
 
-Runs `tf_asgd.simulator` (the very update rules of the cluster, with NumPy) for every
+Runs `tf_asgd.sim.simulator` (the very update rules of the cluster, with NumPy) for every
 method x worker count x learning rate, and writes to `--out`:
 
 - `stability.csv`, `stability.png`: final and best held-out loss per run, and whether it
@@ -21,9 +21,10 @@ import time
 
 import numpy as np
 
-from tf_asgd import plots, simulator
+from tf_asgd.sim import simulator
 
 import _common
+import plots
 
 
 def main(argv=None):
@@ -249,7 +250,7 @@ def _staleness_distributions(args, x, y):
 
 def outer_setups(workers):
     """Outer optimizer setups of the outer study: name -> (staleness rule, outer, worker state)."""
-    from tf_asgd import update_rules as rules
+    from tf_asgd.rules import update_rules as rules
 
     return {
         "dynsgd, every push added": ("dynsgd", rules.OuterSGD(), "keep"),

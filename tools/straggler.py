@@ -111,7 +111,8 @@ def main(argv=None):
     if args.workers < 2:
         p.error("--workers must be at least 2 (one straggler and one fast worker)")
     import tf_asgd
-    from tf_asgd import plots
+
+    import plots
 
     data = tf_asgd.data.load_digits()
     rows, logs = [], {}

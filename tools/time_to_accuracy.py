@@ -509,7 +509,7 @@ def write_table(out, runs):
 
 def plot(out, runs, curves):
     """The two figures: a panel per (setup, n_sync), a line per worker count."""
-    from tf_asgd import plots
+    import plots
 
     by_run = collections.defaultdict(list)
     for p in curves:
@@ -567,7 +567,8 @@ def calibrate(args):
     import keras
 
     import tf_asgd
-    from tf_asgd import plots
+
+    import plots
 
     steps = args.calibration_steps
     rows = []
@@ -702,7 +703,7 @@ def main(argv=None):
         calibrate(args)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    from tf_asgd import plots
+    import plots
 
     device_s = sum(
         _steps(s, args)

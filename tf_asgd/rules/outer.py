@@ -11,7 +11,7 @@ either an add (adds commute) or TF's locked `ResourceApplyKerasMomentum`
 
 import tensorflow as tf
 
-from tf_asgd import update_rules
+from tf_asgd.rules import update_rules
 
 
 def create_slots(opt, shard):

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asgd import data
-from tf_asgd.config_fields import DATASETS
+from tf_asgd.launch.config_fields import DATASETS
 
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC 2012; TFRecords do not say how many they hold
 

@@ -13,7 +13,8 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 from keras import Variable
 
-from tf_asgd import internals, outer, update_rules
+from tf_asgd import internals
+from tf_asgd.rules import outer, update_rules
 
 
 def raw(v):

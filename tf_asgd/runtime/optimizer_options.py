@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from tf_asgd import internals
-from tf_asgd.push import device_of, raw, read, shards
+from tf_asgd.runtime.push import device_of, raw, read, shards
 
 
 class UnsupportedFeatureError(ValueError):

@@ -1,4 +1,4 @@
-"""A process that hosts TF server tasks: `python -m tf_asgd.task_server SPEC TASKS`.
+"""A process that hosts TF server tasks: `python -m tf_asgd.cluster.task_server SPEC TASKS`.
 
 `SPEC` is the cluster as JSON, `TASKS` a comma list like `ps:0,worker:1`.
 The process prints `READY` once its servers listen, then serves until its
@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from tf_asgd.cluster import _READY as READY
+from tf_asgd.cluster.local_cluster import _READY as READY
 
 
 def serve(cluster, tasks):

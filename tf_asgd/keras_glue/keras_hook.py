@@ -20,7 +20,8 @@ import types
 import keras
 import tensorflow as tf
 
-from tf_asgd import internals, optimizer_options, python_inputs
+from tf_asgd import internals
+from tf_asgd.runtime import optimizer_options, python_inputs
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 

@@ -6,10 +6,10 @@ on `TF_CONFIG`: none, `run_local` (a loopback cluster, stopped at the end); `chi
 Roles and the workdir layout: docs/architecture.md and docs/launcher.md.
 
 Example:
-    from tf_asgd import training
+    from tf_asgd.launch import roles
 
     config = ...  # configs/default.py's get_config(), overridden as needed
-    results = training.run(config, workdir="/tmp/asgd")  # TF_CONFIG decides the role
+    results = roles.run(config, workdir="/tmp/asgd")  # TF_CONFIG decides the role
 """
 
 import json
@@ -23,12 +23,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_asgd import cluster as cluster_lib
-from tf_asgd import task_server
-from tf_asgd.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
-from tf_asgd.lost_tasks import task_lost_error
-from tf_asgd.strategy import AsyncParameterServerStrategy
-from tf_asgd.train_lib import (
+from tf_asgd.cluster import local_cluster as cluster_lib
+from tf_asgd.cluster import task_server
+from tf_asgd.cluster.lost_tasks import task_lost_error
+from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
+from tf_asgd.launch.library import (
     CHECKPOINT_DIR,
     DONE_FILE,
     InterruptCallback,
@@ -43,7 +42,7 @@ from tf_asgd.train_lib import (
     make_progress_callback,
     tensorboard_available,
 )
-
+from tf_asgd.strategy import AsyncParameterServerStrategy
 
 # ---------------------------------------------------------------------------
 # Roles and devices

@@ -16,7 +16,8 @@ import threading
 import time
 import weakref
 
-from tf_asgd import connect, internals
+from tf_asgd import internals
+from tf_asgd.cluster import connect
 
 log = logging.getLogger("tf_asgd")
 

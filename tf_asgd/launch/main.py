@@ -7,7 +7,7 @@ until SIGTERM, `evaluator` evaluates new checkpoints. See docs/launcher.md.
 
 Config fields are overridden with `--config.<field>=<value>`, for example
 `--config.epochs=5 --config.optimizer.learning_rate=0.1 --config.gem.enabled=False`.
-`--help` lists every flag and config field (`tf_asgd.config_fields.CONFIG_FIELDS`).
+`--help` lists every flag and config field (`tf_asgd.launch.config_fields.CONFIG_FIELDS`).
 TensorFlow's start-up lines and INFO logs are off in the launcher and every task it starts,
 unless `--verbose_tf`.
 """
@@ -18,10 +18,14 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tf_asgd import data
+
 # Standard library and numpy only until `main` has moved the run into its
 # network namespace: a process that has loaded TensorFlow (seconds on a
 # small machine) would load it again after the re-exec.
-from tf_asgd import cluster, config_fields, data, network
+from tf_asgd.cluster import local_cluster as cluster
+from tf_asgd.cluster import network
+from tf_asgd.launch import config_fields
 
 config_flags.DEFINE_config_file(
     "config",
@@ -77,7 +81,7 @@ FLAGS = flags.FLAGS
 
 def isolate_local_run(mode, config):
     """Moves a local run into a loopback-only network namespace (see
-    `tf_asgd.network`), or says why not. Returns only inside the namespace,
+    `tf_asgd.cluster.network`), or says why not. Returns only inside the namespace,
     or when the run stays outside it."""
     if mode == "no":
         return
@@ -130,7 +134,10 @@ def main(argv):
     if role is None:
         isolate_local_run(FLAGS.isolate_network, config)
     import_tf_quietly(FLAGS.verbose_tf)
-    from tf_asgd import internals, lost_tasks, train_lib, training
+    from tf_asgd import internals
+    from tf_asgd.cluster import lost_tasks
+    from tf_asgd.launch import library as train_lib
+    from tf_asgd.launch import roles as training
 
     train_lib.configure_tf_python_logging(FLAGS.verbose_tf)
     logging.info("config:\n%s", config)
@@ -187,8 +194,3 @@ def import_tf_quietly(verbose):
         import tensorflow as tf
 
         tf.config.list_physical_devices()
-
-
-if __name__ == "__main__":
-    set_tf_log_level(sys.argv)
-    app.run(main)

@@ -17,17 +17,19 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals, optimizer_options, outer, python_inputs
-from tf_asgd.push import device_of, nbytes, push_update, raw, shard_variables
-from tf_asgd.records import WindowRecord, WindowResultLayout
-from tf_asgd.window import APPLIED_RING, WindowFunction
+from tf_asgd import internals
+from tf_asgd.rules import outer
+from tf_asgd.runtime import optimizer_options, python_inputs
+from tf_asgd.runtime.push import device_of, nbytes, push_update, raw, shard_variables
+from tf_asgd.runtime.records import WindowRecord, WindowResultLayout
+from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 
 # push_update and WindowRecord are re-exported: tests and tools use them from here.
 __all__ = ["APPLIED_RING", "WindowRecord", "WindowTrainer", "push_update"]
 
 MAX_IN_FLIGHT_PER_WORKER = 2  # closures scheduled but unfinished, per worker
 # Automatic K: about this much work on a worker per closure (shorter closures were slower:
-# results/README.md).
+# results/throughput/README.md).
 TARGET_CLOSURE_S = 0.2
 MAX_WINDOWS_PER_CLOSURE = 256
 MIN_BUDGET_S = 0.1  # a closure may always start windows for this long

@@ -6,7 +6,7 @@ network namespace whose only interface is `lo` (docs/architecture.md says why). 
 launcher does this by default for local runs (`--isolate_network`).
 
 Example:
-    tf_asgd.network.reexec_in_loopback_namespace()  # returns inside the namespace
+    tf_asgd.cluster.network.reexec_in_loopback_namespace()  # returns inside the namespace
     with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
         ...
 """

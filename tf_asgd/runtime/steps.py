@@ -14,7 +14,8 @@ import tensorflow as tf
 from keras import StatelessScope
 from keras.utils import unpack_x_y_sample_weight
 
-from tf_asgd import internals, optimizer_options
+from tf_asgd import internals
+from tf_asgd.runtime import optimizer_options
 
 # Ops that read a resource (a variable) without writing it.
 _READS = {

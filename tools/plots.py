@@ -5,7 +5,7 @@ importing this module costs nothing.
 
 Example:
 
->>> from tf_asgd import plots
+>>> import plots
 >>> plots.sliding_mean([1, 1, 0, 0], window=2).tolist()
 [1.0, 1.0, 0.5, 0.0]
 """

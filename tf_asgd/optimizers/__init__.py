@@ -1,5 +1,5 @@
 """Optimizers for asynchronous training: `GEM`."""
 
-from tf_asgd.gem import GEM
+from tf_asgd.optimizers.gem import GEM
 
 __all__ = ["GEM"]

@@ -13,8 +13,19 @@ import typing
 
 import numpy as np
 import tensorflow as tf
-from tf_asgd import internals, metric_states, optimizer_options, steps
-from tf_asgd.push import Pull, Transfer, apply_push, branch_free, device_of, raw, read, update_specs
+
+from tf_asgd import internals
+from tf_asgd.runtime import metric_states, optimizer_options, steps
+from tf_asgd.runtime.push import (
+    Pull,
+    Transfer,
+    apply_push,
+    branch_free,
+    device_of,
+    raw,
+    read,
+    update_specs,
+)
 
 APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-_READY = "TF_ASGD_READY"  # printed by tf_asgd.task_server once it listens
+_READY = "TF_ASGD_READY"  # printed by tf_asgd.cluster.task_server once it listens
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 
@@ -73,7 +73,8 @@ _QUIET_BOOT = "exec(%r)" % (  # one line (`ps` shows lines)
     "import os,sys,tempfile,runpy\n"
     "f=tempfile.TemporaryFile();e=os.dup(2);os.dup2(f.fileno(),2);ok=False\n"
     "try:\n"
-    " import tf_asgd.cluster as c,tensorflow as tf;tf.config.list_physical_devices();ok=True\n"
+    " import tf_asgd.cluster.local_cluster as c,tensorflow as tf\n"
+    " tf.config.list_physical_devices();ok=True\n"
     "finally:\n"
     " os.dup2(e,2);os.close(e);f.seek(0);t=f.read().decode(errors='replace');f.close()\n"
     " sys.stderr.write(c.startup_log_to_show(t) if ok else t);sys.stderr.flush()\n"
@@ -332,7 +333,7 @@ class LocalCluster:
 
     def _spawn(self, tasks):
         cmd = python_command(
-            "tf_asgd.task_server", [json.dumps(self.cluster_spec), ",".join(tasks)]
+            "tf_asgd.cluster.task_server", [json.dumps(self.cluster_spec), ",".join(tasks)]
         )
         return subprocess.Popen(
             cmd,

@@ -1,4 +1,4 @@
-"""The launcher's library: what the task roles (`tf_asgd.training`) build from a config.
+"""The launcher's library: what the task roles (`tf_asgd.launch.roles`) build from a config.
 
 - builders: `make_model`, `make_optimizer`, `make_outer_optimizer`, `compile_model`;
 - callbacks: `make_progress_callback` (throughput log lines),
@@ -24,8 +24,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_asgd import internals, models, optimizers, update_rules
-from tf_asgd.config_fields import MODELS
+from tf_asgd import internals, models, optimizers
+from tf_asgd.launch.config_fields import MODELS
+from tf_asgd.rules import update_rules
 
 CHECKPOINT_DIR = "checkpoints"
 DONE_FILE = "DONE"

@@ -16,8 +16,10 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals, keras_hook, metric_states
-from tf_asgd.push import raw, read
+from tf_asgd import internals
+from tf_asgd.keras_glue import keras_hook
+from tf_asgd.runtime import metric_states
+from tf_asgd.runtime.push import raw, read
 
 EVALUATION_MODES = ("workers", "chief")
 SHARDS_PER_WORKER = 4  # array shards per worker: a slow worker holds back a quarter of its share

@@ -20,7 +20,7 @@ import types
 
 import numpy as np
 
-from tf_asgd import update_rules
+from tf_asgd.rules import update_rules
 
 METHODS = {
     # method: (PS staleness rule, GEM on the workers)

@@ -22,7 +22,8 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 from keras import ops
 
-from tf_asgd import internals, update_rules
+from tf_asgd import internals
+from tf_asgd.rules import update_rules
 
 
 @keras.saving.register_keras_serializable(package="tf_asgd")
@@ -221,7 +222,7 @@ class PiMonitor(keras.callbacks.Callback):
     Example:
 
     ```python
-    model.fit(x, y, epochs=5, callbacks=[tf_asgd.gem.PiMonitor("logs/pi")])
+    model.fit(x, y, epochs=5, callbacks=[tf_asgd.optimizers.gem.PiMonitor("logs/pi")])
     ```
     """
 

@@ -1,0 +1,1 @@
+"""The absl launcher: `python -m tf_asgd.launch --config=... --workdir=...`."""

@@ -1,0 +1,1 @@
+"""Pure update rules (NumPy-compatible) and their TensorFlow ops on the PS."""

@@ -1,0 +1,1 @@
+"""The worker/PS runtime: scheduling, windows, pushes, steps, records and counters."""
