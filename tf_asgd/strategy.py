@@ -196,10 +196,15 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `tf_asgd.WorkersLostError` names each (see `lost_workers`).
 
     Attributes:
-        n_sync, staleness, max_staleness, per_worker_dataset_fn,
-            outer_optimizer, worker_state, windows_per_closure, evaluation,
-            connect_timeout: as given (`evaluation` and `connect_timeout` may
-            be set again later).
+        n_sync: as given.
+        staleness: as given.
+        max_staleness: as given.
+        per_worker_dataset_fn: as given.
+        outer_optimizer: as given.
+        worker_state: as given.
+        windows_per_closure: as given.
+        evaluation: as given; may be set again later.
+        connect_timeout: as given; may be set again later.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.

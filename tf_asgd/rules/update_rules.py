@@ -6,7 +6,7 @@ PS or the worker), the many-worker simulator (NumPy) and the tests' references.
 
 Example:
     >>> import numpy as np
-    >>> from tf_asgd import update_rules
+    >>> from tf_asgd.rules import update_rules
     >>> float(update_rules.staleness_scale(3, "dynsgd"))
     0.25
     >>> update_rules.apply_push(np.zeros(2), np.ones(2), tau=1, rule="dynsgd")
@@ -165,11 +165,10 @@ class OuterSGD:
             `learning_rate`) over `pushes` pushes. Empty (a constant rate) by
             default; `((32, 0.125),)` warms up from 0.125 over 32 pushes.
 
-    Example:
-
-    >>> opt = OuterSGD(0.25, schedule=((4, 0.25), (40, 0.5)))
-    >>> [float(outer_learning_rate(opt, t)) for t in (0, 2, 4, 24, 44, 100)]
-    [0.25, 0.375, 0.5, 0.375, 0.25, 0.25]
+    Examples:
+        >>> opt = OuterSGD(0.25, schedule=((4, 0.25), (40, 0.5)))
+        >>> [float(outer_learning_rate(opt, t)) for t in (0, 2, 4, 24, 44, 100)]
+        [0.25, 0.375, 0.5, 0.375, 0.25, 0.25]
     """
 
     learning_rate: float = 1.0
@@ -262,6 +261,16 @@ def stability_limit(num_workers):
     only if `0 < s < 2 sin(pi / (4N - 2))` (Levin and May 1976). N pushes of
     a round then add up to at most about `pi / 2` windows, whatever N is.
     See docs/defaults.md.
+
+    Args:
+        num_workers: N, the number of workers (at least 1).
+
+    Returns:
+        The limit, a Python float (2.0 for one worker).
+
+    Examples:
+        >>> round(stability_limit(8), 3)
+        0.209
     """
     n = float(num_workers)
     return 2.0 * float(np.sin(np.pi / (4.0 * n - 2.0)))
@@ -279,6 +288,16 @@ def default_outer_learning_rate(num_workers):
     stays at 2/3 of it (at 8 workers 0.139; 16: 0.068), and never above the
     rates measured stable on fewer workers (up to 4 workers their average,
     1/4 a push up to 8), nor below the average `1/N`. See docs/defaults.md.
+
+    Args:
+        num_workers: N, the number of workers (at least 1).
+
+    Returns:
+        The rate, a Python float (1.0 for one worker).
+
+    Examples:
+        >>> [round(default_outer_learning_rate(n), 3) for n in (1, 2, 8, 16)]
+        [1.0, 0.5, 0.139, 0.068]
     """
     n = float(num_workers)
     capped = min(0.25, (2.0 * n) ** -0.5, STABILITY_MARGIN * stability_limit(n))
@@ -301,11 +320,16 @@ def default_outer_optimizer(num_workers):
     limit made a run of 60 pushes (8 workers, n_sync 100) fall 10 points. Up
     to 2 workers the default is the average from the start.
 
-    Example:
+    Args:
+        num_workers: N, the number of workers (at least 1).
 
-    >>> opt = default_outer_optimizer(4)
-    >>> [round(float(outer_learning_rate(opt, t)), 3) for t in (0, 4, 24, 44)]
-    [0.25, 0.445, 0.348, 0.25]
+    Returns:
+        An `OuterSGD` without momentum.
+
+    Examples:
+        >>> opt = default_outer_optimizer(4)
+        >>> [round(float(outer_learning_rate(opt, t)), 3) for t in (0, 4, 24, 44)]
+        [0.25, 0.445, 0.348, 0.25]
     """
     n = num_workers
     lr = default_outer_learning_rate(n)
@@ -318,7 +342,23 @@ def default_outer_optimizer(num_workers):
 
 
 def outer_learning_rate(opt, ticket, xp=np):
-    """`opt`'s learning rate for the push with version ticket `ticket` (its schedule)."""
+    """`opt`'s learning rate for the push with version ticket `ticket` (its schedule).
+
+    Args:
+        opt: an `OuterSGD` or a `DelayedNesterov`.
+        ticket: the push's version ticket (0 for the first push), a number or a tensor.
+        xp: the array namespace: `numpy`, or `tensorflow.experimental.numpy` for
+            the PS's push ops.
+
+    Returns:
+        The rate: a Python float, or a float64 tensor where `xp` is not `numpy`
+        and `opt` has a schedule.
+
+    Examples:
+        >>> opt = OuterSGD(0.5, schedule=((4, 0.25),))
+        >>> [float(outer_learning_rate(opt, t)) for t in (0, 2, 4, 100)]
+        [0.25, 0.375, 0.5, 0.5]
+    """
     knots = _schedule_knots(opt)
     if not knots:
         return opt.learning_rate
