@@ -1,21 +1,28 @@
-"""Shared fixtures: offline digits data and real loopback TF clusters."""
+"""Shared fixtures: offline digits data, and one factory of real loopback TF clusters.
+
+Tests under tests/cluster/ start TF servers, the launcher or a fresh TensorFlow process and
+are marked `cluster`; tests under tests/unit/ do none of these (the fast tier:
+`pytest tests/unit`, or `-m "not cluster"`).
+"""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras
-import pytest
+import contextlib  # noqa: E402 (TF's log level is set before TF loads)
+import pathlib  # noqa: E402
 
-import tf_asgd
+import keras  # noqa: E402
+import pytest  # noqa: E402
 
-CLUSTER_FIXTURES = {"cluster", "cluster1", "cluster3", "cluster4", "sharded_cluster"}
+import tf_asgd  # noqa: E402
+
+CLUSTER_TESTS = pathlib.Path(__file__).parent / "cluster"
 
 
 def pytest_collection_modifyitems(config, items):
-    # A test that takes a cluster fixture starts one; the rest mark themselves.
     for item in items:
-        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if CLUSTER_TESTS in pathlib.Path(item.path).parents:
             item.add_marker(pytest.mark.cluster)
 
 
@@ -31,37 +38,30 @@ def digits():
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """2 workers and 1 PS, all tasks in one child process, for the session."""
-    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=True) as c:
-        yield c
+def local_cluster():
+    """The one cluster factory. `local_cluster(num_workers, num_ps=1)` is a cluster shared
+    by every test of the session that asks for that shape, all its tasks in one child
+    process. `local_cluster(..., own=True)` is a new, unstarted `LocalCluster` for one test
+    (`with local_cluster(1, own=True, shared_process=False) as c:`), for tests that kill,
+    stop or restart tasks."""
+    shared, stack = {}, contextlib.ExitStack()
+
+    def make(num_workers, num_ps=1, shared_process=True, own=False):
+        if own:
+            return tf_asgd.LocalCluster(
+                num_workers=num_workers, num_ps=num_ps, shared_process=shared_process
+            )
+        if (num_workers, num_ps) not in shared:
+            shared[num_workers, num_ps] = stack.enter_context(
+                tf_asgd.LocalCluster(num_workers=num_workers, num_ps=num_ps, shared_process=True)
+            )
+        return shared[num_workers, num_ps]
+
+    with stack:
+        yield make
 
 
 @pytest.fixture(scope="session")
-def cluster1():
-    """1 worker and 1 PS."""
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=True) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
-def cluster3():
-    """3 workers and 1 PS (GEM's fixed-order test)."""
-    with tf_asgd.LocalCluster(num_workers=3, num_ps=1, shared_process=True) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
-def cluster4():
-    """4 workers and 1 PS (convergence with the default outer optimizer)."""
-    with tf_asgd.LocalCluster(num_workers=4, num_ps=1, shared_process=True) as c:
-        yield c
-
-
-def compile_digits(model, optimizer=None):
-    model.compile(
-        optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+def cluster(local_cluster):
+    """2 workers and 1 PS, shared: the shape most tests train on."""
+    return local_cluster(2)

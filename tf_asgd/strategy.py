@@ -246,7 +246,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
-        super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
+        # Connecting starts this process's gRPC server and, on first use, TF's
+        # devices: start-up lines (the server's address, a failed cuInit where
+        # there is no CUDA driver) are dropped, anything else is shown.
+        with cluster_lib.quiet_tf_startup(not cluster_lib.verbose_tf()):
+            super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
         self.n_sync = n_sync
         self.staleness = staleness
         self.max_staleness = max_staleness

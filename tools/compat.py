@@ -27,7 +27,7 @@ import time
 import _common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOKE = "tests/test_strategy.py::test_digits_convnet_fit_evaluate_predict_save"
+SMOKE = "tests/cluster/test_strategy.py::test_digits_convnet_fit_evaluate_predict_save"
 FAST = ["tests", "-q", "-m", "not cluster", "-p", "no:cacheprovider"]
 BEGIN, END = "<!-- compat-table -->", "<!-- /compat-table -->"
 COLUMNS = [

@@ -56,10 +56,14 @@ def _tasks_key(cluster_spec):
 
 
 # What every TF 2.21 process writes to stderr while it starts (absl's
-# pre-initialisation notice, the CPU-feature note), and, on a machine without
-# a CUDA driver, the failed GPU probe. Nothing else is dropped.
+# pre-initialisation notice, the oneDNN and CPU-feature notes: written before
+# absl's log is set up, so TF_CPP_MIN_LOG_LEVEL does not hide them), the
+# chief's own gRPC server's address when it connects, and, on a machine
+# without a CUDA driver, the failed GPU probe. Nothing else is dropped.
 _STARTUP_NOISE = re.compile(
     r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
+    r"port\.cc:\d+\] oneDNN custom operations are on|"
+    r"grpc_server_lib\.cc:\d+\] Started server with target: |"
     r"cudart_stub\.cc:\d+\] Could not find cuda drivers|"
     r"cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized|"
     r"^To enable the following instructions: .* rebuild TensorFlow"
@@ -135,6 +139,7 @@ def quiet_tf_startup(enabled=True):
             yield
             ok = True
         finally:
+            sys.stderr.flush()  # what Python wrote meanwhile goes to the file too
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)

@@ -179,6 +179,8 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
             or getattr(callback, "update_freq", None) == "epoch"
         ):
             continue  # ModelCheckpoint, BackupAndRestore, TensorBoard: once per epoch
+        if getattr(callback, "_tf_asgd_runs_per_window", False):
+            continue  # written for windows (the launcher's callbacks)
         cls = type(callback)
         if cls not in _said_per_window and any(
             hook in vars(callback)  # e.g. LambdaCallback's
@@ -511,4 +513,27 @@ def install():
     _wrap("predict", _on_chief)
     _wrap("_maybe_symbolic_build", _symbolic_build)
     _wrap("train_on_batch", _train_on_batch)
+    _wrap_batch_ends()
     _installed = True
+
+
+def _wrap_batch_ends():
+    """Wraps `keras.callbacks.CallbackList.on_train_batch_end` (public): during
+    a `fit` of one of our models, `batch` is the last step asked for
+    (`WindowTrainer.last_step`), not Keras's index, which runs on to the next
+    multiple of `n_sync` past an epoch whose last window is shorter (a progress
+    bar at 50/45). Other callback lists are called unchanged."""
+    original = keras.callbacks.CallbackList.on_train_batch_end
+
+    @functools.wraps(original)
+    def on_train_batch_end(self, batch, logs=None):
+        model = getattr(self, "model", None)
+        strategy = _strategy_of(model) if isinstance(model, keras.Model) else None
+        if strategy is not None and strategy._is_fitting(model) and not in_local_mode():
+            trainer = strategy._trainer_of(model)
+            if trainer is not None:
+                batch = min(batch, trainer.last_step())
+        return original(self, batch, logs)
+
+    on_train_batch_end._asgd_original = original
+    keras.callbacks.CallbackList.on_train_batch_end = on_train_batch_end

@@ -1,7 +1,7 @@
 """The launcher's config fields: their names and meanings, written once.
 
 `python -m tf_asgd.launch --help` prints them (`config_help`), configs/*.py
-set their values (tests/test_configs.py checks that both name the same
+set their values (tests/unit/test_configs.py checks that both name the same
 fields). Standard library only: the launcher reads this before it imports
 TensorFlow (see `tf_asgd.launch`).
 """
@@ -13,7 +13,7 @@ MODELS = (
     "cuda_convnet_cifar10",
     "paine2013_imagenet_convnet",
 )
-# Every field of configs/default.py (tests/test_configs.py checks the keys).
+# Every field of configs/default.py (tests/unit/test_configs.py checks the keys).
 CONFIG_FIELDS = {
     "model": f"a builder in tf_asgd.models: {' | '.join(MODELS)}",
     "dataset": " | ".join(DATASETS),

@@ -104,10 +104,11 @@ def compile_model(model, config):
 
 
 def fit_verbosity(config):
-    """`config.verbose`, or for -1: a progress bar on a terminal, else a line per epoch."""
+    """Keras's `fit` verbosity: `config.verbose`, or for -1: a progress bar on a
+    terminal, else 0 (the `ProgressCallback`'s line per epoch, not Keras's too)."""
     if config.verbose >= 0:
         return config.verbose
-    return 1 if sys.stdout.isatty() else 2
+    return 1 if sys.stdout.isatty() else 0
 
 
 def tensorboard_available():
@@ -120,8 +121,13 @@ def tensorboard_available():
 
 
 class ProgressCallback(keras.callbacks.Callback):
-    """Adds `samples_per_sec` to the epoch logs; logs a progress line every
-    `config.log_every_secs` (0: never)."""
+    """Adds `samples_per_sec` to the epoch logs. Where Keras prints nothing
+    (`fit`'s verbose 0), it logs a line per epoch and a progress line every
+    `config.log_every_secs` (0: never); otherwise Keras's progress is the one
+    shown."""
+
+    # Its batch-level method knows it runs once per window (see keras_hook).
+    _tf_asgd_runs_per_window = True
 
     def __init__(self, config, batch_size):
         super().__init__()
@@ -134,7 +140,7 @@ class ProgressCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         every = self._config.log_every_secs
         now = time.time()
-        if not every or now - self._last < every:
+        if self.params.get("verbose") or not every or now - self._last < every:
             return
         self._last = now
         logs = logs or {}
@@ -155,6 +161,8 @@ class ProgressCallback(keras.callbacks.Callback):
         if logs is not None:
             steps = self.params.get("steps") or 0
             logs["samples_per_sec"] = steps * self._batch_size / max(time.time() - self._t0, 1e-9)
+            if self.params.get("verbose"):
+                return  # Keras prints the epoch's line
             logging.info(
                 "epoch %d/%d done: %s",
                 epoch + 1,
@@ -177,7 +185,9 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch_var.assign(epoch + 1)
-        save_checkpoint(self._manager, self._step_fn(), f"epoch {epoch + 1}")
+        # Logged at debug level (absl's --verbosity=1): the epoch has its line
+        # already, and the run's end names the newest checkpoint.
+        save_checkpoint(self._manager, self._step_fn(), f"epoch {epoch + 1}", log=logging.debug)
 
 
 def make_checkpoint_callback(manager, epoch_var, step_fn):
@@ -204,9 +214,10 @@ def make_checkpoint(model, strategy, epoch_var):
     return internals.trace_checkpoint_writes(tf.train.Checkpoint(**parts))
 
 
-def save_checkpoint(manager, step, reason):
+def save_checkpoint(manager, step, reason, log=logging.info):
     """Saves `checkpoints/ckpt-STEP` (STEP: the optimizer's global step) unless
-    the newest checkpoint already has that step. Returns the path or None.
+    the newest checkpoint already has that step, and says so with `log`.
+    Returns the path or None.
 
     `tf.train.CheckpointManager` writes the files under temporary names and
     renames them, then rewrites the `checkpoint` state file atomically, so
@@ -217,7 +228,7 @@ def save_checkpoint(manager, step, reason):
     if latest and latest.endswith(f"-{step}"):
         return None
     path = manager.save(checkpoint_number=step)
-    logging.info("saved checkpoint %s (%s)", path, reason)
+    log("saved checkpoint %s (%s)", path, reason)
     return path
 
 
@@ -293,6 +304,8 @@ class StopSignals:
 class InterruptCallback(keras.callbacks.Callback):
     """Raises KeyboardInterrupt after a batch or epoch once `stop` (a
     `StopSignals`) got a signal whose own KeyboardInterrupt was lost."""
+
+    _tf_asgd_runs_per_window = True  # a check per window is often enough
 
     def __init__(self, stop):
         super().__init__()

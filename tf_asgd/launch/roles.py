@@ -198,12 +198,14 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     with open(os.path.join(workdir, DONE_FILE), "w") as f:
         f.write(str(results["epochs"]))
     logging.info(
-        "done: test accuracy %.4f, loss %.4f, %d windows, mean staleness %.2f, %.1f s",
+        "done: test accuracy %.4f, loss %.4f, %d windows, mean staleness %.2f, %.1f s; "
+        "checkpoint %s",
         results.get("test_accuracy", float("nan")),
         results.get("test_loss", float("nan")),
         stats.windows,
         stats.mean_staleness,
         results["wall_seconds"],
+        manager.latest_checkpoint,
     )
     return results
 

@@ -39,9 +39,29 @@ class AsyncStats:
     bytes_pushed: int
     staleness_histogram: np.ndarray
 
+    def __repr__(self):
+        # A summary (the histogram's counts by staleness where not zero), not
+        # the 256 bins: a dataclass's repr would print the whole array.
+        hist = np.asarray(self.staleness_histogram)
+        seen = np.nonzero(hist)[0]
+        counts = ", ".join(f"{tau}: {int(hist[tau])}" for tau in seen[:8])
+        if len(seen) > 8:
+            counts += ", ..."
+        return (
+            f"AsyncStats(windows={self.windows}, applied={self.applied}, "
+            f"dropped_stale={self.dropped_stale}, dropped_nonfinite={self.dropped_nonfinite},\n"
+            f"           staleness mean {self.mean_staleness:.2f} max {self.max_staleness} "
+            f"(pushes by staleness {{{counts}}}), pulled {_megabytes(self.bytes_pulled)}, "
+            f"pushed {_megabytes(self.bytes_pushed)})"
+        )
+
     def as_logs(self):
         """Windows pushed and mean staleness, for Keras logs (progress bar, History)."""
         return {"windows": self.windows, "staleness": self.mean_staleness}
+
+
+def _megabytes(n):
+    return f"{n / 1e6:.1f} MB"
 
 
 class PushCounters(tf.Module):

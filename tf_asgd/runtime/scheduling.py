@@ -148,7 +148,7 @@ class WindowTrainer:
             if iterator.ran_out:  # a generator ran out: Keras stops training
                 self.model.stop_training = True
             if not num_steps:
-                return self._logs if self._logs is not None else self.logs()
+                return self._logs if self._logs is not None else {}
         self._epoch_step += num_steps
         self._queue.append((num_steps, window_id))
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
@@ -167,10 +167,18 @@ class WindowTrainer:
         now = time.perf_counter()
         if self._logs is None or now - self._logs_at > 0.25 or last:
             self._drain(block=False)
-            self._logs, self._logs_at = self.logs(), now
-            if not self._epoch_windows:  # no window of the epoch finished: no metric yet
-                self._logs = {"windows": self._logs["windows"]}
+            # No window of the epoch finished: no metric yet, and no logs
+            # (a progress bar shows whatever it is given, zeros included).
+            self._logs = self.logs() if self._epoch_windows else {}
+            self._logs_at = now
         return self._logs
+
+    def last_step(self):
+        """The index of the epoch's last step asked for so far (0 before any):
+        what Keras's batch-level callbacks get as `batch`. Keras's own index
+        runs on to the next multiple of `n_sync`, past an epoch whose last
+        window is shorter."""
+        return max(self._epoch_step, 1) - 1
 
     def _pace(self):
         """Seconds a window of `n_sync` steps takes on a typical worker (the

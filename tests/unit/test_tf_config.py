@@ -9,6 +9,8 @@ import pytest
 
 from tf_asgd.cluster import local_cluster as cluster_lib
 
+from helpers import ROOT
+
 CLUSTER = {
     "chief": ["host0:2222"],
     "worker": ["host1:2222", "host2:2222"],
@@ -81,7 +83,7 @@ def test_launcher_fails_at_once_on_malformed_tf_config(tmp_path):
             "--config=configs/default.py",
             f"--workdir={tmp_path}",
         ],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -91,20 +93,3 @@ def test_launcher_fails_at_once_on_malformed_tf_config(tmp_path):
     assert "bad TF_CONFIG" in proc.stderr
     assert "index 5 is out of range for job 'worker'" in proc.stderr
     assert not list(tmp_path.iterdir())  # nothing written, nothing started
-
-
-@pytest.mark.cluster
-def test_stop_hooks_are_kept_only_for_clusters_this_process_serves():
-    """A strategy registers its coordinator's stop with the `LocalCluster`
-    it runs on; for a TF_CONFIG cluster, which never closes here, nothing is
-    kept (it would stay for the life of the process)."""
-    import tf_asgd
-
-    calls = []
-    cluster_lib.before_stop(CLUSTER, lambda: calls.append("tf_config"))
-    assert cluster_lib._tasks_key(CLUSTER) not in cluster_lib._BEFORE_STOP
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=True) as local:
-        cluster_lib.before_stop(local.cluster_spec, lambda: calls.append("local"))
-        assert calls == []
-    assert calls == ["local"]
-    assert cluster_lib._tasks_key(local.cluster_spec) not in cluster_lib._BEFORE_STOP

@@ -5,7 +5,6 @@ waited for."""
 
 import logging
 import os
-import socket
 import threading
 import time
 
@@ -48,35 +47,6 @@ def _connect_fails(resolver, caplog):
     return info.value, secs
 
 
-@pytest.mark.parametrize("value", [0, -1.0, "30", True, float("inf"), None])
-def test_bad_connect_timeout_is_refused_before_any_wait(value):
-    spec = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="connect_timeout must be a positive number of seconds"):
-        tf_asgd.AsyncParameterServerStrategy(make_resolver(spec), connect_timeout=value)
-    assert time.perf_counter() - t0 < 1.0
-
-
-def test_a_port_that_is_no_grpc_server_is_named_so():
-    """A wrong host can have something else on the port: TF would wait on it."""
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def answer():
-        conn, _ = server.accept()
-        with conn:
-            conn.recv(1024)
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-
-    helper = threading.Thread(target=answer, daemon=True)
-    helper.start()
-    with server:
-        reason = connect.probe(f"127.0.0.1:{server.getsockname()[1]}")
-    helper.join(5)
-    assert reason == "it accepts connections but does not answer as a gRPC server"
-    assert connect.probe(f"127.0.0.1:{_pick_ports(1)[0]}") == "Connection refused"
-
-
-@pytest.mark.cluster
 def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
     chief, ps, w0, w1 = _pick_ports(4)  # nothing listens on them
     spec = {
@@ -103,9 +73,8 @@ def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
     assert len(waiting) <= 1 + TIMEOUT // connect.LOG_EVERY_SECS  # at most one line per interval
 
 
-@pytest.mark.cluster
-def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(caplog):
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(local_cluster, caplog):
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
         pids = cluster.pids()
         cluster.kill_task("ps:0")
         error, secs = _connect_fails(cluster.resolver, caplog)
@@ -117,10 +86,9 @@ def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(caplog):
     assert not any(_alive(pid) for pid in pids.values())  # the with block stopped every task
 
 
-@pytest.mark.cluster
-def test_a_worker_that_starts_late_is_waited_for_then_trains(digits, caplog):
+def test_a_worker_that_starts_late_is_waited_for_then_trains(local_cluster, digits, caplog):
     (x, y), _ = digits
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
         cluster.kill_task("worker:0")
         events = {}
 

@@ -17,16 +17,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import compile_digits
-from test_launch import assert_all_stopped, launcher, local_cluster_ports
 
 import tf_asgd
 from tf_asgd.rules import update_rules
 
-pytestmark = pytest.mark.cluster  # every test here starts TF servers
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from helpers import ROOT, compile_digits
+from launching import assert_all_stopped, launcher, local_cluster_ports
 
 # ---------------------------------------------------------------------------
 # Helpers
@@ -71,10 +67,10 @@ def _gem(lr=0.05):
 # A worker killed in the middle of model.fit, then restarted
 
 
-def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(digits):
+def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(local_cluster, digits):
     (x, y), (xt, yt) = digits
     min_epochs, max_epochs, steps, n_sync = 6, 100, 60, 10  # 6 windows an epoch
-    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(2, 1, own=True, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
         with strategy.scope():
             model = compile_digits(tf_asgd.models.digits_convnet(), _gem())
@@ -200,7 +196,9 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
     ids=["add", "outer_nesterov"],
 )
-def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(outer_opt):
+def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
+    local_cluster, outer_opt
+):
     """A push writes nothing until every piece of the update is on the PS.
     Here variable `a`'s update is ready at once and `b`'s only after the
     worker waits 8 s for its data; the worker is killed during that wait.
@@ -210,7 +208,7 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
     from tf_asgd.rules import outer
     from tf_asgd.runtime import scheduling
 
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
         # Its only worker is down until restarted (up to 25 s on a loaded machine): a
         # connect_timeout well above that, so the closure is waited for, not failed.
         strategy = tf_asgd.AsyncParameterServerStrategy(
@@ -268,13 +266,14 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
 
 
 def test_a_straggler_does_not_hold_back_the_others_and_its_stale_pushes_are_dropped(
-    cluster3, digits
+    local_cluster, digits
 ):
     """Worker 2's minibatches take 10x the emulated device time of workers 0
     and 1 (tf.data sleep per batch, no CPU used). The fast workers keep
     training while its window is in flight: they run several times as many
     windows, and the straggler's pushes arrive so stale (about 2 fast workers
     x 10 windows) that `max_staleness` drops them."""
+    cluster3 = local_cluster(3)
     (x, y), (x_test, y_test) = digits
     step_ms, slow, max_staleness, epochs = 40, 10.0, 4, 2
     strategy = tf_asgd.AsyncParameterServerStrategy(
@@ -508,13 +507,13 @@ def _children():
 
 
 @pytest.mark.soak
-def test_soak_fit_kill_restart_cycles_leak_nothing(digits):
+def test_soak_fit_kill_restart_cycles_leak_nothing(local_cluster, digits):
     (x, y), _ = digits
     cycles, samples, pids = 3, [], set()
     others = _children()  # e.g. the session's shared cluster fixture
     t0 = time.time()
     for _ in range(cycles):
-        with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+        with local_cluster(2, 1, own=True, shared_process=False) as cluster:
             strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
             with strategy.scope():
                 model = compile_digits(tf_asgd.models.digits_convnet())

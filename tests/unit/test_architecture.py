@@ -7,7 +7,8 @@ a function-level import is an import that runs, only later.
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 PACKAGE = os.path.join(ROOT, "tf_asgd")
 MAX_PRIVATE_MODULES = 2
 PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
@@ -214,3 +215,22 @@ def test_module_docstrings_are_short():
     }
     assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {long}"
     assert _module_docstring_lines(MODULES["tf_asgd.runtime.window"]) > 0  # the checker reads them
+
+
+def test_unit_tests_start_no_cluster():
+    """tests/unit/ is the fast tier: no test there builds a LocalCluster or takes a cluster
+    fixture (tests/conftest.py marks everything under tests/cluster/ as `cluster`)."""
+    unit = os.path.join(ROOT, "tests", "unit")
+    fixtures = {"cluster", "local_cluster", "sharded_cluster", "digits_cluster"}
+    found = []
+    for name in sorted(os.listdir(unit)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(unit, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and "LocalCluster" in ast.unparse(node.func):
+                found.append(f"{name}:{node.lineno}")
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                found += [f"{name}:{node.name}" for a in node.args.args if a.arg in fixtures]
+    assert not found

@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.cluster  # every test here starts TF servers
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

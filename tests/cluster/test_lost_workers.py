@@ -17,8 +17,6 @@ import tensorflow as tf
 import tf_asgd
 from tf_asgd.cluster import connect
 
-pytestmark = pytest.mark.cluster  # every test here starts its own TF servers
-
 TIMEOUT = 3.0
 SLACK = 20.0  # what the bound may be overrun by: a probe round, the chief's join, a loaded machine
 # TF's coordinator threads, and the watch's probes.
@@ -98,11 +96,11 @@ def _kill_after_windows(cluster, strategy, model, events, windows=3, restart=Fal
 
 
 def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_running(
-    digits, caplog
+    local_cluster, digits, caplog
 ):
     (x, y), _ = digits
     threads_before = len(_coordinator_threads())
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
         address = cluster.cluster_spec["worker"][0]
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=2, connect_timeout=TIMEOUT
@@ -162,10 +160,12 @@ def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_
     assert not any(_alive(pid) for pid in pids.values())
 
 
-def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(digits, caplog):
+def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(
+    local_cluster, digits, caplog
+):
     (x, y), _ = digits
     steps = 20  # 10 windows of 2 steps an epoch
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=2, connect_timeout=120
         )

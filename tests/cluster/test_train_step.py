@@ -11,8 +11,6 @@ import tensorflow as tf
 import tf_asgd
 from tf_asgd.runtime.steps import TrainStepError
 
-pytestmark = pytest.mark.cluster  # every test here starts TF servers
-
 
 def _strategy(cluster, **kwargs):
     return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, **kwargs)
@@ -166,10 +164,11 @@ def _weights(gan):
     return [v.numpy() for v in gan.generator.weights + gan.discriminator.weights]
 
 
-def test_gan_one_worker_equals_plain_keras(cluster1, digits):
+def test_gan_one_worker_equals_plain_keras(local_cluster, digits):
     """One worker, windows of 1 step: both sub-models after 12 steps equal
     plain Keras's (same initial weights, same batches, same seeds), and so
     do both optimizers' step counts and the loss metrics."""
+    cluster1 = local_cluster(1)
     (x, _), _ = _flat(digits)
     x = x[:96]
     strategy = _strategy(cluster1, n_sync=1)
@@ -239,10 +238,11 @@ def _bn_net(cls):
     return model
 
 
-def test_train_step_calling_keras_step_equals_plain_keras(cluster1):
+def test_train_step_calling_keras_step_equals_plain_keras(local_cluster):
     """One worker, windows of 3 steps: a model whose `train_step` is Keras's
     (through `super()`), with momentum, a metric and BatchNormalization's
     moving statistics, ends where plain Keras ends, weights and metrics."""
+    cluster1 = local_cluster(1)
     rng = np.random.default_rng(5)
     x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
     strategy = _strategy(cluster1, n_sync=3)
@@ -279,7 +279,8 @@ def _linear(cls):
     return model
 
 
-def test_compute_loss_override_is_honoured(cluster1):
+def test_compute_loss_override_is_honoured(local_cluster):
+    cluster1 = local_cluster(1)
     rng = np.random.default_rng(3)
     x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
     strategy = _strategy(cluster1, n_sync=3)
@@ -322,7 +323,8 @@ def _half_loss():
     return model
 
 
-def test_test_step_override_is_honoured(cluster1):
+def test_test_step_override_is_honoured(local_cluster):
+    cluster1 = local_cluster(1)
     rng = np.random.default_rng(4)
     x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
     strategy = _strategy(cluster1, n_sync=2)

@@ -13,13 +13,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import compile_digits
-from test_errors import ERROR_BOUND_SECS, bounded
 
 import tf_asgd
 from tf_asgd.runtime import python_inputs, scheduling
 
-pytestmark = pytest.mark.cluster  # every test here trains on a real cluster
+from helpers import ERROR_BOUND_SECS, bounded, compile_digits
 
 BATCH = 32
 # Plain Keras on the digits convnet is at 0.97 to 0.99 after 15 epochs; the

@@ -15,7 +15,8 @@ from tf_asgd import data, models
 from tf_asgd.launch import config_fields, input_pipeline
 from tf_asgd.launch import library as train_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 NAMES = [os.path.basename(p)[:-3] for p in CONFIGS]
 

@@ -26,7 +26,6 @@ def _available():
         return False
 
 
-@pytest.mark.cluster  # a fresh process imports TensorFlow twice: not the fast tier
 @pytest.mark.skipif(not _available(), reason="no unprivileged user namespaces on this machine")
 def test_reexec_runs_the_same_program_again_with_only_loopback():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -48,9 +47,3 @@ def test_reexec_runs_the_same_program_again_with_only_loopback():
         f"before {proc.pid}",
         f"inside {proc.pid} ['lo'] ['--flag', 'x']",
     ], out
-
-
-def test_check_available_names_what_is_missing(monkeypatch):
-    monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(OSError, match=r"the `unshare` command \(util-linux\) is not installed"):
-        network.check_available()

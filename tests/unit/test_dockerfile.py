@@ -22,7 +22,8 @@ import yaml
 from absl import flags
 from ml_collections import config_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 INSTRUCTIONS = {
     "FROM",
     "ARG",
@@ -131,7 +132,7 @@ def test_the_dockerfile_parses_into_known_instructions(dockerfile):
 
 def test_gpu_base_with_tensorflow_cuda_wheels_at_supported_versions(dockerfile):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from test_versions import _supported
+    from helpers import supported_versions
 
     args = _args(dockerfile)
     base = dict(dockerfile)["FROM"]
@@ -139,7 +140,7 @@ def test_gpu_base_with_tensorflow_cuda_wheels_at_supported_versions(dockerfile):
     assert base.startswith("nvidia/cuda:") or (
         base.startswith("tensorflow/tensorflow:") and "gpu" in base
     )
-    keras_minors, tf_minors = _supported()
+    keras_minors, tf_minors = supported_versions()
     assert ".".join(args["TF_VERSION"].split(".")[:2]) in tf_minors
     assert ".".join(args["KERAS_VERSION"].split(".")[:2]) in keras_minors
     runs = " ".join(t for i, t in dockerfile if i == "RUN")
@@ -216,7 +217,7 @@ def test_the_tfjob_runs_this_image_as_written(dockerfile, tfjob, tmp_path):
     assert (
         ignored("results/compat/compat.csv")
         and ignored(".git/HEAD")
-        and ignored("tests/test_dockerfile.py")
+        and ignored("tests/unit/test_dockerfile.py")
     )
     assert not ignored("tf_asgd/launch.py") and ignored(
         "tf_asgd/__pycache__/launch.cpython-311.pyc"

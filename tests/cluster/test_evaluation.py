@@ -10,11 +10,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import compile_digits
 
 import tf_asgd
 
-pytestmark = pytest.mark.cluster  # every test here starts TF servers
+from helpers import compile_digits
 
 TOL = 1e-6
 
@@ -228,11 +227,11 @@ def test_bad_evaluation_argument_is_refused(cluster):
 
 # TF's executor of the killed worker's connection complains when it is freed.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_worker_killed_during_evaluation_changes_nothing(digits):
+def test_a_worker_killed_during_evaluation_changes_nothing(local_cluster, digits):
     """Shards are read-only closures: the coordinator re-runs a dead
     worker's shard on a live one, and each shard still counts once."""
     _, (xt, yt) = digits
-    with tf_asgd.LocalCluster(num_workers=2, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(2, 1, own=True, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
         with strategy.scope():
             model = compile_digits(tf_asgd.models.digits_convnet())

@@ -6,9 +6,9 @@ A feature is either honoured (the held-out metric within `POINTS` of plain Keras
 exactly the same where the outcome is deterministic: epochs run, steps, learning rates,
 which epochs validate, frozen weights) or refused before any window is scheduled, with an
 error that names it and the alternative. Exact checks at learning rate 0 use plain SGD.
-Covered elsewhere: `validation_split`'s metrics (tests/test_evaluation.py), a model's own
-`train_step` under `run_eagerly=True` (tests/test_train_step.py), errors raised by
-callbacks (tests/test_errors.py).
+Covered elsewhere: `validation_split`'s metrics (tests/cluster/test_evaluation.py), a model's own
+`train_step` under `run_eagerly=True` (tests/cluster/test_train_step.py), errors raised by
+callbacks (tests/cluster/test_errors.py).
 """
 
 import contextlib

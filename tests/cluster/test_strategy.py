@@ -7,14 +7,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import compile_digits
 
 import tf_asgd
 from tf_asgd.cluster.local_cluster import make_resolver
 from tf_asgd.rules import update_rules
 from tf_asgd.runtime import scheduling
 
-pytestmark = pytest.mark.cluster  # every test here starts TF servers
+from helpers import compile_digits
 
 
 def _strategy(cluster, **kwargs):
@@ -280,7 +279,7 @@ def test_local_cluster_stops_every_process_also_on_error():
 
 
 @pytest.mark.parametrize("partitioned", [False, True])
-def test_variables_sharded_over_two_ps(digits, partitioned):
+def test_variables_sharded_over_two_ps(local_cluster, digits, partitioned):
     """Two PS: whole variables round-robin, or split by a partitioner; pushes
     are scaled and applied on the PS that holds each shard."""
     (x, y), (xt, yt) = digits
@@ -291,7 +290,7 @@ def test_variables_sharded_over_two_ps(digits, partitioned):
         if partitioned
         else None
     )
-    with tf_asgd.LocalCluster(num_workers=2, num_ps=2, shared_process=True) as cluster:
+    with local_cluster(2, 2, own=True, shared_process=True) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=10, variable_partitioner=partitioner
         )
@@ -308,7 +307,7 @@ def test_variables_sharded_over_two_ps(digits, partitioned):
         assert model.evaluate(xt, yt, verbose=0)[1] >= 0.9
 
 
-def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
+def test_defaults_keep_momentum_sgd_stable_on_4_workers(local_cluster, digits):
     """An unchanged `SGD(0.05, momentum=0.9)` on a digits MLP, 4 workers, n_sync 10,
     only `n_sync` given, the samples of 10 plain epochs. DynSGD with every push added
     as is diverges here; the default counts each push 1/4 (the workers' average) to
@@ -316,6 +315,7 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
     epoch's held-out loss rises above twice the first's. The last epoch's accuracy
     varies with the schedule and the machine's load, so its bar (0.85) sits between
     that spread and divergence."""
+    cluster4 = local_cluster(4)
     (x, y), (xt, yt) = digits
     strategy = _strategy(cluster4, n_sync=10)
     with strategy.scope():
@@ -336,12 +336,13 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(cluster4, digits):
 
 @pytest.mark.parametrize("worker_state,momentum_seen", [("keep", 0.9), ("reset", 0.0)])
 def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(
-    cluster1, worker_state, momentum_seen
+    local_cluster, worker_state, momentum_seen
 ):
     """One worker, windows of 3 steps: with `worker_state="keep"` training is
     exactly plain Keras `SGD(0.1, momentum=0.9)`; with `"reset"` each window
     starts the momentum from zero, which for windows of 1 step is plain SGD
     without momentum. The same batches in the same order, one pass per epoch."""
+    cluster1 = local_cluster(1)
     rng = np.random.default_rng(3)
     x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
     n_sync = 3 if worker_state == "keep" else 1
@@ -361,11 +362,12 @@ def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(
     assert int(model.optimizer.iterations.numpy()) == 4 * 3
 
 
-def test_a_later_fit_on_the_same_dataset_continues_the_workers_stream(cluster1):
+def test_a_later_fit_on_the_same_dataset_continues_the_workers_stream(local_cluster):
     """Batch b of the dataset holds label b. A second `fit` on the same
     dataset object goes on where the first stopped, as a new epoch does (the
     workers keep their iterators: deleting them stalls the next `fit`); a new
     dataset object, or another `per_worker_dataset_fn`, starts from batch 0."""
+    cluster1 = local_cluster(1)
     x = np.zeros((8 * 4, 3), "float32")
     y = np.repeat(np.arange(8), 4)  # batch b (of 4) holds label b
 

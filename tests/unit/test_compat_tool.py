@@ -6,7 +6,8 @@ import os
 import sys
 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import compat  # noqa: E402 (tools/ goes on sys.path first)

@@ -11,23 +11,13 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import compile_digits
 
 import tf_asgd
-from tf_asgd.cluster.local_cluster import make_resolver
 from tf_asgd.rules import update_rules
 from tf_asgd.runtime import scheduling
 from tf_asgd.runtime.window import APPLIED_RING
 
-
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "4", scheduling.MAX_WINDOWS_PER_CLOSURE + 1])
-def test_bad_windows_per_closure_is_rejected(value):
-    # Validated before connecting: these addresses are never dialled.
-    resolver = make_resolver({"worker": ["localhost:1"], "ps": ["localhost:2"]})
-    with pytest.raises(
-        ValueError, match="windows_per_closure must be None .* or an integer from 1 to"
-    ):
-        tf_asgd.AsyncParameterServerStrategy(resolver, windows_per_closure=value)
+from helpers import compile_digits
 
 
 def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluster, digits):
@@ -86,12 +76,13 @@ def test_windows_per_closure_is_automatic_by_default(cluster, digits):
     [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
     ids=["add", "outer_nesterov"],
 )
-def test_gem_is_exact_with_several_windows_per_closure(cluster1, outer):
+def test_gem_is_exact_with_several_windows_per_closure(local_cluster, outer):
     """One worker runs a closure of 4 GEM windows an epoch: each window pulls
     what the previous one pushed and carries GEM's state to the next, as the
     NumPy reference does window by window (with outer state, the push is a
     `tf.cond` on the PS; without, branch-free)."""
-    from test_gem import (
+    cluster1 = local_cluster(1)
+    from gem_reference import (
         KAPPA,
         LR,
         MU,
@@ -207,8 +198,7 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
     assert int(model.optimizer.iterations.numpy()) == steps + 4 * k
 
 
-@pytest.mark.cluster
-def test_worker_killed_mid_closure_every_window_applied_exactly_once(digits):
+def test_worker_killed_mid_closure_every_window_applied_exactly_once(local_cluster, digits):
     """A closure of 8 windows (60 ms of emulated device time a step) runs on
     the only worker; once some of its windows have pushed (their ids are in
     the PS's ring of applied windows) and before it returns, the worker is
@@ -217,7 +207,7 @@ def test_worker_killed_mid_closure_every_window_applied_exactly_once(digits):
     Every window is applied once: tickets, steps and records agree."""
     (x, y), _ = digits
     k, n_sync, steps = 8, 1, 48
-    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=False) as cluster:
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver,
             n_sync=n_sync,

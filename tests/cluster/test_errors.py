@@ -1,7 +1,7 @@
 """Errors in `fit` reach the user fast and leave the strategy usable; inputs
 that run Python on the chief are refused before anything runs where the
 workers would have to read them (a `per_worker_dataset_fn`; otherwise the
-chief reads them, tests/test_python_inputs.py).
+chief reads them, tests/cluster/test_python_inputs.py).
 
 Every test runs the failing call in a thread with a deadline (`bounded`), so
 that a regression shows up as a failed test naming the hang, not as a suite
@@ -9,50 +9,16 @@ that never ends; a hard backstop (`faulthandler`) ends the process if the
 hang holds the GIL (a thread's deadline cannot fire then).
 """
 
-import faulthandler
-import sys
-import threading
-import time
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import compile_digits
 
 import tf_asgd
 
-pytestmark = pytest.mark.cluster  # every test here trains on a real cluster
+from helpers import ERROR_BOUND_SECS, bounded, compile_digits
 
-ERROR_BOUND_SECS = 30  # an error reaches the user within 30 s
 REFUSE_BOUND_SECS = 10  # a refused input is refused within 10 s
-
-
-def bounded(fn, seconds):
-    """Runs `fn()` in a thread; returns `(value, exception, seconds taken)`.
-
-    Fails the test if `fn` has not returned or raised after `seconds`.
-    """
-    out = {}
-
-    def target():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # KeyboardInterrupt included: it is what we test
-            out["error"] = e
-
-    # If the hang holds the GIL, join's timeout cannot return: end the
-    # process (with every thread's traceback) rather than hang the suite.
-    faulthandler.dump_traceback_later(seconds + 120, exit=True, file=sys.stderr)
-    t0 = time.time()
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    secs = time.time() - t0
-    faulthandler.cancel_dump_traceback_later()
-    if thread.is_alive():
-        pytest.fail(f"no result and no error after {seconds} s: the call hangs")
-    return out.get("value"), out.get("error"), secs
 
 
 def _strategy(cluster, **kwargs):

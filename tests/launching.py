@@ -1,0 +1,80 @@
+"""Starting the launcher as users do (`python -m tf_asgd.launch`), and checking it stopped."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import ROOT
+
+SHORT = [
+    "--config=configs/default.py",
+    "--config.steps_per_epoch=20",
+    "--config.validate_every_epoch=False",
+    "--config.log_every_secs=0",
+]
+
+
+def launcher(args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)  # local runs; tests that need one set it
+    return [sys.executable, "-m", "tf_asgd.launch", *args], env
+
+
+def run_launcher(args, timeout=180, extra_env=None):
+    cmd, env = launcher(args)
+    env.update(extra_env or {})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def _default_signals():
+    # A process started with SIGINT ignored keeps ignoring it (POSIX; Python
+    # then installs no KeyboardInterrupt handler). A non-interactive shell
+    # starts its background jobs that way, so a test run from one would send
+    # its "Ctrl-C" to a launcher that cannot hear it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_launcher(args, **popen_kwargs):
+    """The launcher as a child that receives Ctrl-C like a terminal's foreground job."""
+    cmd, env = launcher(args)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, text=True, preexec_fn=_default_signals, **popen_kwargs
+    )
+
+
+def local_cluster_ports(log):
+    m = re.search(r"local cluster (\{.*?\}), processes", log)
+    assert m, "the launcher did not log its local cluster"
+    spec = json.loads(m.group(1))
+    return [a.split(":")[1] for job in ("worker", "ps") for a in spec[job]]
+
+
+def task_server_processes(ports):
+    """Live tf_asgd.cluster.task_server processes of the cluster whose worker and PS
+    ports are `ports` (each task's command line holds the whole cluster spec).
+    All ports must match: a launcher in its own network namespace can pick a
+    port number that a cluster outside it uses too."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "tf_asgd.cluster.task_server" in cmd and all(f':{p}"' in cmd for p in ports):
+            found.append((pid, cmd))
+    return found
+
+
+def assert_all_stopped(ports, within=15.0):
+    deadline = time.time() + within
+    while task_server_processes(ports) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not task_server_processes(ports)

@@ -1,0 +1,45 @@
+"""Connecting to a cluster is bounded: tasks that do not answer within
+`connect_timeout` raise `ClusterUnreachableError` naming each of them, and
+nothing of the strategy is left behind; tasks that start a little later are
+waited for."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+import tf_asgd
+from tf_asgd.cluster import connect
+from tf_asgd.cluster.local_cluster import _pick_ports, make_resolver
+
+TIMEOUT = 3.0
+SLACK = 10.0  # what the bound may be overrun by: one probe round, a loaded machine
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "30", True, float("inf"), None])
+def test_bad_connect_timeout_is_refused_before_any_wait(value):
+    spec = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="connect_timeout must be a positive number of seconds"):
+        tf_asgd.AsyncParameterServerStrategy(make_resolver(spec), connect_timeout=value)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_port_that_is_no_grpc_server_is_named_so():
+    """A wrong host can have something else on the port: TF would wait on it."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    helper = threading.Thread(target=answer, daemon=True)
+    helper.start()
+    with server:
+        reason = connect.probe(f"127.0.0.1:{server.getsockname()[1]}")
+    helper.join(5)
+    assert reason == "it accepts connections but does not answer as a gRPC server"
+    assert connect.probe(f"127.0.0.1:{_pick_ports(1)[0]}") == "Connection refused"
