@@ -10,7 +10,8 @@ import glob
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 DIRECTIVE = re.compile(r"^:::\s+(\S+)\s*$", re.MULTILINE)
 
 
