@@ -185,9 +185,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch_var.assign(epoch + 1)
-        # Logged at debug level (absl's --verbosity=1): the epoch has its line
-        # already, and the run's end names the newest checkpoint.
-        save_checkpoint(self._manager, self._step_fn(), f"epoch {epoch + 1}", log=logging.debug)
+        save_checkpoint(self._manager, self._step_fn(), f"epoch {epoch + 1}")
 
 
 def make_checkpoint_callback(manager, epoch_var, step_fn):

@@ -1,0 +1,52 @@
+"""The console: what a `fit` on the strategy reports to Keras's progress bar and callbacks
+(the launcher's console: test_launch.py)."""
+
+import re
+
+import keras
+
+import tf_asgd
+
+
+class _BatchEnds(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []  # per epoch: [(batch, logs), ...]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append([])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.epochs[-1].append((batch, dict(logs or {})))
+
+
+def test_progress_counts_the_epochs_steps_and_shows_no_placeholder(cluster, digits, capsys):
+    """45 steps an epoch at n_sync 10: batch ends at steps 9, 19, 29, 39 and 44 (Keras's
+    own index would say 49), and logs only once a window finished, with real values.
+    Keras's progress bar, which prints what it is given, says the same."""
+    (x, y), _ = digits
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    ends = _BatchEnds()
+    capsys.readouterr()
+    model.fit(x, y, batch_size=32, epochs=2, verbose=1, callbacks=[ends])
+    out = capsys.readouterr().out
+    steps = -(-len(x) // 32)
+    assert steps == 45
+    for epoch in ends.epochs:
+        batches = [b for b, _ in epoch]
+        assert batches == [9, 19, 29, 39, 44], batches
+        for _, logs in epoch:
+            if logs:
+                assert logs["loss"] > 0 and logs["accuracy"] > 0, logs
+                assert all(v != 0 for k, v in logs.items() if k != "windows"), logs
+        assert epoch[-1][1], "the epoch's last batch end has the epoch's metrics"
+    shown = [int(n) for n in re.findall(r"(\d+)/45\b", out)]
+    assert shown and max(shown) == 45, out
+    assert "0.0000e+00" not in out, out
