@@ -227,17 +227,10 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
 
         @tf.function
         def push(iterator):
-            ops, tau = scheduling.push_update(
-                [a, b],
-                [tf.ones([3]), next(iterator)],
-                tf.constant(0, tf.int64),
-                strategy.counters,
-                "none",
-                None,
-                opt,
-                slots,
-                1,
+            central = scheduling.CentralVariables(
+                [a, b], strategy.counters, "none", None, opt, slots
             )
+            ops, tau = central.push([tf.ones([3]), next(iterator)], tf.constant(0, tf.int64))
             with tf.control_dependencies(ops):
                 return tf.identity(tau)
 

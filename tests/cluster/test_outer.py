@@ -28,7 +28,7 @@ def sharded_cluster(local_cluster):
 
 @pytest.mark.parametrize("opt", OPTIMIZERS[1:], ids=repr)
 def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, opt):
-    """Known updates pushed through `push.push_update` onto a variable split
+    """Known updates pushed through `push.CentralVariables.push` onto a variable split
     over 2 PS (and an unsplit one): central variables and outer state follow
     `update_rules.ps_push`, and the step counter the tickets."""
     import tf_asgd
@@ -47,9 +47,10 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
 
     @tf.function
     def push_once(u0, u1, pulled_version):
-        ops, tau = push.push_update(
-            variables, [u0, u1], pulled_version, strategy.counters, "dynsgd", None, opt, slots, 4
+        central = push.CentralVariables(
+            variables, strategy.counters, "dynsgd", None, opt, slots, num_workers=4
         )
+        ops, tau = central.push([u0, u1], pulled_version)
         with tf.control_dependencies(ops):
             return tf.identity(tau)
 

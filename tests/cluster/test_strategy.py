@@ -105,9 +105,8 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
 
     @tf.function
     def push(update, pulled_version):
-        ops, tau = scheduling.push_update(
-            [var], [update], pulled_version, strategy.counters, rule, max_staleness
-        )
+        central = scheduling.CentralVariables([var], strategy.counters, rule, max_staleness)
+        ops, tau = central.push([update], pulled_version)
         with tf.control_dependencies(ops):
             return tf.identity(tau)
 

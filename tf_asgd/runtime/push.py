@@ -1,12 +1,14 @@
 """The PS side of a window: reading central variables and applying a push.
 
-`push_update` is the one place where a window's update reaches the central
-variables: it is staged on every PS first, then the version ticket is taken
-and `update_rules.staleness_scale(tau) * update` is added where each
-variable (or shard) lives.
+`CentralVariables` is where every update reaches the central variables (`push` from a
+worker's tensors, `apply` once they have arrived): it is staged on every PS first, then
+the version ticket is taken and the outer optimizer applies
+`update_rules.staleness_scale(tau) * update` where each variable (or shard) lives.
 """
 
 import contextlib
+import dataclasses
+import typing
 
 import numpy as np
 import tensorflow as tf
@@ -240,197 +242,228 @@ def update_specs(variables, updates):
     ]
 
 
-def push_update(
-    variables,
-    updates,
-    pulled_version,
-    counters,
-    rule,
-    max_staleness,
-    outer_optimizer=None,
-    slots=None,
-    num_workers=1,
-):
-    """The PS side of a push; call inside a closure running on a worker.
+@dataclasses.dataclass(frozen=True)
+class PushGate:
+    """What makes a push conditional, and what goes with it (see `CentralVariables.apply`).
 
-    First every piece of the update is copied to the PS that holds its
-    variable (or shard), small pieces as one flat tensor per PS (`Transfer`);
-    only once all have arrived is the version ticket taken (so staleness is
-    measured at push time) and anything written (`apply_push`). A worker
-    that dies while its update is in transit therefore leaves the PS
-    untouched, not half-updated.
-
-    Args: as `apply_push`; `updates`: one tensor per variable, on the worker.
-
-    Returns:
-        `(ops, tau)`: the write ops (one per PS), whose control dependencies
-        order the push, and the push's staleness (int64 scalar on the
-        counters' PS, available once every write of the push is done).
+    Attributes:
+        ok: bool scalar on the counters' PS: push only if true. Without outer-optimizer
+            state the push is then branch-free (`branch_free`): the caller sent a zero
+            update where `ok` is false; the version advances by 0 and exactly 0 is added.
+            Else every write is in a `tf.cond` on its PS.
+        skipped: `fn() -> int64 scalar`, called on the counters' PS; it may count why a
+            push was not made (and must count nothing for a push that is made: it may run
+            in either case); its value is the push's `tau` when not pushed.
+        writes: optional `fn(tau, push) -> [ops]`: more writes that belong to the push
+            (e.g. the step count), made under its ticket. `push` is None when they run
+            only for a push, else `ok`: they must then change nothing where it is false.
     """
-    pieces = update_specs(variables, updates)
-    transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces])
-    arrived, landed = transfer.send([p for _, p in pieces])
-    done, tau = apply_push(
-        variables,
-        arrived,
-        landed,
-        pulled_version,
-        counters,
-        rule,
-        max_staleness,
-        outer_optimizer,
-        slots,
-        num_workers,
-    )
-    return list(done.values()), tau
+
+    ok: tf.Tensor
+    skipped: typing.Callable[[], tf.Tensor]
+    writes: typing.Optional[typing.Callable] = None
 
 
-def apply_push(
-    variables,
-    arrived,
-    landed,
-    pulled_version,
-    counters,
-    rule,
-    max_staleness,
-    outer_optimizer=None,
-    slots=None,
-    num_workers=1,
-    also=None,
-    ok=None,
-    otherwise=None,
-):
-    """Applies an update that has arrived on the PS: the ticket, the outer
-    optimizer, the counters; call inside a closure running on a worker.
+@dataclasses.dataclass(frozen=True)
+class CentralVariables:
+    """Where pushes land and how they are applied: the central variables (on the PS) with
+    their outer state, the push counters, the staleness rule and the outer optimizer.
 
-    The version ticket is taken under control dependencies on `landed` (every
-    flat tensor of the update as it landed on its PS), so staleness is
-    measured at push time and nothing is written before the whole update is
-    there. Then `scale(tau)` is computed on the PS that holds the counter and
-    each PS applies the outer optimizer to the pseudo-gradient
-    `-scale * update` of its variables (`outer.apply`, piece by piece,
-    exactly as for a single push; by default it adds `scale * update`).
-    Pushes with `tau > max_staleness` are counted as dropped (their scale is
-    0).
+    `push` sends an update from the worker and applies it; `apply` applies one that has
+    already arrived on the PS (the window sends its update with its metadata in one
+    transfer). Both run inside a closure running on a worker. Nothing is written before
+    the whole update is on the PS, so a worker that dies while its update is in transit
+    leaves the PS untouched, not half-updated.
 
-    Args:
+    Attributes:
         variables: the central variables (Keras or TF, possibly sharded).
-        arrived: the update's pieces on their PS, one per shard
-            (`update_specs` order).
-        landed: tensors that exist once the whole update is on the PS.
-        pulled_version: int64 scalar on the counters' PS, the version counter
-            read at pull time.
         counters: the strategy's `counters.PushCounters`.
         rule: the staleness rule (`update_rules.STALENESS_RULES`).
         max_staleness: drop pushes staler than this; None keeps all.
-        outer_optimizer: `update_rules.OuterSGD` or `DelayedNesterov`;
-            default `OuterSGD()`.
-        slots: per variable, per shard, the outer state (`outer.create_slots`),
-            `{}` for none; default none anywhere.
+        outer_optimizer: `update_rules.OuterSGD` or `DelayedNesterov`; None: `OuterSGD()`.
+        slots: per variable, per shard, the outer state (`outer.create_slots`), `{}` for
+            none; None: none anywhere.
         num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
-        also: optional `fn(tau, push) -> [ops]`: more writes that belong to
-            the push (e.g. the step count), made under its ticket. `push` is
-            None when the writes run only for a push, else `ok`: they must
-            then change nothing where it is false.
-        ok: optional bool scalar on the counters' PS: push only if true.
-            Without outer-optimizer state (`slots` all empty) the push is
-            then branch-free (`branch_free`): the caller sent a zero update
-            where `ok` is false; the version advances by 0 and exactly 0 is
-            added. Else every write is in a `tf.cond` on its PS.
-        otherwise: with `ok`, `fn() -> int64 scalar`, called on the
-            counters' PS; it may count why a push was not made (and must
-            count nothing for a push that is made: it may run in either
-            case); its value is returned as `tau` when not pushing.
 
-    Returns:
-        `(done, tau)`: per PS device, an op that runs once that PS's writes
-        are done, and the push's staleness (int64 scalar on the counters'
-        PS, available only once every write of the push is done;
-        `otherwise()` when not pushed).
+    Example:
+
+    ```python
+    central = CentralVariables([var], strategy.counters, "dynsgd")
+
+    @tf.function
+    def push(update, pulled_version):
+        ops, tau = central.push([update], pulled_version)
+        with tf.control_dependencies(ops):
+            return tf.identity(tau)
+
+    strategy.coordinator.schedule(push, args=(update, version))
+    ```
     """
-    outer_optimizer = outer_optimizer or update_rules.OuterSGD()
-    shard_list = [
-        (s, slots[i][j] if slots else {})
-        for i, v in enumerate(variables)
-        for j, s in enumerate(shard_variables(raw(v)))
-    ]
-    cdev = raw(counters.version).device
-    by_device = {cdev: []}
-    for i, (shard, _) in enumerate(shard_list):
-        by_device.setdefault(shard.device, []).append(i)
-    free = ok is not None and branch_free(slots)
 
-    def apply(device, scale, ticket, tau):
+    variables: list
+    counters: typing.Any
+    rule: str = "dynsgd"
+    max_staleness: typing.Optional[int] = None
+    outer_optimizer: typing.Any = None
+    slots: typing.Any = None
+    num_workers: int = 1
+
+    def push(self, updates, pulled_version):
+        """Sends `updates` to the PS and applies them (`apply`).
+
+        Every piece of the update is first copied to the PS that holds its variable (or
+        shard), small pieces as one flat tensor per PS (`Transfer`).
+
+        Args:
+            updates: one tensor per variable, on the worker.
+            pulled_version: int64 scalar on the counters' PS, the version counter read at
+                pull time.
+
+        Returns:
+            `(ops, tau)`: the write ops (one per PS), whose control dependencies order the
+            push, and the push's staleness (int64 scalar on the counters' PS, available once
+            every write of the push is done).
+        """
+        pieces = update_specs(self.variables, updates)
+        transfer = Transfer([(s.device, p.shape, p.dtype) for s, p in pieces])
+        arrived, landed = transfer.send([p for _, p in pieces])
+        done, tau = self.apply(arrived, landed, pulled_version)
+        return list(done.values()), tau
+
+    def apply(self, arrived, landed, pulled_version, gate=None):
+        """Applies an update that has arrived on the PS: the ticket, the outer optimizer,
+        the counters.
+
+        The version ticket is taken under control dependencies on `landed`, so staleness
+        is measured at push time and nothing is written before the whole update is there.
+        Then `scale(tau)` is computed on the PS that holds the counter and each PS applies
+        the outer optimizer to the pseudo-gradient `-scale * update` of its variables
+        (`outer.apply`, piece by piece; by default it adds `scale * update`). Pushes with
+        `tau > max_staleness` are counted as dropped (their scale is 0).
+
+        Args:
+            arrived: the update's pieces on their PS, one per shard (`update_specs` order).
+            landed: tensors that exist once the whole update is on the PS.
+            pulled_version: int64 scalar on the counters' PS, the version counter read at
+                pull time.
+            gate: a `PushGate` for a conditional push; None pushes unconditionally.
+
+        Returns:
+            `(done, tau)`: per PS device, an op that runs once that PS's writes are done,
+            and the push's staleness (int64 scalar on the counters' PS, available only once
+            every write of the push is done; `gate.skipped()` when not pushed).
+        """
+        plan = _PushPlan(self, arrived)
+        cdev = plan.cdev
+        ok = gate.ok if gate else None
+        free = gate is not None and branch_free(self.slots)
+        writes = gate.writes if gate else None
+
+        def ticketed(push=None):
+            return plan.ticketed(landed, pulled_version, push, writes)
+
+        def not_pushed():
+            with tf.device(cdev):
+                skipped = tf.cast(gate.skipped(), tf.int64)
+                return skipped, tf.zeros([], tf.float64), tf.zeros([], tf.int64)
+
+        with tf.device(cdev):
+            if gate is None:
+                tau, scale, ticket = ticketed()
+            elif free:
+                tau, scale, ticket = ticketed(ok)
+                tau = tf.where(ok, tau, tf.cast(gate.skipped(), tf.int64))
+            else:
+                tau, scale, ticket = tf.cond(ok, ticketed, not_pushed)
+        done = {
+            device: plan.apply_elsewhere(device, scale, ticket, tau, None if free else ok)
+            for device in plan.by_device
+            if device != cdev
+        }
+        with tf.device(cdev), tf.control_dependencies(list(done.values())):
+            tau = tf.identity(tau)
+        done[cdev] = tau.op
+        return done, tau
+
+
+class _PushPlan:
+    """One push's shards grouped by PS device, and the writes made on each."""
+
+    def __init__(self, central, arrived):
+        self.central, self.arrived = central, arrived
+        self.outer = central.outer_optimizer or update_rules.OuterSGD()
+        slots = central.slots
+        self.shards = [
+            (s, slots[i][j] if slots else {})
+            for i, v in enumerate(central.variables)
+            for j, s in enumerate(shard_variables(raw(v)))
+        ]
+        self.cdev = raw(central.counters.version).device
+        self.by_device = {self.cdev: []}
+        for i, (shard, _) in enumerate(self.shards):
+            self.by_device.setdefault(shard.device, []).append(i)
+
+    def writes(self, device, scale, ticket, tau):
+        """The outer optimizer's writes to the shards on `device`."""
         ops = []
-        for i in by_device[device]:
-            shard, shard_slots = shard_list[i]
+        for i in self.by_device[device]:
+            shard, shard_slots = self.shards[i]
+            update = self.arrived[i]
             # Under the ticket even where the scale is a constant ("none").
             with tf.device(device), tf.control_dependencies([tau]):
-                if arrived[i].dtype.is_floating:
+                if update.dtype.is_floating:
                     ops += outer.apply(
-                        outer_optimizer, shard, arrived[i], shard_slots, scale, ticket, num_workers
+                        self.outer,
+                        shard,
+                        update,
+                        shard_slots,
+                        scale,
+                        ticket,
+                        self.central.num_workers,
                     )
                 else:  # integer state (RNG seeds) advances unscaled
-                    ops.append(shard.assign_add(arrived[i], read_value=False))
+                    ops.append(shard.assign_add(update, read_value=False))
         return ops
 
-    def ticketed(push=None):
-        with tf.device(cdev):
+    def ticketed(self, landed, pulled_version, push, extra_writes):
+        """On the counters' PS: the ticket, the scale, the counters, this PS's writes."""
+        c = self.central
+        with tf.device(self.cdev):
             with tf.control_dependencies(landed):
-                tau = counters.take_ticket(pulled_version, push)
+                tau = c.counters.take_ticket(pulled_version, push)
             scale = tf.cast(
-                update_rules.staleness_scale(tau, rule, max_staleness, xp=tnp), tf.float64
+                update_rules.staleness_scale(tau, c.rule, c.max_staleness, xp=tnp), tf.float64
             )
-            dropped = tf.cast(update_rules.is_dropped(tau, max_staleness), tf.int64)
+            dropped = tf.cast(update_rules.is_dropped(tau, c.max_staleness), tf.int64)
             if push is not None:
                 scale = tf.where(push, scale, tf.zeros_like(scale))
                 dropped = dropped * tf.cast(push, tf.int64)
             ticket = pulled_version + tau
-            ops = [counters.dropped_stale.assign_add(dropped, read_value=False)]
+            ops = [c.counters.dropped_stale.assign_add(dropped, read_value=False)]
             with tf.control_dependencies([tau]):
-                ops += list(also(tau, push)) if also else []
-            ops += apply(cdev, scale, ticket, tau)
+                ops += list(extra_writes(tau, push)) if extra_writes else []
+            ops += self.writes(self.cdev, scale, ticket, tau)
             with tf.control_dependencies(ops):
                 return tf.identity(tau), tf.identity(scale), tf.identity(ticket)
 
-    def not_pushed():
-        with tf.device(cdev):
-            return (
-                tf.cast(otherwise(), tf.int64),
-                tf.zeros([], tf.float64),
-                tf.zeros([], tf.int64),
-            )
-
-    with tf.device(cdev):
+    def apply_elsewhere(self, device, scale, ticket, tau, ok):
+        """The writes on another PS: unconditional (`ok` None), or in a `tf.cond` on `ok`."""
         if ok is None:
-            tau, scale, ticket = ticketed()
-        elif free:
-            tau, scale, ticket = ticketed(ok)
-            tau = tf.where(ok, tau, tf.cast(otherwise(), tf.int64))
-        else:
-            tau, scale, ticket = tf.cond(ok, ticketed, not_pushed)
-    done = {}
-    for device in by_device:
-        if device == cdev:
-            continue
-        if ok is None or free:
             with tf.device(device):
-                done[device] = tf.group(*apply(device, scale, ticket, tau))
-            continue
+                return tf.group(*self.writes(device, scale, ticket, tau))
 
-        def on_device(device=device):
-            with tf.device(device), tf.control_dependencies(apply(device, scale, ticket, tau)):
+        def on_device():
+            with (
+                tf.device(device),
+                tf.control_dependencies(self.writes(device, scale, ticket, tau)),
+            ):
                 return tf.constant(True)
 
         with tf.device(device):
-            done[device] = tf.cond(ok, on_device, lambda: tf.constant(False)).op
-    with tf.device(cdev), tf.control_dependencies(list(done.values())):
-        tau = tf.identity(tau)
-    done[cdev] = tau.op
-    return done, tau
+            return tf.cond(ok, on_device, lambda: tf.constant(False)).op
 
 
 def branch_free(slots):
     """Whether a conditional push can be branch-free: no outer-optimizer
-    state anywhere (`slots` as for `apply_push`)."""
+    state anywhere (`slots` as for `CentralVariables`)."""
     return not any(s for per_var in (slots or []) for s in per_var)

@@ -20,12 +20,12 @@ from keras import StatelessScope
 from tf_asgd import internals
 from tf_asgd.rules import outer
 from tf_asgd.runtime import optimizer_options, python_inputs
-from tf_asgd.runtime.push import device_of, nbytes, push_update, raw, shard_variables
+from tf_asgd.runtime.push import CentralVariables, device_of, nbytes, raw, shard_variables
 from tf_asgd.runtime.records import WindowRecord, WindowResultLayout
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 
-# push_update and WindowRecord are re-exported: tests and tools use them from here.
-__all__ = ["APPLIED_RING", "WindowRecord", "WindowTrainer", "push_update"]
+# CentralVariables and WindowRecord are re-exported: tests and tools use them from here.
+__all__ = ["APPLIED_RING", "CentralVariables", "WindowRecord", "WindowTrainer"]
 
 MAX_IN_FLIGHT_PER_WORKER = 2  # closures scheduled but unfinished, per worker
 # Automatic K: about this much work on a worker per closure (shorter closures were slower:

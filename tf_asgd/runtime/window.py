@@ -17,9 +17,10 @@ import tensorflow as tf
 from tf_asgd import internals
 from tf_asgd.runtime import metric_states, optimizer_options, steps
 from tf_asgd.runtime.push import (
+    CentralVariables,
     Pull,
+    PushGate,
     Transfer,
-    apply_push,
     branch_free,
     device_of,
     raw,
@@ -416,7 +417,7 @@ class WindowFunction:
 
         The update travels with `meta` (`[window_id, num_steps, pulled
         version, ok, bad, next id, next steps, has_next]`, int64); `ok`
-        (finite, not a replay) decides on the PS (`push.apply_push`):
+        (finite, not a replay) decides on the PS (`push.CentralVariables.apply`):
 
         - push: the ticket is taken only once the whole update is on the PS;
           under it, the update, the step count and the window's id in
@@ -449,14 +450,14 @@ class WindowFunction:
             ok_ps, bad, version = meta[3] > 0, meta[4] > 0, meta[2]
             slot = tf.reshape(meta[0] % APPLIED_RING, [1])
 
-        def otherwise():
+        def skipped():
             counted = counters.dropped_nonfinite.assign_add(
                 tf.cast(bad, tf.int64), read_value=False
             )
             with tf.control_dependencies([counted]):
                 return tf.constant(-1, tf.int64)
 
-        def also(tau, push):
+        def writes(tau, push):
             # Like the variables, the step count and the window's id are
             # written only once the whole update has reached the PS.
             iterations = raw(internals.iteration_variable(self._trainer.model.optimizer))
@@ -479,21 +480,17 @@ class WindowFunction:
                     )
             return ops
 
-        _, tau = apply_push(
+        central = CentralVariables(
             self._trainer.variables,
-            arrived[: len(pieces)],
-            landed,
-            version,
             counters,
             strategy.staleness,
             strategy.max_staleness,
             self._trainer.outer,
             self._trainer.outer_slots,
             strategy.num_workers,
-            also=also,
-            ok=ok_ps,
-            otherwise=otherwise,
         )
+        gate = PushGate(ok=ok_ps, skipped=skipped, writes=writes)
+        _, tau = central.apply(arrived[: len(pieces)], landed, version, gate)
         done = tau
         if self._averages:  # the EMA of the central variables after this push
             with tf.device(self._cdev):
