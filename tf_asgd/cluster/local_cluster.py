@@ -25,6 +25,8 @@ import tempfile
 import threading
 import time
 
+from tf_asgd.cluster import network
+
 _READY = "TF_ASGD_READY"  # printed by tf_asgd.cluster.task_server once it listens
 
 ROLES = ("chief", "worker", "ps", "evaluator")
@@ -260,6 +262,28 @@ def make_resolver(cluster, task_type="chief", task_index=0):
     )
 
 
+_LIMITING = {}  # id(LocalCluster) -> bits/s, for the open clusters with a bandwidth
+
+
+def _limit_bandwidth(cluster):
+    """Sets `cluster.bandwidth` on this namespace's loopback (one link for all its clusters)."""
+    others = set(_LIMITING.values()) - {cluster.bandwidth}
+    if others:
+        raise ValueError(
+            f"LocalCluster(bandwidth={cluster.bandwidth}): another open LocalCluster limits "
+            f"this namespace's loopback to {others.pop()} bits/s, and all of them share one "
+            "link. Close it first, or give both the same bandwidth."
+        )
+    network.limit_bandwidth(cluster.bandwidth)
+    _LIMITING[id(cluster)] = cluster.bandwidth
+
+
+def _release_bandwidth(cluster):
+    """Removes the limit once the last open cluster that set it closes."""
+    if _LIMITING.pop(id(cluster), None) is not None and not _LIMITING:
+        network.clear_bandwidth_limit()
+
+
 class LocalCluster:
     """N workers and M parameter servers on loopback, as child processes.
 
@@ -272,6 +296,18 @@ class LocalCluster:
         gpus_per_worker: GPUs given to each worker process through
             `CUDA_VISIBLE_DEVICES`; 0 hides all GPUs. PS tasks never see a GPU.
         start_timeout: seconds to wait for the servers to come up.
+        bandwidth: limit the loopback to this many bits/s, or a string like
+            `"100mbit"` or `"1gbit"` (`network.parse_bandwidth`); `None`: no
+            limit. Needs this process in a loopback-only namespace of its own
+            (`network.reexec_in_loopback_namespace`; the launcher's
+            `--bandwidth`), where the chief and the tasks share one link. The
+            limit holds while the cluster is open; `close()` removes it.
+
+    Raises:
+        ValueError: bad counts, a bad bandwidth, or another open cluster
+            limits this namespace to another bandwidth.
+        RuntimeError: `bandwidth` outside a namespace of its own.
+        OSError: the kernel refused the limit (`tc` missing, no tbf qdisc).
     """
 
     def __init__(
@@ -281,12 +317,16 @@ class LocalCluster:
         shared_process=False,
         gpus_per_worker=0,
         start_timeout=120.0,
+        bandwidth=None,
     ):
         if num_workers < 1 or num_ps < 1:
             raise ValueError(
                 "A LocalCluster needs at least one worker and one ps, got "
                 f"num_workers={num_workers}, num_ps={num_ps}."
             )
+        self.bandwidth = None if bandwidth is None else network.parse_bandwidth(bandwidth)
+        if self.bandwidth is not None:
+            _limit_bandwidth(self)
         self.num_workers, self.num_ps = num_workers, num_ps
         self.shared_process = shared_process
         self.gpus_per_worker = gpus_per_worker
@@ -410,6 +450,7 @@ class LocalCluster:
         freed later is not removed from them), then they are stopped. Tasks
         that died before (killed, crashed) are marked gone first.
         """
+        _release_bandwidth(self)
         _SERVING.discard(_tasks_key(self.cluster_spec))
         for fn in _BEFORE_STOP.pop(_tasks_key(self.cluster_spec), []):
             fn()

@@ -3,7 +3,8 @@
 TF's gRPC server listens on every interface and has no authentication, so
 `reexec_in_loopback_namespace()` starts the current program again inside a new user and
 network namespace whose only interface is `lo` (docs/architecture.md says why). The
-launcher does this by default for local runs (`--isolate_network`).
+launcher does this by default for local runs (`--isolate_network`). Inside such a namespace,
+`limit_bandwidth` puts a token bucket on `lo`: one shared link for the whole job.
 
 Example:
     tf_asgd.cluster.network.reexec_in_loopback_namespace()  # returns inside the namespace
@@ -12,7 +13,9 @@ Example:
 """
 
 import fcntl
+import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -23,6 +26,13 @@ ENV_MARKER = "TF_ASGD_LOOPBACK_NAMESPACE"  # set in the re-executed program
 
 _UNSHARE = ("--user", "--map-root-user", "--net")
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+# A token bucket's burst must exceed loopback's 64 kB MTU, or connections stall until
+# they time out: at least 1 Mbit, else 10 ms of traffic at the rate.
+MIN_BURST_BYTES = 125_000
+TBF_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue before it is dropped
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_BANDWIDTH = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
 def in_loopback_namespace():
@@ -88,3 +98,139 @@ def _bring_up_loopback():
     names = [name for _, name in socket.if_nameindex()]
     if names != ["lo"]:
         raise OSError(f"expected a namespace with only the loopback interface, found {names}")
+
+
+def parse_bandwidth(value):
+    """A bandwidth in bits per second, from a number or a string like `"100mbit"`.
+
+    Args:
+        value: a positive number of bits per second, or a string: a number and
+            one of `bit`, `kbit`, `mbit`, `gbit`, `tbit` (decimal, as `tc` reads
+            them; any case), e.g. `"100mbit"`, `"1gbit"`, `"2.5Gbit"`.
+
+    Returns:
+        The bits per second, a positive Python int.
+
+    Raises:
+        ValueError: anything else, naming the value.
+
+    Examples:
+        >>> parse_bandwidth("100mbit"), parse_bandwidth("1.5gbit"), parse_bandwidth(8e6)
+        (100000000, 1500000000, 8000000)
+    """
+    rate = None
+    if isinstance(value, str):
+        match = _BANDWIDTH.fullmatch(value)
+        if match and match.group(2).lower() in _UNITS:
+            rate = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        rate = float(value)
+    if rate is None or not rate >= 1 or rate == float("inf"):
+        raise ValueError(
+            f"bandwidth must be a number of bits per second >= 1 or a string like '100mbit' "
+            f"or '1gbit' (units: {', '.join(_UNITS)}), got {value!r}."
+        )
+    return int(round(rate))
+
+
+def tbf_burst_bytes(rate):
+    """The token bucket's burst for `rate` bits/s: `max(1 Mbit, 10 ms of traffic)`, in bytes."""
+    return max(MIN_BURST_BYTES, int(rate) // 800)
+
+
+def limit_bandwidth(rate):
+    """Limits the loopback of this job's own namespace to `rate`, for every task in it.
+
+    Runs `tc qdisc replace dev lo root tbf rate <rate> burst <burst> latency 50ms`
+    (`tbf_burst_bytes`). Only inside a namespace made by
+    `reexec_in_loopback_namespace` (this process, or its parent, called it), so
+    nothing outside the job's namespace changes. Called again, it replaces the
+    limit.
+
+    Args:
+        rate: bits per second, or a string (`parse_bandwidth`).
+
+    Returns:
+        The rate in bits per second.
+
+    Raises:
+        ValueError: a bad rate.
+        RuntimeError: this process is not in such a namespace.
+        OSError: `tc` is missing, or the kernel refused the qdisc.
+
+    Example:
+        network.reexec_in_loopback_namespace()
+        network.limit_bandwidth("100mbit")  # every connection on `lo` shares 100 Mbit/s
+    """
+    rate = parse_bandwidth(rate)
+    _check_own_namespace("limit its bandwidth")
+    burst = tbf_burst_bytes(rate)
+    _tc(
+        "qdisc",
+        "replace",
+        "dev",
+        "lo",
+        "root",
+        "tbf",
+        "rate",
+        f"{rate}bit",
+        "burst",
+        str(burst),
+        "latency",
+        TBF_LATENCY,
+    )
+    return rate
+
+
+def clear_bandwidth_limit():
+    """Removes `limit_bandwidth`'s limit from this namespace's loopback (none: no-op).
+
+    Raises:
+        RuntimeError: this process is not in a namespace of `reexec_in_loopback_namespace`.
+        OSError: `tc` is missing or fails.
+    """
+    _check_own_namespace("clear its bandwidth limit")
+    if bandwidth_limit() is not None:
+        _tc("qdisc", "del", "dev", "lo", "root")
+
+
+def bandwidth_limit():
+    """The token bucket on this namespace's loopback, or `None` without one.
+
+    Returns:
+        `(rate, burst_bytes)` of the root `tbf` qdisc on `lo`, or `None` without one.
+
+    Raises:
+        OSError: `tc` is missing or fails.
+    """
+    for qdisc in json.loads(_tc("-j", "qdisc", "show", "dev", "lo") or "[]"):
+        if qdisc.get("kind") == "tbf" and qdisc.get("root"):
+            options = qdisc["options"]
+            return 8 * int(options["rate"]), int(options["burst"])
+    return None
+
+
+def _check_own_namespace(what):
+    names = [name for _, name in socket.if_nameindex()]
+    if not in_loopback_namespace() or names != ["lo"]:
+        raise RuntimeError(
+            f"Cannot {what}: this process is not in a loopback-only network namespace of its "
+            f"own (interfaces {names}), and tf_asgd changes no network outside one. Call "
+            "tf_asgd.cluster.network.reexec_in_loopback_namespace() first (it runs the "
+            "program again inside one), or use the launcher's --bandwidth."
+        )
+
+
+def _tc(*args):
+    tc = shutil.which("tc") or next(
+        (p for p in ("/usr/sbin/tc", "/sbin/tc") if os.access(p, os.X_OK)), None
+    )
+    if tc is None:
+        raise OSError("the `tc` command (iproute2) is not installed")
+    proc = subprocess.run([tc, *args], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise OSError(
+            f"`tc {' '.join(args)}` failed: {proc.stderr.strip() or 'exit ' + str(proc.returncode)}"
+            " (the kernel may lack the tbf qdisc: sch_tbf)"
+        )
+    return proc.stdout
