@@ -15,6 +15,7 @@ Example:
 """
 
 import importlib
+import os
 import sys
 
 _EXPORTS = {
@@ -61,6 +62,13 @@ def _started_module():
 # small machine). Everyone else gets everything at once, which also
 # registers tf_asgd's Keras objects (GEM, the models' layers) for loading.
 if _started_module() != "tf_asgd.launch":
+    # Imported before TensorFlow, tf_asgd loads it without its start-up banners
+    # (every other line it prints is shown; TF_ASGD_VERBOSE_TF=1 shows them all).
+    if "tensorflow" not in sys.modules and os.environ.get("TF_ASGD_VERBOSE_TF") != "1":
+        from tf_asgd.cluster.local_cluster import filtered_stderr
+
+        with filtered_stderr():
+            import tensorflow  # noqa: F401 (loaded here, used by every module below)
     for _name in (*_SUBMODULES, *_EXPORTS):
         __getattr__(_name)
 

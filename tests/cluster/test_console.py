@@ -1,11 +1,16 @@
 """The console: what a `fit` on the strategy reports to Keras's progress bar and callbacks
 (the launcher's console: test_launch.py)."""
 
+import os
 import re
+import subprocess
+import sys
 
 import keras
 
 import tf_asgd
+
+from helpers import ROOT
 
 
 class _BatchEnds(keras.callbacks.Callback):
@@ -50,3 +55,36 @@ def test_progress_counts_the_epochs_steps_and_shows_no_placeholder(cluster, digi
     shown = [int(n) for n in re.findall(r"(\d+)/45\b", out)]
     assert shown and max(shown) == 45, out
     assert "0.0000e+00" not in out, out
+
+
+def _python(code, **env):
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_importing_tf_asgd_first_loads_tensorflow_without_its_banners():
+    code = "import tf_asgd, keras, sys; sys.stderr.write('imported\\n')"
+    quiet, verbose = _python(code), _python(code, TF_ASGD_VERBOSE_TF="1")
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert quiet.stderr == "imported\n", quiet.stderr
+    assert "cpu_feature_guard" in verbose.stderr or "oneDNN" in verbose.stderr
+
+
+def test_a_fatal_message_inside_the_filter_still_reaches_stderr():
+    code = (
+        "import os\n"
+        "from tf_asgd.cluster.local_cluster import filtered_stderr\n"
+        "with filtered_stderr():\n"
+        "    os.write(2, b'F0000 fatal: this CPU lacks AVX\\n')\n"
+        "    os.abort()\n"
+    )
+    proc = _python(code)
+    assert proc.returncode != 0
+    assert "F0000 fatal: this CPU lacks AVX" in proc.stderr

@@ -1,4 +1,7 @@
-"""What `print(strategy.model_stats(model))` shows: a short summary, not arrays."""
+"""What the console shows: `print(strategy.model_stats(model))` as a short summary, and
+native stderr without TensorFlow's start-up lines."""
+
+import os
 
 import numpy as np
 
@@ -18,3 +21,14 @@ def test_async_stats_repr_is_a_short_summary():
     assert "4.6 MB" in text
     # The attributes stay as they are.
     assert stats.staleness_histogram is hist and stats.mean_staleness == 17 / 30
+
+
+def test_filtered_stderr_drops_tf_start_up_lines_and_shows_the_rest(capfd):
+    from tf_asgd.cluster.local_cluster import filtered_stderr
+
+    with filtered_stderr():
+        os.write(2, b"I0000 00:00 1 port.cc:153] oneDNN custom operations are on. You may\n")
+        os.write(2, b"W0000 something the user must see\n")
+        os.write(2, b"I0000 00:00 1 cudart_stub.cc:31] Could not find cuda drivers on your\n")
+    err = capfd.readouterr().err
+    assert err == "W0000 something the user must see\n"

@@ -150,6 +150,50 @@ def quiet_tf_startup(enabled=True):
             sys.stderr.flush()
 
 
+# Copies stdin to stderr line by line, without the lines matching argv[1].
+_FILTER = (
+    "import re,sys\n"
+    "p=re.compile(sys.argv[1],re.M)\n"
+    "for line in sys.stdin.buffer:\n"
+    " t=line.decode(errors='replace')\n"
+    " if not p.search(t):sys.stderr.write(t);sys.stderr.flush()\n"
+)
+
+
+@contextlib.contextmanager
+def filtered_stderr():
+    """While the block runs, native stderr (fd 2) passes through a filter process that
+    drops TF's start-up lines (`_STARTUP_NOISE`) and shows every other line as it comes.
+
+    The filter is a separate process, so a fatal message (TF aborting at import on a CPU
+    it was not built for) still reaches the terminal: the filter reads to the end of the
+    pipe even after this process is gone. Where the filter cannot start, nothing is
+    filtered.
+    """
+    sys.stderr.flush()
+    try:
+        filt = subprocess.Popen(
+            [sys.executable, "-S", "-c", _FILTER, _STARTUP_NOISE.pattern], stdin=subprocess.PIPE
+        )
+    except OSError:
+        yield
+        return
+    saved = os.dup(2)
+    os.dup2(filt.stdin.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        filt.stdin.close()
+        try:
+            filt.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            filt.kill()
+            filt.wait()
+
+
 def _mark_gone(addresses, gone=True):
     """Tells this process's TF client that the tasks at `addresses` stopped
     (or, `gone=False`, are back): a tf.function freed while it is connected
