@@ -366,3 +366,21 @@ def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog)
     )
     train_lib.checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
     assert manager.latest_checkpoint.endswith("-7")
+
+
+def test_bandwidth_limits_the_runs_namespace_or_is_refused(tmp_path):
+    # Refusals come before any cluster starts.
+    proc = run_launcher([*SHORT, f"--workdir={tmp_path}/a", "--bandwidth=fast"])
+    assert proc.returncode != 0 and "--bandwidth: bandwidth must be" in proc.stderr
+    proc = run_launcher(
+        [*SHORT, f"--workdir={tmp_path}/b", "--bandwidth=1gbit", "--isolate_network=no"]
+    )
+    assert proc.returncode != 0 and "cannot be combined with --isolate_network=no" in proc.stderr
+    if not _userns_available():
+        return
+    proc = run_launcher(
+        [*SHORT, "--config.epochs=1", f"--workdir={tmp_path}/c", "--bandwidth=1gbit"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Bandwidth: this run's loopback is limited to 1000000000 bits/s" in proc.stderr
+    assert os.path.exists(tmp_path / "c" / "results.json")

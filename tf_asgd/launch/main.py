@@ -62,6 +62,14 @@ flags.DEFINE_enum(
     "downloaded, else a warning; yes: or stop; no: listen on every interface. Ignored "
     "under TF_CONFIG.",
 )
+flags.DEFINE_string(
+    "bandwidth",
+    None,
+    "Local runs: limit the network to this rate, e.g. 100mbit, 1gbit or a number of "
+    "bits/s: a token bucket (tc tbf) on the loopback of the run's own network namespace, "
+    "one link shared by the chief and every task. Implies --isolate_network=yes; refused "
+    "with --isolate_network=no and under TF_CONFIG.",
+)
 flags.DEFINE_bool(
     "verbose_tf",
     False,
@@ -117,6 +125,52 @@ def isolate_local_run(mode, config):
     )
 
 
+def check_bandwidth_flag(value, role, isolate, config):
+    """`--bandwidth` in bits/s (`None` without it), or a usage error naming the conflict."""
+    if value is None:
+        return None
+    try:
+        rate = network.parse_bandwidth(value)
+    except ValueError as e:
+        raise app.UsageError(f"--bandwidth: {e}") from None
+    if role is not None:
+        raise app.UsageError(
+            "--bandwidth limits a local run's own network namespace; under TF_CONFIG the "
+            "tasks run on their machines' network (limit it there)."
+        )
+    if isolate == "no":
+        raise app.UsageError(
+            "--bandwidth needs the run in its own network namespace: it cannot be combined "
+            "with --isolate_network=no."
+        )
+    if not network.in_loopback_namespace():
+        try:
+            network.check_available()
+        except OSError as e:
+            sys.exit(f"tf_asgd.launch: --bandwidth needs a network namespace of its own, but {e}.")
+        if config.download and data.needs_download(config.dataset, config.data_dir):
+            sys.exit(
+                f"tf_asgd.launch: --bandwidth runs in a network namespace without a network, "
+                f"but {config.dataset} must be downloaded first: run once without --bandwidth."
+            )
+    return rate
+
+
+def limit_local_bandwidth(rate):
+    """Limits this run's namespace loopback to `rate` bits/s, or exits saying why not."""
+    try:
+        network.limit_bandwidth(rate)
+        limit, burst = network.bandwidth_limit()
+    except (OSError, RuntimeError) as e:
+        sys.exit(f"tf_asgd.launch: --bandwidth={rate}bit, but {e}.")
+    logging.info(
+        "Bandwidth: this run's loopback is limited to %d bits/s (tbf, burst %d bytes), "
+        "one link for the chief and every task.",
+        limit,
+        burst,
+    )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -131,8 +185,11 @@ def main(argv):
         sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
+    rate = check_bandwidth_flag(FLAGS.bandwidth, role, FLAGS.isolate_network, config)
     if role is None:
-        isolate_local_run(FLAGS.isolate_network, config)
+        isolate_local_run("yes" if rate else FLAGS.isolate_network, config)
+        if rate:
+            limit_local_bandwidth(rate)
     import_tf_quietly(FLAGS.verbose_tf)
     from tf_asgd import internals
     from tf_asgd.cluster import lost_tasks
