@@ -15,7 +15,24 @@ import numpy as np
 
 
 def load_digits(test_fraction=0.2, seed=0):
-    """Returns `((x_train, y_train), (x_test, y_test))`, images 8x8x1 in [0, 1]."""
+    """scikit-learn's 8x8 handwritten digits, shuffled and split; works offline.
+
+    Args:
+        test_fraction: share of the 1,797 images held out (0.2: 359 of them).
+        seed: seed of the shuffle before the split (the same seed, the same split).
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`: float32 images in [0, 1] of
+        shape `(n, 8, 8, 1)`, int64 labels 0..9.
+
+    Raises:
+        ImportError: scikit-learn (which ships the data set) is not installed.
+
+    Examples:
+        >>> (x, y), (x_test, y_test) = load_digits()
+        >>> x.shape, x.dtype, y.dtype, len(x_test)
+        ((1438, 8, 8, 1), dtype('float32'), dtype('int64'), 359)
+    """
     try:
         from sklearn.datasets import load_digits as sk_load_digits
     except ImportError as e:
@@ -48,7 +65,15 @@ def load_digits_images(size=32, channels=3, test_fraction=0.2, seed=0):
         shape `(n, size, size, channels)`, int64 labels.
 
     Raises:
-        ValueError: `size` below 8 or `channels` below 1.
+        ValueError: `size` below 8 or `channels` below 1 (or not integers).
+        ImportError: scikit-learn is not installed (see `load_digits`).
+
+    Example:
+
+    ```python
+    (x, y), (x_test, y_test) = tf_asgd.data.load_digits_images(32)
+    model = tf_asgd.models.resnet_bn(input_shape=x.shape[1:])
+    ```
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 8:
         raise ValueError(f"size must be an integer >= 8, got {size!r}.")
@@ -91,6 +116,13 @@ def load_mnist1d(num_train=4000, num_test=1000, seed=42):
         ImportError: the `mnist1d` package is not installed.
         ValueError: sizes that are not positive integers, or a total that is
             not a multiple of 10.
+
+    Example:
+
+    ```python
+    (x, y), (x_test, y_test) = tf_asgd.data.load_mnist1d()  # x: (4000, 40, 1)
+    model = tf_asgd.models.mnist1d_cnn()
+    ```
     """
     for name, n in (("num_train", num_train), ("num_test", num_test)):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
@@ -133,9 +165,24 @@ def load_mnist1d(num_train=4000, num_test=1000, seed=42):
 def sleep_transformation(micros):
     """tf.data's per-element sleep (no CPU used), for `Dataset.apply`.
 
-    `micros` may be a Python number or an int64 scalar tensor. The op is TF's
-    `SleepDataset` (`tf.raw_ops.SleepDataset`; the Python wrapper around it
-    is internal): a TF without it gets a clear error, not a silent no-op.
+    The op is TF's `SleepDataset` (`tf.raw_ops.SleepDataset`; the Python wrapper
+    around it is internal): a TF without it gets a clear error, not a silent no-op.
+
+    Args:
+        micros: microseconds each element is delayed, a Python number or an
+            int64 scalar tensor.
+
+    Returns:
+        A function `dataset -> dataset` with the same `element_spec`.
+
+    Raises:
+        RuntimeError: this TensorFlow has no `tf.raw_ops.SleepDataset`.
+
+    Example:
+
+    ```python
+    dataset = dataset.apply(tf_asgd.data.sleep_transformation(20_000))  # 20 ms each
+    ```
     """
     import tensorflow as tf
 
@@ -165,9 +212,22 @@ def sleep_transformation(micros):
 def emulated_device_time(step_ms, slowdown=None):
     """A `per_worker_dataset_fn` that delays every batch by `step_ms` on each worker.
 
-    `slowdown` maps worker indices to factors: `{1: 10.0}` makes worker 1 a
-    straggler whose batches take 10x as long. Pass the result as
-    `AsyncParameterServerStrategy(..., per_worker_dataset_fn=...)`.
+    Makes workers on a CPU-only machine behave like devices of a given speed: the
+    delay is a sleep in tf.data (`sleep_transformation`), which costs no CPU.
+
+    Args:
+        step_ms: milliseconds each batch is delayed, a number >= 0.
+        slowdown: a dict mapping worker indices to factors of `step_ms`:
+            `{1: 10.0}` makes worker 1 a straggler whose batches take 10x as
+            long. `None`: every worker is delayed by `step_ms`.
+
+    Returns:
+        A function `(dataset, worker_index) -> dataset`, to pass as
+        `AsyncParameterServerStrategy(..., per_worker_dataset_fn=...)`.
+
+    Raises:
+        ValueError: `step_ms` is not a number >= 0, a `slowdown` key is not a
+            worker index >= 0, or a factor is not a number > 0.
 
     Example:
 
@@ -208,7 +268,10 @@ def emulated_device_time(step_ms, slowdown=None):
 
 
 class MissingDataError(FileNotFoundError):
-    """A data set is not where the config says it is (and was not downloaded)."""
+    """A data set is not where the config says it is (and was not downloaded).
+
+    Its message names the path tried and how to get the data.
+    """
 
 
 def _keras_cache(name):
@@ -230,7 +293,17 @@ def _cifar10_dir(data_dir):
 
 
 def needs_download(dataset, data_dir=""):
-    """Whether loading `dataset` would download it (it is not on this machine)."""
+    """Whether loading `dataset` would download it (it is not on this machine).
+
+    Args:
+        dataset: the data set's name: "mnist", "cifar10" (others are never
+            downloaded: "digits" ships with scikit-learn, ImageNet must be there).
+        data_dir: where the launcher's config says it is; "" means Keras's cache
+            (`~/.keras/datasets`).
+
+    Returns:
+        True where `load_mnist` or `load_cifar10` would download it.
+    """
     if dataset == "mnist":
         return not os.path.isfile(_mnist_file(data_dir))
     if dataset == "cifar10":
@@ -239,11 +312,29 @@ def needs_download(dataset, data_dir=""):
 
 
 def load_mnist(path="", download=True):
-    """MNIST as `((x_train, y_train), (x_test, y_test))`, images 28x28x1 uint8.
+    """MNIST from a Keras-format `mnist.npz`, downloaded by Keras where allowed.
 
-    `path` is a Keras-format `mnist.npz` (arrays `x_train`, `y_train`,
-    `x_test`, `y_test`); "" means `~/.keras/datasets/mnist.npz`, which
-    `keras.datasets.mnist.load_data()` downloads when `download` is true.
+    Args:
+        path: a Keras-format `mnist.npz` (arrays `x_train`, `y_train`,
+            `x_test`, `y_test`); "" means `~/.keras/datasets/mnist.npz`
+            (under `KERAS_HOME` where set).
+        download: where `path` is "" and the file is missing, download it with
+            `keras.datasets.mnist.load_data()`.
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`: uint8 images of shape
+        `(n, 28, 28, 1)`, int64 labels.
+
+    Raises:
+        MissingDataError: the file is not there (and was not to be downloaded,
+            or the download failed); the message says how to get it.
+
+    Example:
+
+    ```python
+    (x, y), (x_test, y_test) = tf_asgd.data.load_mnist()
+    model = tf_asgd.models.gem_mnist_convnet()
+    ```
     """
     tried = _mnist_file(path)
     if os.path.isfile(tried):
@@ -285,9 +376,22 @@ _CIFAR_PICKLE_GLOBALS = frozenset(
 
 
 def load_cifar_batch(path):
-    """One batch file of CIFAR-10's python version as `(data, labels)`,
-    data `(n, 3, 32, 32)` uint8, with a restricted unpickler (NumPy arrays
-    only: anything else raises `pickle.UnpicklingError`)."""
+    """One batch file of CIFAR-10's python version, read with a restricted unpickler.
+
+    Only what rebuilds NumPy arrays may be unpickled, so a tampered file cannot
+    run code.
+
+    Args:
+        path: a batch file (`data_batch_1`, ..., `test_batch`).
+
+    Returns:
+        `(data, labels)`: uint8 images of shape `(n, 3, 32, 32)` and the list
+        of their labels.
+
+    Raises:
+        pickle.UnpicklingError: the file asks to unpickle anything else.
+        OSError: the file cannot be read.
+    """
     import pickle
 
     class Unpickler(pickle.Unpickler):
@@ -309,11 +413,30 @@ def load_cifar_batch(path):
 
 
 def load_cifar10(data_dir="", download=True):
-    """CIFAR-10 as `((x_train, y_train), (x_test, y_test))`, 32x32x3 uint8, labels (n,).
+    """CIFAR-10 from its python version's batch files, downloaded by Keras where allowed.
 
-    `data_dir` is the `cifar-10-batches-py` directory of the python version
-    (`data_batch_1..5`, `test_batch`); "" means Keras's cache, which
-    `keras.datasets.cifar10.load_data()` fills when `download` is true.
+    Args:
+        data_dir: the `cifar-10-batches-py` directory of the python version
+            (`data_batch_1..5`, `test_batch`); "" means Keras's cache.
+        download: where `data_dir` is "" and the files are missing, download
+            them with `keras.datasets.cifar10.load_data()`.
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`: uint8 images of shape
+        `(n, 32, 32, 3)`, int64 labels of shape `(n,)`.
+
+    Raises:
+        MissingDataError: the files are not there (and were not to be
+            downloaded, or the download failed); the message says how to get them.
+        pickle.UnpicklingError: a batch file holds more than NumPy arrays
+            (`load_cifar_batch`).
+
+    Example:
+
+    ```python
+    (x, y), (x_test, y_test) = tf_asgd.data.load_cifar10()
+    model = tf_asgd.models.cuda_convnet_cifar10()  # trained on 24x24 crops
+    ```
     """
     tried = _cifar10_dir(data_dir)
     if os.path.isfile(os.path.join(tried, "data_batch_1")):
@@ -348,7 +471,19 @@ def load_cifar10(data_dir="", download=True):
 
 
 def random_crop_flip(image, crop_size):
-    """Training augmentation: a random `crop_size` square crop and a random mirror."""
+    """Training augmentation: a random `crop_size` square crop and a random mirror.
+
+    Args:
+        image: one image `[H, W, C]` (a tensor), at least `crop_size` square.
+        crop_size: side of the square crop.
+
+    Returns:
+        A `[crop_size, crop_size, C]` tensor, mirrored left-right with
+        probability 1/2.
+
+    Raises:
+        tf.errors.InvalidArgumentError: the image is smaller than `crop_size`.
+    """
     import tensorflow as tf
 
     channels = image.shape[-1]
@@ -357,7 +492,16 @@ def random_crop_flip(image, crop_size):
 
 
 def center_crop(images, crop_size):
-    """The centre `crop_size` square of a batch `[B, H, W, C]` (or one image)."""
+    """The centre `crop_size` square of a batch `[B, H, W, C]` (or one image).
+
+    Args:
+        images: a batch `[B, H, W, C]` or one image `[H, W, C]` (a tensor or an
+            array), at least `crop_size` square.
+        crop_size: side of the square crop.
+
+    Returns:
+        The same kind of tensor or array, of shape `[..., crop_size, crop_size, C]`.
+    """
     h, w = images.shape[-3], images.shape[-2]
     top, left = (h - crop_size) // 2, (w - crop_size) // 2
     return images[..., top : top + crop_size, left : left + crop_size, :]
@@ -366,8 +510,13 @@ def center_crop(images, crop_size):
 def ten_crops(images, crop_size):
     """Paine et al.'s / Krizhevsky's multi-crop test views of a batch `[B, H, W, C]`.
 
-    Returns `[10, B, crop, crop, C]`: the 4 corner crops, the centre crop, and
-    the horizontal mirrors of those 5.
+    Args:
+        images: a batch `[B, H, W, C]`, at least `crop_size` square.
+        crop_size: side of each square crop.
+
+    Returns:
+        A tensor `[10, B, crop_size, crop_size, C]`: the 4 corner crops, the
+        centre crop, and the horizontal mirrors of those 5.
     """
     import tensorflow as tf
 
@@ -410,10 +559,24 @@ def imagenet_dataset(data_dir, split, image_size=256, seed=0):
     """ImageNet as an unbatched `tf.data.Dataset` of (float image 0..255, int64 label).
 
     Reads `data_dir/{train,val}/<class>/*` with
-    `keras.utils.image_dataset_from_directory`, or TFRecords
-    `data_dir/{train,validation}-*` (TF's ImageNet build-script layout).
-    Images are resized to `image_size` squares. Returns `(dataset, count)`,
-    `count` being the number of examples (or -1 when unknown, TFRecords).
+    `keras.utils.image_dataset_from_directory`, or else TFRecords
+    `data_dir/{train,validation}-*` (TF's ImageNet build-script layout, labels
+    stored 1..1000). Never downloads.
+
+    Args:
+        data_dir: the directory holding `train/` and `val/`, or the TFRecords.
+        split: "train" (shuffled, by file for TFRecords) or anything else for
+            the validation split (in order).
+        image_size: side of the square images are resized to.
+        seed: the training split's shuffle seed.
+
+    Returns:
+        `(dataset, count)`: the dataset and its number of examples (-1 for
+        TFRecords, where it is not known).
+
+    Raises:
+        MissingDataError: neither layout is under `data_dir`; the message names
+            both paths tried and how to get the data.
     """
     import tensorflow as tf
 

@@ -1,10 +1,34 @@
-"""Model builders for the papers' setups (plain Keras 3 models)."""
+"""Model builders for the papers' setups (plain Keras 3 models).
+
+Each builder returns a new, uncompiled `keras.Model` whose last layer gives logits
+(compile with `from_logits=True`). Build it under `strategy.scope()` to train it with
+`AsyncParameterServerStrategy`.
+
+Example:
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+"""
 
 import keras
 
 
 def digits_convnet(num_classes=10):
-    """A small convnet for the 8x8 digits images."""
+    """A small convnet for the 8x8 digits images (`tf_asgd.data.load_digits`).
+
+    conv 16x3x3, conv 32x3x3 ("same" padding, ReLU), max-pool 2, dense 64
+    (ReLU), dense `num_classes` (logits).
+
+    Args:
+        num_classes: outputs (logits).
+
+    Returns:
+        A `keras.Sequential` named "digits_convnet", for `(8, 8, 1)` inputs.
+
+    Examples:
+        >>> digits_convnet().count_params()
+        38282
+    """
     return keras.Sequential(
         [
             keras.Input((8, 8, 1)),
@@ -20,11 +44,20 @@ def digits_convnet(num_classes=10):
 
 
 def gem_mnist_convnet(input_shape=(28, 28, 1), num_classes=10):
-    """The GEM paper's MNIST convnet (its code's `Model`, 163,790 parameters):
-    conv 10x5x5, max-pool 2, conv 20x5x5, max-pool 2, dense 300, 200, 10.
+    """The GEM paper's MNIST convnet (its code's `Model`, 163,790 parameters).
 
-    The paper's code also drops channels after the second conv (`Dropout2d`);
-    left out here, so that throughput benchmarks time the same work every step.
+    conv 10x5x5, max-pool 2, conv 20x5x5, max-pool 2, dense 300, 200 (ReLU
+    throughout), dense `num_classes` (logits). The paper's code also drops
+    channels after the second conv (`Dropout2d`); left out here, so that
+    throughput benchmarks time the same work every step.
+
+    Args:
+        input_shape: `(height, width, channels)`; MNIST's by default
+            (`tf_asgd.data.load_mnist`).
+        num_classes: outputs (logits).
+
+    Returns:
+        A `keras.Sequential` named "gem_mnist_convnet".
     """
     return keras.Sequential(
         [
@@ -46,7 +79,21 @@ def gem_mnist_convnet(input_shape=(28, 28, 1), num_classes=10):
 class LocalResponseNormalization(keras.layers.Layer):
     """cuda-convnet's response normalisation across channels.
 
-    The layer form of `tf.nn.local_response_normalization`.
+    The layer form of `tf.nn.local_response_normalization` (same arguments and
+    defaults but `alpha`); serializable (`keras.saving`, package "tf_asgd").
+
+    Args:
+        depth_radius: half-width of the channel window.
+        bias: the offset added before the power.
+        alpha: the scale of the sum of squares.
+        beta: the exponent.
+        **kwargs: `keras.layers.Layer`'s arguments (`name`, `dtype`, ...).
+
+    Example:
+
+    ```python
+    x = tf_asgd.models.LocalResponseNormalization(depth_radius=2, bias=2.0, alpha=1e-4)(x)
+    ```
     """
 
     def __init__(self, depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, **kwargs):
@@ -54,6 +101,14 @@ class LocalResponseNormalization(keras.layers.Layer):
         self.depth_radius, self.bias, self.alpha, self.beta = depth_radius, bias, alpha, beta
 
     def call(self, x):
+        """Normalises `x`, a `[batch, height, width, channels]` tensor, across channels.
+
+        Args:
+            x: the input tensor (4-D).
+
+        Returns:
+            A tensor of the same shape and dtype.
+        """
         import tensorflow as tf
 
         return tf.nn.local_response_normalization(
@@ -61,6 +116,11 @@ class LocalResponseNormalization(keras.layers.Layer):
         )
 
     def get_config(self):
+        """The layer's config, with its four normalisation arguments.
+
+        Returns:
+            A dict that `from_config` rebuilds the layer from.
+        """
         return {
             **super().get_config(),
             "depth_radius": self.depth_radius,
@@ -75,7 +135,16 @@ def cuda_convnet_cifar10(input_shape=(24, 24, 3), num_classes=10):
 
     conv 32x5x5 - maxpool 3/2 - LRN, conv 32x5x5 - avgpool 3/2 - LRN,
     conv 64x5x5 - avgpool 3/2, dense `num_classes`; ReLU after each conv.
-    Trained on random 24x24 crops of the 32x32 images.
+    Trained on random 24x24 crops of the 32x32 images
+    (`tf_asgd.data.random_crop_flip`); inputs are uint8-range pixels (0..255),
+    rescaled by the model.
+
+    Args:
+        input_shape: `(height, width, channels)`; the crops' by default.
+        num_classes: outputs (logits).
+
+    Returns:
+        A `keras.Sequential` named "cuda_convnet_cifar10".
     """
     L = keras.layers
     return keras.Sequential(
@@ -104,6 +173,15 @@ def paine2013_imagenet_convnet(input_shape=(224, 224, 3), num_classes=1000, drop
     five conv layers (96x11x11/4, 256x5x5, 384x3x3, 384x3x3, 256x3x3) with
     ReLU, response normalisation and overlapping 3/2 max-pooling, then two
     4096-unit ReLU layers with dropout and a `num_classes` output (logits).
+    Inputs are pixels 0..255 (`tf_asgd.data.imagenet_dataset`), rescaled by the model.
+
+    Args:
+        input_shape: `(height, width, channels)`.
+        num_classes: outputs (logits).
+        dropout: the rate of both dropout layers.
+
+    Returns:
+        A `keras.Sequential` named "paine2013_imagenet_convnet".
     """
     L = keras.layers
     return keras.Sequential(
@@ -132,10 +210,24 @@ def paine2013_imagenet_convnet(input_shape=(224, 224, 3), num_classes=1000, drop
 
 
 def mnist1d_cnn(input_shape=(40, 1), num_classes=10, channels=25):
-    """The MNIST-1D paper's 1D convnet (Greydanus 2020, `ConvBase`; 5,210 parameters):
-    three `Conv1D` of `channels` filters (kernels 5, 3, 3; stride 2, "same"
-    padding; ReLU), Flatten, Dense `num_classes` (logits). For
-    `tf_asgd.data.load_mnist1d`'s `(40, 1)` signals."""
+    """The MNIST-1D paper's 1D convnet (Greydanus 2020, `ConvBase`; 5,210 parameters).
+
+    Three `Conv1D` of `channels` filters (kernels 5, 3, 3; stride 2, "same"
+    padding; ReLU), Flatten, Dense `num_classes` (logits).
+
+    Args:
+        input_shape: `(length, channels)`; `tf_asgd.data.load_mnist1d`'s
+            `(40, 1)` signals by default.
+        num_classes: outputs (logits).
+        channels: filters of each `Conv1D`.
+
+    Returns:
+        A `keras.Sequential` named "mnist1d_cnn".
+
+    Examples:
+        >>> mnist1d_cnn().count_params()
+        5210
+    """
     L = keras.layers
     return keras.Sequential(
         [
@@ -182,8 +274,8 @@ def resnet_bn(
     halving the resolution; global average pooling and a Dense `num_classes`
     (logits). The defaults (309,994 parameters, 32x32x3 inputs such as
     `tf_asgd.data.load_digits_images()`) put the stem at stride 2, so that
-    the 3x3 convs run at 16, 8 and 4 pixels square: a step costs a few times
-    less CPU than at full resolution, for the same parameters.
+    the 3x3 convs run at 16, 8 and 4 pixels square: less compute per step
+    than at full resolution, for the same parameters.
 
     Args:
         input_shape: `(height, width, channels)`.
@@ -194,6 +286,10 @@ def resnet_bn(
 
     Returns:
         A functional `keras.Model` named "resnet_bn".
+
+    Examples:
+        >>> resnet_bn().count_params()
+        309994
     """
     L = keras.layers
     inputs = keras.Input(input_shape)
