@@ -224,9 +224,29 @@ def _pick_ports(n):
 def parse_tf_config(text):
     """Parses and validates a `TF_CONFIG` JSON string.
 
-    Returns `(cluster_spec_dict, task_type, task_index)`. Raises `ValueError`
-    quoting what is wrong: bad JSON, an unknown role, an index out of range,
-    or a cluster with no `ps` or no `worker` job.
+    Args:
+        text: the JSON text, `{"cluster": {job: ["host:port", ...]}, "task":
+            {"type": job, "index": i}}`, with jobs among "chief", "worker",
+            "ps" and "evaluator". A missing task index means 0; the
+            evaluator's is not checked (it is no task of the cluster).
+
+    Returns:
+        `(cluster, task_type, task_index)`: the cluster dict as given, the
+        task's job and its index.
+
+    Raises:
+        ValueError: quoting what is wrong: bad JSON, no "cluster" or "task"
+            object, an unknown job, addresses that are not "host:port"
+            strings, an index out of range, or a cluster with no `ps` or no
+            `worker` task.
+
+    Examples:
+        >>> cluster, task_type, index = parse_tf_config(
+        ...     '{"cluster": {"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]},'
+        ...     ' "task": {"type": "worker", "index": 1}}'
+        ... )
+        >>> task_type, index, cluster["ps"]
+        ('worker', 1, ['p0:2222'])
     """
     try:
         config = json.loads(text)
@@ -347,11 +367,32 @@ class LocalCluster:
             `--bandwidth`), where the chief and the tasks share one link. The
             limit holds while the cluster is open; `close()` removes it.
 
+    Attributes:
+        cluster_spec: the cluster dict, `{"chief": [...], "worker": [...],
+            "ps": [...]}` of "localhost:port" addresses (the chief's is a
+            placeholder: `resolver` picks a fresh one).
+        num_workers: as given.
+        num_ps: as given.
+        shared_process: as given.
+        gpus_per_worker: as given.
+        bandwidth: the limit in bits/s, or `None`.
+
     Raises:
         ValueError: bad counts, a bad bandwidth, or another open cluster
             limits this namespace to another bandwidth.
-        RuntimeError: `bandwidth` outside a namespace of its own.
+        RuntimeError: `bandwidth` outside a namespace of its own, or a task
+            that did not start within `start_timeout` (every task is then stopped).
         OSError: the kernel refused the limit (`tc` missing, no tbf qdisc).
+
+    Example:
+
+    ```python
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+        ...
+        cluster.kill_task("worker:1")  # fault injection (one process per task)
+        cluster.restart_task("worker:1")
+    ```
     """
 
     def __init__(
@@ -398,10 +439,20 @@ class LocalCluster:
         (TF cannot stop it), so connecting again, to this cluster after
         another one, needs a port of its own. Workers and PS never dial the
         chief, so its address may change between connections.
+
+        Returns:
+            A `tf.distribute.cluster_resolver.SimpleClusterResolver` (task
+            "chief", index 0, gRPC) for `AsyncParameterServerStrategy`.
         """
         return make_resolver(dict(self.cluster_spec, chief=[f"localhost:{_pick_ports(1)[0]}"]))
 
     def tasks(self):
+        """The cluster's ps and worker task names.
+
+        Returns:
+            A list of `"job:index"` names, the ps tasks first: `["ps:0",
+            "worker:0", "worker:1"]`, as `kill_task` and `restart_task` take them.
+        """
         return [f"ps:{i}" for i in range(self.num_ps)] + [
             f"worker:{i}" for i in range(self.num_workers)
         ]
@@ -460,7 +511,19 @@ class LocalCluster:
             )
 
     def restart_task(self, task, timeout=120.0):
-        """Starts a killed task again on its old port (process mode only)."""
+        """Starts a task again on its old port (killing it first if it still runs).
+
+        What training does meanwhile and after: docs/faults.md.
+
+        Args:
+            task: a name from `tasks()`, e.g. "worker:1".
+            timeout: seconds to wait for the new server to listen.
+
+        Raises:
+            ValueError: the cluster was made with `shared_process=True` (its
+                tasks cannot be restarted one by one).
+            RuntimeError: the task did not start within `timeout`.
+        """
         if self.shared_process:
             raise ValueError("restart_task needs shared_process=False.")
         self.kill_task(task)
@@ -470,7 +533,16 @@ class LocalCluster:
         self._wait_ready(task, proc, time.time() + timeout)
 
     def kill_task(self, task, sig=signal.SIGKILL):
-        """Kills one task's process (for fault injection)."""
+        """Kills one task's process (for fault injection) and waits for it to exit.
+
+        Nothing happens for a task that is not running, or a name this
+        cluster does not have.
+
+        Args:
+            task: a name from `tasks()`, e.g. "worker:1"; with
+                `shared_process=True`, "all" (the one process hosting every task).
+            sig: the signal sent; `SIGKILL` by default, as a crash would.
+        """
         proc = self._procs.get(task)
         if proc is not None and proc.poll() is None:
             _mark_gone(self._addresses(self.tasks() if task == "all" else [task]))
@@ -481,10 +553,20 @@ class LocalCluster:
         return [self.cluster_spec[t.split(":")[0]][int(t.split(":")[1])] for t in tasks]
 
     def pids(self):
+        """The process id of each running task process.
+
+        Returns:
+            A dict `{task name: pid}` ("all" for the shared process), without
+            the tasks that were killed or have exited.
+        """
         return {t: p.pid for t, p in self._procs.items() if p.poll() is None}
 
     def close(self):
-        """Stops every task. Safe to call more than once.
+        """Stops every task. Safe to call more than once; also run at interpreter exit.
+
+        Before the tasks stop, the coordinators of the strategies connected to
+        this cluster are stopped, and the cluster's `bandwidth` limit is removed
+        (once no other open cluster set it).
 
         In an order that logs no error: a tf.function freed on a client
         connected to the cluster is removed from every task, one synchronous
