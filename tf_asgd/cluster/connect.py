@@ -41,10 +41,29 @@ def _named(tasks):
 class ClusterUnreachableError(ConnectionError):
     """Some cluster tasks did not answer within the strategy's `connect_timeout`.
 
+    Raised by `AsyncParameterServerStrategy(...)` before TF connects (nothing is
+    connected then); a `ConnectionError`. Its message names each task, its address
+    and why, and says what to check.
+
+    Args:
+        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
+            answer and why.
+        timeout: the seconds waited.
+
     Attributes:
         tasks: `[(job, index, address, reason), ...]`, the tasks that did not
             answer and why (the last probe's error).
         timeout: the seconds waited.
+
+    Example:
+
+    ```python
+    try:
+        strategy = tf_asgd.AsyncParameterServerStrategy(resolver, connect_timeout=30)
+    except tf_asgd.ClusterUnreachableError as e:
+        for job, index, address, reason in e.tasks:
+            print(f"{job}:{index} at {address}: {reason}")
+    ```
     """
 
     def __init__(self, tasks, timeout):
@@ -59,14 +78,32 @@ class ClusterUnreachableError(ConnectionError):
 
 
 class WorkersLostError(ClusterUnreachableError):
-    """No worker could run closures during `fit` (or evaluation on the
-    workers), and the tasks TF waits for to reconnect did not all answer
-    within the strategy's `connect_timeout` (see `lost_workers`).
+    """No worker could run closures, and the lost tasks did not come back in time.
+
+    Raised by `fit` (or evaluation on the workers) once no worker could run
+    closures and the tasks TF waits for to reconnect did not all answer within
+    the strategy's `connect_timeout` (see `lost_workers`). A
+    `ClusterUnreachableError`. The pushes that finished stay on the parameter
+    servers; once every task answers again, the same strategy trains again.
+
+    Args:
+        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
+            answer and why.
+        timeout: the seconds waited.
 
     Attributes:
         tasks: `[(job, index, address, reason), ...]`, the tasks that did not
             answer and why (the last probe's error).
         timeout: the seconds waited.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y, epochs=3)
+    except tf_asgd.WorkersLostError as e:
+        print(e.tasks)  # start these again at the same addresses, then fit again
+    ```
     """
 
     def __init__(self, tasks, timeout):

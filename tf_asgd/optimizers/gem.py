@@ -36,7 +36,31 @@ class GEM(keras.optimizers.Optimizer):
         kappa: amplification of the proxy's energy (the paper: 1, with 2 a
             good value); > 0.
         pi_max: upper clip of `pi` (the reference code: 5); > 0.
-        epsilon: added to `|g|` in the denominator.
+        epsilon: added to `|g|` in the denominator; >= 0.
+        name: the optimizer's name.
+        **kwargs: `keras.optimizers.Optimizer`'s options (`clipnorm`,
+            `clipvalue`, ...); a `learning_rate` is ignored (the proxy's is used).
+            Under `AsyncParameterServerStrategy`, `use_ema`,
+            `gradient_accumulation_steps`, `loss_scale_factor` and
+            `weight_decay` are refused (`UnsupportedFeatureError`).
+
+    Raises:
+        ValueError: `optimizer` is not a Keras optimizer, not
+            `keras.optimizers.SGD` with `momentum > 0`, or has `nesterov=True`;
+            `kappa` or `pi_max` not a finite number > 0, or `epsilon` not one >= 0.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile(
+            tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.05, momentum=0.9), kappa=2.0),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.fit(x, y, epochs=3)  # the PS adds every push as is (`OuterSGD()`)
+    names, pi = tf_asgd.optimizers.gem.pi_history(model)
+    ```
     """
 
     def __init__(
@@ -74,6 +98,11 @@ class GEM(keras.optimizers.Optimizer):
         self.asgd_push_rule = GEMPushRule(self)
 
     def build(self, variables):
+        """Creates the proxy momentum and the previous variable value of each variable.
+
+        Args:
+            variables: the variables this optimizer updates.
+        """
         if self.built:
             return
         super().build(variables)
@@ -85,6 +114,13 @@ class GEM(keras.optimizers.Optimizer):
         ]
 
     def update_step(self, gradient, variable, learning_rate):
+        """GEM in one process: `variable += pi * g`, its own last move as `dc`.
+
+        Args:
+            gradient: the variable's gradient.
+            variable: the variable to update.
+            learning_rate: the proxy's learning rate at this step.
+        """
         # One process: one worker pushing every step, so `dc` is the variable's
         # own last move.
         i = self._get_variable_index(variable)
@@ -100,6 +136,11 @@ class GEM(keras.optimizers.Optimizer):
         self.assign_add(variable, pushed)
 
     def get_config(self):
+        """The optimizer's config: the proxy's (serialized), `kappa`, `pi_max`, `epsilon`.
+
+        Returns:
+            A dict that `GEM.from_config` rebuilds an optimizer with the same settings from.
+        """
         config = super().get_config()
         config.pop("learning_rate", None)
         config.update(
@@ -191,11 +232,28 @@ class GEMPushRule:
 
 
 def pi_history(model):
-    """GEM's `pi` per pushed window and trainable tensor, from the last `fit`.
+    """GEM's `pi` per pushed window and trainable tensor, over the model's training so far.
 
-    Returns `(names, stats)`: the trainable variables' paths and an array
-    `[windows, n_variables, 3]` of pi's mean, fraction clipped at 0 and
-    fraction clipped at `pi_max`, in the order the windows finished.
+    Args:
+        model: a Keras model compiled with `GEM` and trained with `fit` under
+            an `AsyncParameterServerStrategy`.
+
+    Returns:
+        `(names, stats)`: the trainable variables' paths and a NumPy array
+        `[windows, n_variables, 3]` of pi's mean, fraction clipped at 0 and
+        fraction clipped at `pi_max`, one row per pushed window, in the order
+        the windows finished.
+
+    Raises:
+        ValueError: `model` has not been trained with GEM under an
+            `AsyncParameterServerStrategy`.
+
+    Example:
+
+    ```python
+    names, stats = tf_asgd.optimizers.gem.pi_history(model)
+    print(dict(zip(names, stats[-10:, :, 0].mean(axis=0))))  # mean pi, last 10 windows
+    ```
     """
     # The strategy keeps the model's trainer; it is recognised by its marker,
     # as the Keras hook does (no import of the strategy module).
@@ -218,6 +276,10 @@ class PiMonitor(keras.callbacks.Callback):
 
     Scalars `gem_pi/<variable path>/{mean,zero,max}`, averaged over the
     epoch's windows, as in the paper's figures of `pi` per tensor over time.
+    An epoch without pushed windows writes nothing.
+
+    Args:
+        log_dir: the TensorBoard log directory the summary file is written to.
 
     Example:
 
@@ -233,6 +295,16 @@ class PiMonitor(keras.callbacks.Callback):
         self._seen = 0
 
     def on_epoch_end(self, epoch, logs=None):
+        """Writes the epoch's mean `pi` statistics per tensor, at step `epoch`.
+
+        Args:
+            epoch: the epoch's index (the summaries' step).
+            logs: Keras's logs (unused).
+
+        Raises:
+            ValueError: the model is not trained with GEM under an
+                `AsyncParameterServerStrategy` (`pi_history`).
+        """
         names, stats = pi_history(self.model)
         epoch_stats, self._seen = stats[self._seen :], len(stats)
         if not len(epoch_stats):
@@ -247,6 +319,11 @@ class PiMonitor(keras.callbacks.Callback):
         self._writer.flush()
 
     def on_train_end(self, logs=None):
+        """Closes the summary writer (a later `fit` opens a new one).
+
+        Args:
+            logs: Keras's logs (unused).
+        """
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -17,6 +17,10 @@ STALENESS_BINS = 256  # histogram bins; the last one also counts anything larger
 class AsyncStats:
     """Per-run counters of an `AsyncParameterServerStrategy`.
 
+    What `strategy.stats()` and `strategy.model_stats(model)` return: the PS's
+    counters, read in one round trip, since the strategy was created (over every
+    `fit` and model trained under it). Its `repr` is a short summary.
+
     Attributes:
         windows: pushes that took a version ticket (applied or dropped as stale).
         applied: pushes applied to the central variables.
@@ -26,7 +30,17 @@ class AsyncStats:
         dropped_nonfinite: windows whose update held NaN/Inf; never pushed.
         bytes_pulled: bytes read from the PS by window pulls.
         bytes_pushed: bytes sent to the PS by ticketed pushes (dropped ones too).
-        staleness_histogram: counts of pushes by staleness 0..255.
+        staleness_histogram: counts of pushes by staleness 0..255 (a NumPy
+            int64 array of 256 bins; the last also counts larger ones).
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=3)
+    stats = strategy.model_stats(model)
+    print(stats)  # AsyncStats(windows=..., applied=..., staleness mean ... max ...)
+    assert stats.applied == stats.windows - stats.dropped_stale
+    ```
     """
 
     windows: int
@@ -56,7 +70,11 @@ class AsyncStats:
         )
 
     def as_logs(self):
-        """Windows pushed and mean staleness, for Keras logs (progress bar, History)."""
+        """Windows pushed and mean staleness, for Keras logs (progress bar, History).
+
+        Returns:
+            A dict `{"windows": windows, "staleness": mean_staleness}`.
+        """
         return {"windows": self.windows, "staleness": self.mean_staleness}
 
 

@@ -18,7 +18,38 @@ import tensorflow as tf
 
 
 class WindowRecord(typing.NamedTuple):
-    """What the chief learns of each finished window (`strategy.window_log`)."""
+    """What the chief learns of each finished window (`strategy.window_log`).
+
+    A `typing.NamedTuple`; `strategy.window_results(model, record)` turns its
+    metric state into metric results.
+
+    Attributes:
+        worker: index of the worker that ran it.
+        pushed: False where its update held NaN/Inf and was not pushed.
+        staleness: tau of its push (pushes committed between its pull and its
+            push); -1 if not pushed.
+        loss: mean training loss over the window's steps.
+        seen_at: `time.perf_counter()` on the chief when it saw the window done.
+        finished_at: `time.time()` on the worker once its push was applied.
+        state: the window's own metric states (their changes over the window).
+        pi: with GEM, a `[n_trainable, 3]` array of pi's mean, fraction
+            clipped at 0 and fraction clipped at `pi_max`; else None.
+        replayed: True for a re-run (after a worker died) of a window whose
+            earlier attempt had already pushed: this attempt ran no steps and
+            pushed nothing.
+        started_at: `time.time()` on the worker when the window started (NaN
+            where unknown).
+        window_id: the chief's id of the window, unique; a re-run keeps it
+            (-1 where unknown).
+
+    Example:
+
+    ```python
+    log = strategy.window_log(model)
+    pushed = [r for r in log if r.pushed and not r.replayed]
+    print(max(r.staleness for r in pushed), strategy.window_results(model, log[-1]))
+    ```
+    """
 
     worker: int  # index of the worker that ran it
     pushed: bool  # False: its update held NaN/Inf and was not pushed

@@ -44,7 +44,25 @@ FIX = (
 
 
 class TrainStepError(ValueError):
-    """A model's `train_step` that cannot run inside a window."""
+    """A model's own `train_step` that cannot run inside a window.
+
+    Raised by `fit`, before any window is scheduled, for a model whose class
+    overrides `train_step` in a way a window cannot run exactly: compiled with
+    `run_eagerly=True` or with GEM, no compiled optimizer, variables created on
+    the first call, a `train_step` that fails to trace, calls Python
+    (`tf.py_function`), or assigns variables the model does not hold. A
+    `ValueError`; its message names the model, what was found and how to write
+    the step instead.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y)
+    except tf_asgd.TrainStepError as e:
+        print(e)  # "tf_asgd cannot run the `train_step` of MyModel (...) inside a window: ..."
+    ```
+    """
 
 
 def _refuse(model, why):
