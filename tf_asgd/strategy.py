@@ -151,18 +151,23 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             (e.g. `TFConfigClusterResolver()` or `LocalCluster.resolver`) with
             at least one `ps` and one `worker` task.
-        n_sync: local steps per window (`1` is classic per-step async SGD).
-        staleness: `"none"` (no scaling) or `"dynsgd"` (scale by 1/(tau+1)).
+        n_sync: local steps per window, a positive integer (`1` is classic
+            per-step async SGD; choosing it: docs/guide/choosing.md).
+        staleness: `"none"` (the default: no scaling) or `"dynsgd"` (scale by
+            1/(tau+1)).
         max_staleness: pushes with `tau > max_staleness` are dropped and
             counted; `None` keeps every push.
-        variable_partitioner: passed to `ParameterServerStrategy`.
+        variable_partitioner: passed to `ParameterServerStrategy`; `None`
+            places whole variables round-robin over the PS tasks.
         per_worker_dataset_fn: optional `fn(dataset, worker_index) -> dataset`,
             run on each worker (inside a `tf.function`; `worker_index` is a
             scalar tensor) on the batched dataset that `fit` was given, before
             it is repeated. Shard the data per worker
             (`lambda ds, i: ds.shard(num_workers, i)`) or emulate workers of
             different speeds (`tf_asgd.data.emulated_device_time`). It must keep
-            the dataset's `element_spec`.
+            the dataset's `element_spec`. `None`: training arrays are sharded
+            by batch over the workers, and a `tf.data.Dataset` is read whole by
+            every worker, each starting at its own batch offset.
         outer_optimizer: what the PS does with each push:
             `tf_asgd.OuterSGD(learning_rate, momentum, nesterov)` (DiLoCo's is
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
@@ -174,7 +179,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             Its state lives on the PS beside each variable (or shard).
         worker_state: what a worker does with its own optimizer state
             (momentum, Adam's moments) at each pull: `"keep"` it across
-            windows, or `"reset"` it to its initial value.
+            windows (the default), or `"reset"` it to its initial value.
         windows_per_closure: windows a worker runs back to back per
             `ClusterCoordinator` closure (each with its own pull, ticket and
             push): `None` sizes closures automatically to about 200 ms of
@@ -182,18 +187,30 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             epoch's end, and a slow worker's closure hands back the windows
             it did not start (see `scheduling`).
         evaluation: where `model.evaluate` and `fit`'s validation run:
-            `"workers"` (sharded over the workers, exact: each example once,
-            metric states added on the chief; see `evaluation`) or `"chief"`
-            (Keras's own loop on the chief). What the workers cannot do
-            exactly (a model's own `test_step`, a metric whose state does not
-            merge by addition, Python-side inputs) runs on the chief, with a
-            log line.
+            `"workers"` (the default: sharded over the workers, exact: each
+            example once, metric states added on the chief; see `evaluation`)
+            or `"chief"` (Keras's own loop on the chief). What the workers
+            cannot do exactly (a model's own `test_step`, a metric whose state
+            does not merge by addition, Python-side inputs) runs on the chief,
+            with a log line.
         connect_timeout: seconds to wait for every ps and worker task to answer
             before connecting (tasks may start later); past it, a
             `tf_asgd.ClusterUnreachableError` names each silent task and address.
             Also how long `fit` and `evaluate` wait, once no worker can run
             (every worker lost), for the lost tasks to come back; past it, a
             `tf_asgd.WorkersLostError` names each (see `lost_workers`).
+            30 s by default.
+
+    Raises:
+        ValueError: `n_sync` not a positive integer; an unknown `staleness`,
+            `worker_state` or `evaluation`; `max_staleness` not an integer
+            >= 0; `windows_per_closure` not `None` or an integer from 1 to 256;
+            `connect_timeout` not a positive number; a cluster without a `ps`
+            or a `worker` task. Each is checked before connecting.
+        TypeError: `per_worker_dataset_fn` is not callable, or
+            `outer_optimizer` is not an `OuterSGD` or a `DelayedNesterov`.
+        tf_asgd.ClusterUnreachableError: some task did not answer within
+            `connect_timeout`.
 
     Attributes:
         n_sync: as given.
@@ -208,6 +225,25 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
+
+    Example:
+
+    ```python
+    import keras, tf_asgd
+
+    (x, y), (x_test, y_test) = tf_asgd.data.load_digits()
+    with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+        with strategy.scope():
+            model = tf_asgd.models.digits_convnet()
+            model.compile(
+                keras.optimizers.SGD(0.05, momentum=0.9),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        model.fit(x, y, batch_size=32, epochs=3)
+        print(model.evaluate(x_test, y_test), strategy.model_stats(model))
+    ```
     """
 
     # How `keras_hook` (and `gem.pi_history`) recognise this strategy without
@@ -287,7 +323,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     @property
     def connect_timeout(self):
-        """Seconds to wait for unanswering cluster tasks (see the class's Args)."""
+        """Seconds to wait for unanswering cluster tasks (see the class's Args).
+
+        May be set again; a value that is not a positive finite number of
+        seconds raises `ValueError` (and leaves it unchanged).
+        """
         return self._connect_timeout
 
     @connect_timeout.setter
@@ -297,7 +337,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     @property
     def evaluation(self):
-        """Where `evaluate` and `fit`'s validation run: "workers" or "chief"."""
+        """Where `evaluate` and `fit`'s validation run: "workers" or "chief".
+
+        May be set again (the next `evaluate` follows it); any other value
+        raises `ValueError` (and leaves it unchanged).
+        """
         return self._evaluation
 
     @evaluation.setter
@@ -343,7 +387,15 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         Returns:
             A list of `WindowRecord` (worker, pushed, staleness, mean loss,
             times, metric state, GEM's pi statistics), in the order the chief
-            saw the windows finish; empty if `model` has not been trained.
+            saw the windows finish, over every `fit` of `model` so far; empty
+            if `model` has not been trained.
+
+        Example:
+
+        ```python
+        log = strategy.window_log(model)
+        print(len(log), sum(r.staleness for r in log if r.pushed) / len(log))
+        ```
         """
         trainer = self._trainer_of(model)
         return list(trainer.window_log) if trainer else []
@@ -369,12 +421,23 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     def model_stats(self, model):
         """`stats()` with byte counts for `model`.
 
+        The counters are the strategy's (every push under it); the bytes pulled
+        and pushed are counted at `model`'s size per window.
+
         Args:
             model: a Keras model trained under this strategy (if not, the
                 byte counts are 0).
 
         Returns:
             An `AsyncStats`.
+
+        Example:
+
+        ```python
+        model.fit(x, y, epochs=3)
+        stats = strategy.model_stats(model)
+        print(stats.windows, stats.mean_staleness, stats.bytes_pushed / 1e6, "MB")
+        ```
         """
         return self.stats(self._trainer_of(model))
 
