@@ -165,6 +165,12 @@ class OuterSGD:
             `learning_rate`) over `pushes` pushes. Empty (a constant rate) by
             default; `((32, 0.125),)` warms up from 0.125 over 32 pushes.
 
+    Raises:
+        ValueError: `learning_rate` or a schedule's start rate not a number
+            > 0, `momentum` not in [0, 1), `nesterov=True` without momentum,
+            or a schedule that is not `(pushes, start_rate)` pairs with
+            positive integer `pushes`.
+
     Examples:
         >>> opt = OuterSGD(0.25, schedule=((4, 0.25), (40, 0.5)))
         >>> [float(outer_learning_rate(opt, t)) for t in (0, 2, 4, 24, 44, 100)]
@@ -198,7 +204,11 @@ class OuterSGD:
 
     @property
     def slots(self):
-        """Names of the per-variable state kept on the PS."""
+        """Names of the per-variable state kept on the PS.
+
+        Returns:
+            `("velocity",)` with momentum, else `()`.
+        """
         return ("velocity",) if self.momentum else ()
 
 
@@ -215,7 +225,22 @@ class DelayedNesterov:
     Args:
         learning_rate: outer learning rate, > 0.
         momentum: outer momentum in [0, 1).
-        delay: pushes between momentum steps; `None` = the number of workers.
+        delay: pushes between momentum steps, a positive integer; `None` = the
+            number of workers.
+
+    Attributes:
+        slots: the per-variable state kept on the PS, `("velocity", "buffer")`.
+
+    Raises:
+        ValueError: `learning_rate` not a number > 0, `momentum` not in
+            [0, 1), or `delay` not `None` or a positive integer.
+
+    Examples:
+        >>> import numpy as np
+        >>> opt = DelayedNesterov(1.0, momentum=0.5, delay=2)
+        >>> theta, state = outer_step(opt, np.zeros(1), np.ones(1), {}, 0, 2)
+        >>> theta, state["buffer"]  # the first push: applied alone at rate 1/2, buffered
+        (array([-0.5]), array([1.]))
     """
 
     learning_rate: float = 0.7
@@ -285,9 +310,8 @@ def default_outer_learning_rate(num_workers):
     Each push is one worker's displacement, carrying that worker's own
     momentum (or Adam moments) and computed from a copy `N - 1` pushes
     stale; `stability_limit(N)` bounds a constant per-push rate. The default
-    stays at 2/3 of it (at 8 workers 0.139; 16: 0.068), and never above the
-    rates measured stable on fewer workers (up to 4 workers their average,
-    1/4 a push up to 8), nor below the average `1/N`. See docs/defaults.md.
+    stays at 2/3 of it, never above `min(1/4, 1/sqrt(2N))`, nor below the
+    average `1/N`. Why these bounds: docs/defaults.md.
 
     Args:
         num_workers: N, the number of workers (at least 1).
@@ -313,12 +337,10 @@ def default_outer_optimizer(num_workers):
     N pushes starts from the average `1 / N`. After it, pushes decorrelate.
     On 3 and 4 workers the rate rises over the first round to
     `min(2 / N, 1 / 2, stability_limit(N))` and falls back to the default
-    over the next `10 N` pushes (early on a larger rate wins back sample
-    efficiency; late in training it oscillated, so it does not stay). From 5
-    workers on, where the default is already 2/3 of the limit, it warms up
-    from `1 / N` to the default over the first `4 N` pushes: a peak at the
-    limit made a run of 60 pushes (8 workers, n_sync 100) fall 10 points. Up
-    to 2 workers the default is the average from the start.
+    over the next `10 N` pushes. From 5 workers on, where the default is
+    already 2/3 of the limit, it warms up from `1 / N` to the default over
+    the first `4 N` pushes. Up to 2 workers the default is the average from
+    the start. Why this schedule: docs/defaults.md.
 
     Args:
         num_workers: N, the number of workers (at least 1).
