@@ -15,6 +15,7 @@ OPTIMIZERS = [
     update_rules.OuterSGD(0.5, momentum=0.5, schedule=((4, 0.1),)),
     update_rules.OuterSGD(0.25, schedule=((2, 0.25), (5, 0.5))),
     update_rules.default_outer_optimizer(4),
+    update_rules.default_outer_optimizer(8),  # a warm-up from 1/N below 2/3 of the limit
     update_rules.DelayedNesterov(0.7, 0.9),
     update_rules.DelayedNesterov(1.0, 0.5, delay=3),
 ]
