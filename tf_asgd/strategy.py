@@ -22,6 +22,7 @@ from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.keras_glue import keras_hook
 from tf_asgd.keras_glue.evaluation import Evaluator, validate_evaluation
 from tf_asgd.rules import update_rules
+from tf_asgd.rules.compression import as_compression
 from tf_asgd.runtime import python_inputs
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import WindowTrainer, validate_windows_per_closure
@@ -200,15 +201,26 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             (every worker lost), for the lost tasks to come back; past it, a
             `tf_asgd.WorkersLostError` names each (see `lost_workers`).
             30 s by default.
+        compression: how each push's update travels to the PS: `None` or
+            `"none"` (float32 as it is, the default), `"bf16"`, `"int8"`
+            (per-block absmax scales), `"topk"` (the largest 1%), or a
+            `tf_asgd.Compression(...)` with its block or fraction. Lossy
+            codecs keep an error-feedback residual per worker (what was not
+            sent is added to the next push), committed with the push; each PS
+            decodes its own pieces before the staleness scale and the outer
+            optimizer. Only float32 variables are compressed; others travel
+            as they are. Pulls are not compressed.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
             `worker_state` or `evaluation`; `max_staleness` not an integer
             >= 0; `windows_per_closure` not `None` or an integer from 1 to 256;
-            `connect_timeout` not a positive number; a cluster without a `ps`
-            or a `worker` task. Each is checked before connecting.
-        TypeError: `per_worker_dataset_fn` is not callable, or
-            `outer_optimizer` is not an `OuterSGD` or a `DelayedNesterov`.
+            `connect_timeout` not a positive number; an unknown `compression`
+            codec (or a bad block or fraction); a cluster without a `ps` or a
+            `worker` task. Each is checked before connecting.
+        TypeError: `per_worker_dataset_fn` is not callable, `outer_optimizer`
+            is not an `OuterSGD` or a `DelayedNesterov`, or `compression` is
+            not `None`, a codec name or a `Compression`.
         tf_asgd.ClusterUnreachableError: some task did not answer within
             `connect_timeout`.
 
@@ -221,6 +233,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         worker_state: as given.
         windows_per_closure: as given.
         evaluation: as given; may be set again later.
+        compression: the `Compression` of pushes (`Compression("none")` for
+            `None`).
         connect_timeout: as given; may be set again later.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
@@ -264,6 +278,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         windows_per_closure=None,
         evaluation="workers",
         connect_timeout=connect.DEFAULT_CONNECT_TIMEOUT,
+        compression=None,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -279,6 +294,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         update_rules.validate_worker_state(worker_state)
         validate_windows_per_closure(windows_per_closure)
         validate_evaluation(evaluation)
+        compression = as_compression(compression)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
@@ -296,6 +312,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.windows_per_closure = windows_per_closure
         self.evaluation = evaluation
         self.connect_timeout = connect_timeout
+        self.compression = compression
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")

@@ -29,9 +29,14 @@ class AsyncStats:
         dropped_stale: pushes dropped because staleness > `max_staleness`.
         dropped_nonfinite: windows whose update held NaN/Inf; never pushed.
         bytes_pulled: bytes read from the PS by window pulls.
-        bytes_pushed: bytes sent to the PS by ticketed pushes (dropped ones too).
+        bytes_pushed: bytes sent to the PS by ticketed pushes (dropped ones too):
+            the update's payload as it crosses, compressed under the strategy's
+            `compression`.
         staleness_histogram: counts of pushes by staleness 0..255 (a NumPy
             int64 array of 256 bins; the last also counts larger ones).
+        bytes_pulled_per_window: bytes one window's pull reads (0 if unknown).
+        bytes_pushed_per_window: bytes of one window's push payload (0 if
+            unknown): the sizes of the tensors that carry the update.
 
     Example:
 
@@ -52,6 +57,8 @@ class AsyncStats:
     bytes_pulled: int
     bytes_pushed: int
     staleness_histogram: np.ndarray
+    bytes_pulled_per_window: int = 0
+    bytes_pushed_per_window: int = 0
 
     def __repr__(self):
         # A summary (the histogram's counts by staleness where not zero), not
@@ -168,4 +175,6 @@ class PushCounters(tf.Module):
             bytes_pulled=(version + nonfinite) * bytes_per_pull,
             bytes_pushed=version * bytes_per_push,
             staleness_histogram=hist,
+            bytes_pulled_per_window=bytes_per_pull,
+            bytes_pushed_per_window=bytes_per_push,
         )

@@ -16,6 +16,7 @@ import tensorflow.experimental.numpy as tnp
 from keras import Variable
 
 from tf_asgd import internals
+from tf_asgd.rules import compression as codecs
 from tf_asgd.rules import outer, update_rules
 
 
@@ -240,6 +241,86 @@ def update_specs(variables, updates):
     return [
         (shard, piece) for v, u in zip(variables, updates) for shard, piece in shards(raw(v), u)
     ]
+
+
+class PushCodec:
+    """How a push's update crosses to the PS under a `compression.Compression`.
+
+    On the worker, each float32 variable's update is error-feedback compressed
+    (`compression.compress_with_feedback`, per PS shard, so that each PS decodes
+    its own piece): `corrected = update + residual`, the payload is
+    `encode(corrected)` and the new residual `corrected - decode(payload)`.
+    Other variables (integer RNG seeds, other float dtypes) travel as they are.
+    On the PS, `decode` turns the payloads that arrived back into the update's
+    pieces, before the staleness scale and the outer optimizer.
+
+    Args:
+        compression: a `compression.Compression`.
+    """
+
+    def __init__(self, compression):
+        self.compression = compression
+
+    def compresses(self, dtype):
+        """Whether a variable of `dtype` is compressed (float32 under a lossy codec)."""
+        return self.compression.lossy and tf.as_dtype(dtype) == tf.float32
+
+    def encode(self, variables, updates, residuals):
+        """On the worker: the payloads of one push, and the residuals to keep.
+
+        Args:
+            variables: the central variables (Keras or TF, possibly sharded).
+            updates: one update per variable (after the push rule).
+            residuals: per variable, its per-worker residual variable, or None
+                where it is not compressed.
+
+        Returns:
+            `(payloads, new_residuals)`: `(shard, payload tuple)` per PS shard
+            (`update_specs` order; an uncompressed piece's payload is
+            `(piece,)`), and `(residual variable, new value)` per compressed
+            variable, to write once the push is committed.
+        """
+        payloads, new_residuals = [], []
+        for v, u, r in zip(variables, updates, residuals):
+            if r is None:
+                payloads += [(shard, (piece,)) for shard, piece in shards(raw(v), u)]
+                continue
+            corrected = u + r.read_value()
+            sent = []
+            for shard, piece in shards(raw(v), corrected):
+                payload = tuple(codecs.encode(piece, self.compression, xp=tf))
+                payloads.append((shard, payload))
+                sent.append(codecs.decode(payload, piece.shape, self.compression, xp=tf))
+            sent = sent[0] if len(sent) == 1 else tf.concat(sent, axis=0)
+            new_residuals.append((r, corrected - sent))
+        return payloads, new_residuals
+
+    def decode(self, payloads, arrived):
+        """On each PS: the update's pieces (`update_specs` order) from the
+        payload tensors that arrived there (flattened in `payloads` order)."""
+        pieces, i = [], 0
+        for shard, payload in payloads:
+            parts, i = arrived[i : i + len(payload)], i + len(payload)
+            if not self.compresses(shard.dtype):
+                pieces.append(parts[0])
+                continue
+            with tf.device(shard.device):
+                pieces.append(codecs.decode(parts, shard.shape, self.compression, xp=tf))
+        return pieces
+
+    def nbytes(self, variables):
+        """Bytes of one push's payload for `variables` (Keras or TF, possibly
+        sharded): `compression.payload_bytes` per compressed shard, the
+        shard's own size otherwise."""
+        total = 0
+        for v in variables:
+            for shard in shard_variables(raw(v)):
+                n = int(np.prod(shard.shape))
+                if self.compresses(shard.dtype):
+                    total += codecs.payload_bytes(n, self.compression)
+                else:
+                    total += n * shard.dtype.size
+        return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,14 @@ from keras import StatelessScope
 from tf_asgd import internals
 from tf_asgd.rules import outer
 from tf_asgd.runtime import optimizer_options, python_inputs
-from tf_asgd.runtime.push import CentralVariables, device_of, nbytes, raw, shard_variables
+from tf_asgd.runtime.push import (
+    CentralVariables,
+    PushCodec,
+    device_of,
+    nbytes,
+    raw,
+    shard_variables,
+)
 from tf_asgd.runtime.records import WindowRecord, WindowResultLayout
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 
@@ -107,7 +114,8 @@ class WindowTrainer:
         tracked = tracker is not None and all(id(v) in ids for v in tracker.variables)
         self._loss_index = [ids.index(id(v)) for v in tracker.variables] if tracked else None
         self.bytes_per_pull = nbytes(self.variables)
-        self.bytes_per_push = self.bytes_per_pull
+        # A push's payload: the update's bytes as they cross (compressed or not).
+        self.bytes_per_push = PushCodec(strategy.compression).nbytes(self.variables)
         # One trace for every closure size: the window vectors are padded to
         # MAX_WINDOWS_PER_CLOSURE (a shape that varied would retrace, and TF
         # cannot relax the shape of a function that captures per-worker

@@ -19,6 +19,7 @@ from tf_asgd.runtime import metric_states, optimizer_options, steps
 from tf_asgd.runtime.push import (
     CentralVariables,
     Pull,
+    PushCodec,
     PushGate,
     Transfer,
     branch_free,
@@ -48,6 +49,10 @@ class _Outgoing(typing.NamedTuple):
     worker_state: list  # new values of `WindowFunction.worker_state`
     rule_updates: list  # (per-worker variable, new value) of the push rule
     pi_stats: tf.Tensor  # [n_trainable, 3], or [0, 3] without a push rule
+    # Compressed pushes (`push.PushCodec.encode`): (shard, payload) per PS
+    # shard, None without compression; (residual variable, new value) to keep.
+    payloads: typing.Any = None
+    residuals: tuple = ()
 
 
 class WindowFunction:
@@ -84,6 +89,7 @@ class WindowFunction:
             if push_rule:
                 push_rule.create_worker_state(model.trainable_variables)
             self.data_shifted = internals.per_worker_variable(False)
+            self._create_residuals(strategy)
         if self._model_step is None:
             optimizer_options.check_compiled(model.optimizer)
             self._create_optimizer_state(
@@ -94,6 +100,19 @@ class WindowFunction:
             self.applied_windows = tf.Variable(
                 tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
             )
+
+    def _create_residuals(self, strategy):
+        """The push's codec and, under a lossy one, the error-feedback
+        residual of each compressed variable: per worker, shaped like the
+        variable, zeros at first, kept across windows (also under
+        `worker_state="reset"`: it is what the PS has not received yet)."""
+        self._codec = PushCodec(strategy.compression)
+        self.residuals = [
+            internals.per_worker_variable(tf.zeros(v.shape, tf.float32), name="push_residual")
+            if self._codec.compresses(v.dtype)
+            else None
+            for v in self._trainer.variables
+        ]
 
     def _create_optimizer_state(self, optimizers, variables):
         """The window's optimizer state: `variables` (of `optimizers`, the
@@ -272,8 +291,11 @@ class WindowFunction:
         with tf.control_dependencies([token]):
             outgoing = self._outgoing(pulled, weights, opt_values)
         count, budget, start = limits
+        # A compressed push's new residuals too: a codec may drop (top-k) or
+        # overflow (bf16) what the update holds.
+        checked = list(outgoing.update) + [r for _, r in outgoing.residuals]
         finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(u)) for u in outgoing.update if u.dtype.is_floating]
+            [tf.reduce_all(tf.math.is_finite(u)) for u in checked if u.dtype.is_floating]
         )
         ok = tf.logical_and(finite, tf.logical_not(replayed))
         with tf.control_dependencies([finite]):  # once the local steps are done
@@ -405,7 +427,10 @@ class WindowFunction:
             update = list(pushed_train) + update[n_train:]
         else:
             rule_updates, pi_stats = [], tf.zeros([0, 3])
-        return _Outgoing(update, worker_state, rule_updates, pi_stats)
+        if not self._codec.compression.lossy:
+            return _Outgoing(update, worker_state, rule_updates, pi_stats)
+        payloads, residuals = self._codec.encode(self._trainer.variables, update, self.residuals)
+        return _Outgoing(update, worker_state, rule_updates, pi_stats, payloads, residuals)
 
     def _own(self, opt_values):
         """The entries of `opt_values` kept in `worker_state` (not shared with the PS)."""
@@ -432,7 +457,11 @@ class WindowFunction:
         """
         strategy, counters = self._trainer.strategy, self._trainer.strategy.counters
         free = branch_free(self._trainer.outer_slots)
-        pieces = update_specs(self._trainer.variables, outgoing.update)
+        payloads = outgoing.payloads
+        if payloads is None:  # uncompressed: each piece as it is
+            payloads = update_specs(self._trainer.variables, outgoing.update)
+            payloads = [(s, (p,)) for s, p in payloads]
+        pieces = [(s, t) for s, payload in payloads for t in payload]  # what crosses to the PS
         pull = self._pull_plan
         others = [d for d in pull.transfer.devices() if d != self._cdev]
         tensors = [p for _, p in pieces]
@@ -490,7 +519,8 @@ class WindowFunction:
             strategy.num_workers,
         )
         gate = PushGate(ok=ok_ps, skipped=skipped, writes=writes)
-        _, tau = central.apply(arrived[: len(pieces)], landed, version, gate)
+        updates = self._codec.decode(payloads, arrived[: len(pieces)])  # each on its PS
+        _, tau = central.apply(updates, landed, version, gate)
         done = tau
         if self._averages:  # the EMA of the central variables after this push
             with tf.device(self._cdev):
@@ -516,20 +546,21 @@ class WindowFunction:
 
     def _write_worker_state(self, pushed, pulled, outgoing):
         """Writes the worker's own state: the data-shift flag, the local
-        optimizer's state and the push rule's state, the new values if the
-        window pushed, else the old ones.
+        optimizer's state, the push rule's state and a compressed push's
+        residuals, the new values if the window pushed, else the old ones
+        (a skipped or replayed push keeps its residual for the next).
 
         Per-worker variables are captured at call time, which does not reach
         into cond branches: they are written here, outside the `tf.cond` of
         the push, under a control dependency on its outcome. Returns the
         write ops.
         """
-        variables = self.worker_state + [var for var, _ in outgoing.rule_updates]
+        # The push rule's state, then the compressed push's residuals.
+        kept = list(outgoing.rule_updates) + list(outgoing.residuals)
+        variables = self.worker_state + [var for var, _ in kept]
         with tf.control_dependencies([pushed]):
-            old = self._own(pulled.optimizer_values) + [
-                var.read_value() for var, _ in outgoing.rule_updates
-            ]
-            new = list(outgoing.worker_state) + [value for _, value in outgoing.rule_updates]
+            old = self._own(pulled.optimizer_values) + [var.read_value() for var, _ in kept]
+            new = list(outgoing.worker_state) + [value for _, value in kept]
             # A cond selects without copying (a `where` would copy every tensor).
             values = tf.cond(pushed, lambda: new, lambda: old) if new else []
             state_ops = [self.data_shifted.assign(True, read_value=False)]

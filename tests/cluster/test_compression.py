@@ -1,0 +1,301 @@
+"""Compressed pushes: exact against a NumPy reference of error feedback window by window
+(alone, per PS shard, with GEM, with an outer optimizer with momentum), the bytes pushed,
+training to accuracy, exactly once under a worker killed mid-closure, and bad values."""
+
+import signal
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+from tf_asgd.rules import compression, update_rules
+from tf_asgd.runtime.push import raw, shard_variables
+from tf_asgd.runtime.window import APPLIED_RING
+
+from gem_reference import (
+    KAPPA,
+    LR,
+    MU,
+    N_SYNC,
+    RecordWeights,
+    _mse_grads,
+    _tiny_model,
+    _tiny_problem,
+)
+from helpers import compile_digits
+
+INT8_SMALL_BLOCKS = compression.Compression("int8", block=4)  # the kernel's 6 values: 2 blocks
+TOPK_THIRD = compression.Compression("topk", fraction=0.3)  # 2 of the kernel's 6, 1 of 2
+
+
+class ReferenceCompressed:
+    """One worker's windows in NumPy: `N_SYNC` plain-SGD steps, the push rule (GEM or
+    none), error-feedback compression per PS shard, the PS's outer optimizer (tau 0)."""
+
+    def __init__(self, central, shard_rows, codec, gem=False, outer=None):
+        self.central = [c.astype("float64") for c in central]
+        self.shard_rows = shard_rows  # per variable: rows per PS shard
+        self.codec, self.gem, self.outer = codec, gem, outer
+        self.residual = [np.zeros(c.shape, np.float32) for c in central]
+        self.m = [np.zeros_like(c) for c in self.central]
+        self.prev, self.states, self.ticket = None, [{} for _ in central], 0
+        self.sent_total = [np.zeros_like(c) for c in self.central]
+        self.update_total = [np.zeros_like(c) for c in self.central]
+
+    def window(self, x, t):
+        pulled = [c.copy() for c in self.central]
+        w, b = pulled
+        for _ in range(N_SYNC):
+            gw, gb = _mse_grads(w, b, x, t)
+            w, b = w - LR * gw, b - LR * gb
+        updates = [w - pulled[0], b - pulled[1]]
+        for i, c in enumerate(pulled):
+            u = updates[i]
+            if self.gem:
+                dc = c - self.prev[i] if self.prev is not None else np.zeros_like(c)
+                u, self.m[i], _ = update_rules.gem_step(u, self.m[i], dc, MU, KAPPA)
+            u = u.astype(np.float32)
+            cuts = np.cumsum(self.shard_rows[i])[:-1]
+            pieces = [
+                compression.compress_with_feedback(p, r, self.codec)
+                for p, r in zip(np.split(u, cuts), np.split(self.residual[i], cuts))
+            ]
+            sent = np.concatenate([s for s, _ in pieces])
+            self.residual[i] = np.concatenate([r for _, r in pieces])
+            self.sent_total[i] += sent
+            self.update_total[i] += u
+            self.central[i], self.states[i] = update_rules.ps_push(
+                self.central[i],
+                sent.astype("float64"),
+                0,
+                self.ticket,
+                self.states[i],
+                "none",
+                outer=self.outer,
+            )
+        self.prev = pulled
+        self.ticket += 1
+
+
+def _shard_rows(variables):
+    return [[s.shape[0] if s.shape.rank else 1 for s in shard_variables(raw(v))] for v in variables]
+
+
+CASES = {
+    "none": (compression.Compression(), False, None, 1),
+    "bf16": (compression.Compression("bf16"), False, None, 1),
+    "int8": (INT8_SMALL_BLOCKS, False, None, 1),
+    "topk": (TOPK_THIRD, False, None, 1),
+    "int8_two_ps_shards": (INT8_SMALL_BLOCKS, False, None, 2),
+    "int8_gem": (INT8_SMALL_BLOCKS, True, None, 1),
+    "topk_outer_momentum": (TOPK_THIRD, False, update_rules.OuterSGD(0.5, momentum=0.9), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
+    """One worker, windows of 3 steps, one window per epoch (a fixed push order): after
+    every window the central variables are the NumPy reference's, which applies
+    `compress_with_feedback` (per PS shard) and the outer rule window by window; the
+    bytes pushed are the payloads' sizes."""
+    codec, gem, outer, num_ps = CASES[case]
+    cluster = local_cluster(1, num_ps)
+    partitioner = (
+        tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=16)
+        if num_ps == 2
+        else None
+    )
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver,
+        n_sync=N_SYNC,
+        staleness="none",
+        outer_optimizer=outer,
+        variable_partitioner=partitioner,
+        compression=codec,
+    )
+    x, t = _tiny_problem()
+    with strategy.scope():
+        model = _tiny_model()
+        optimizer = keras.optimizers.SGD(LR)
+        if gem:
+            optimizer = tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA)
+        model.compile(optimizer, "mse")
+    rows = _shard_rows(model.trainable_variables)
+    if num_ps == 2:
+        assert rows[0] == [2, 1], rows  # the kernel is split over both PS
+    ref = ReferenceCompressed(
+        [v.numpy() for v in model.trainable_variables], rows, codec, gem, outer
+    )
+    recorder = RecordWeights()
+    epochs = 10
+    model.fit(
+        x,
+        t,
+        batch_size=8,
+        epochs=epochs,
+        steps_per_epoch=N_SYNC,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    log = strategy.window_log(model)
+    assert len(log) == epochs and all(r.pushed for r in log)
+    for weights in recorder.weights:
+        ref.window(x, t)
+        for got, want in zip(weights, ref.central):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    if codec.lossy:  # nothing dropped is lost: sent = updates - what is still held back
+        for sent, total, residual in zip(ref.sent_total, ref.update_total, ref.residual):
+            np.testing.assert_allclose(sent, total - residual, rtol=1e-5, atol=1e-6)
+        assert any(np.any(r != 0) for r in ref.residual)  # the codec did drop something
+    per_window = sum(
+        compression.payload_bytes(int(np.prod(s.shape)), codec)
+        for v in model.trainable_variables
+        for s in shard_variables(raw(v))
+    )
+    stats = strategy.model_stats(model)
+    assert stats.windows == epochs and stats.applied == epochs
+    assert stats.bytes_pushed_per_window == per_window
+    assert stats.bytes_pushed == epochs * per_window
+    assert stats.bytes_pulled_per_window == 4 * sum(
+        int(np.prod(v.shape)) for v in model.trainable_variables
+    )
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "topk"])
+def test_bytes_pushed_per_window_of_the_gem_convnet(cluster, codec):
+    """The GEM paper's MNIST convnet (163,790 parameters) on 2 workers: each window's
+    push is the payloads' sizes, `sum(payload_bytes(n))`, counted per window pushed."""
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2, compression=codec)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 28, 28, 1)).astype("float32")
+    y = rng.integers(0, 10, size=64)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.gem_mnist_convnet())
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    c = compression.as_compression(codec)
+    sizes = [
+        int(np.prod(v.shape)) for v in model.trainable_variables + model.non_trainable_variables
+    ]
+    want = sum(compression.payload_bytes(n, c) for n in sizes)
+    stats = strategy.model_stats(model)
+    print(
+        f"{codec}: {stats.bytes_pushed_per_window} bytes pushed per window, {stats.windows} windows"
+    )
+    assert stats.bytes_pushed_per_window == want
+    assert stats.bytes_pushed == stats.windows * want and stats.windows == 2
+    assert stats.bytes_pulled_per_window == 4 * sum(sizes)
+
+
+def test_compressed_pushes_train_digits_like_uncompressed(cluster, digits):
+    """The digits convnet on 2 workers, a short fit: int8 and top-k 10% (with error
+    feedback) reach the accuracy of uncompressed pushes within 3 points."""
+    (x, y), (xt, yt) = digits
+    accuracy = {}
+    for codec in ("none", "int8", compression.Compression("topk", fraction=0.1)):
+        keras.utils.set_random_seed(0)
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=10, compression=codec
+        )
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet())
+        model.fit(x, y, batch_size=32, epochs=6, verbose=0)
+        name = codec if isinstance(codec, str) else codec.codec
+        accuracy[name] = model.evaluate(xt, yt, verbose=0)[1]
+        stats = strategy.model_stats(model)
+        print(name, accuracy[name], stats.bytes_pushed_per_window, "bytes pushed per window")
+    assert accuracy["none"] >= 0.9, accuracy
+    assert accuracy["int8"] >= accuracy["none"] - 0.03, accuracy
+    assert accuracy["topk"] >= accuracy["none"] - 0.03, accuracy
+
+
+def test_worker_killed_mid_closure_compressed_windows_applied_exactly_once(local_cluster, digits):
+    """int8 pushes, a closure of 8 windows on the only worker (60 ms of emulated device
+    time a step): once some of its windows have pushed and before it returns, the worker
+    is SIGKILLed, then restarted. The re-run closure replays the windows that pushed (no
+    steps, no push, no residual written) and runs the others: every window once."""
+    (x, y), _ = digits
+    k, steps = 8, 48
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver,
+            n_sync=1,
+            windows_per_closure=k,
+            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60),
+            compression="int8",
+        )
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet())
+        events = {}
+
+        def partly_applied():
+            trainer = strategy._trainer_of(model)
+            if trainer is None:
+                return None
+            applied = trainer.window.applied_windows.numpy()
+            for _, windows, _ in list(trainer._pending):
+                ids = [i for _, i in windows]
+                done = [applied[i % APPLIED_RING] == i + 1 for i in ids]
+                if any(done) and not all(done):
+                    return ids, sum(done)
+            return None
+
+        def inject():
+            try:
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    found = partly_applied()
+                    if found:
+                        cluster.kill_task("worker:0", signal.SIGKILL)
+                        events["killed"] = found
+                        break
+                    time.sleep(0.01)
+                time.sleep(1.0)
+                cluster.restart_task("worker:0")
+                events["restarted"] = True
+            except BaseException as e:  # reported by the main thread
+                events["error"] = e
+
+        helper = threading.Thread(target=inject, daemon=True)
+        helper.start()
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
+        helper.join(120)
+        assert "error" not in events, events.get("error")
+        assert "killed" in events and events.get("restarted"), events
+        ids, pushed_before_kill = events["killed"]
+        log = strategy.window_log(model)
+        stats = strategy.model_stats(model)
+        replays = [r for r in log if r.replayed]
+        assert len(replays) >= pushed_before_kill >= 1
+        assert {r.window_id for r in replays} <= set(ids)
+        assert len(log) == steps and len({r.window_id for r in log}) == steps
+        assert stats.windows == steps == sum(r.pushed for r in log)
+        assert int(model.optimizer.iterations.numpy()) == steps
+        assert stats.bytes_pushed == steps * stats.bytes_pushed_per_window
+        assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize(
+    "value,error,match",
+    [
+        ("int9", ValueError, "Unknown compression codec 'int9'"),
+        ("", ValueError, "Unknown compression codec ''"),
+        (8, TypeError, "compression must be None, a codec name"),
+        (0.01, TypeError, "got 0.01"),
+    ],
+)
+def test_bad_compression_is_refused_before_connecting(value, error, match):
+    """Refused at construction, before the cluster is contacted (none exists here)."""
+
+    class Unreachable(tf.distribute.cluster_resolver.SimpleClusterResolver):
+        def __init__(self):
+            super().__init__(
+                tf.train.ClusterSpec({"ps": ["localhost:1"], "worker": ["localhost:2"]})
+            )
+
+    with pytest.raises(error, match=match):
+        tf_asgd.AsyncParameterServerStrategy(Unreachable(), compression=value)
