@@ -10,7 +10,7 @@ import os
 from helpers import ROOT
 
 PACKAGE = os.path.join(ROOT, "tf_asgd")
-MAX_PRIVATE_MODULES = 2
+MAX_PRIVATE_MODULES = 1  # internals.py
 PRIVATE_PREFIXES = ("keras.src", "tensorflow.python")
 
 
