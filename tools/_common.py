@@ -13,6 +13,11 @@ loads, and `--help` needs none of them.
 """
 
 import argparse
+import os
+
+# TensorFlow's C++ INFO lines (each freed function's "Ignoring error status ...") are not
+# the tools' output; warnings and errors still show. Set before any tool imports TF.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
 def parser(doc):
@@ -126,8 +131,6 @@ def write_lines(path, lines):
 
 def cpu_seconds(pid):
     """User + system CPU seconds of a process (Linux /proc)."""
-    import os
-
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
