@@ -2,6 +2,7 @@
 (alone, per PS shard, with GEM, with an outer optimizer with momentum), the bytes pushed,
 training to accuracy, exactly once under a worker killed mid-closure, and bad values."""
 
+import math
 import signal
 import threading
 import time
@@ -193,8 +194,11 @@ def test_bytes_pushed_per_window_of_the_gem_convnet(cluster, codec):
 
 def test_compressed_pushes_train_digits_like_uncompressed(cluster, digits):
     """The digits convnet on 2 workers, a short fit: int8 and top-k 10% (with error
-    feedback) reach the accuracy of uncompressed pushes within 3 points."""
+    feedback) reach the accuracy of uncompressed pushes within 3 points. The rate decays
+    to 0 over the fit: at a constant rate the last epoch's accuracy alone varies by about
+    4 points from run to run, compressed or not."""
     (x, y), (xt, yt) = digits
+    epochs, steps = 6, math.ceil(len(x) / 32)
     accuracy = {}
     for codec in ("none", "int8", compression.Compression("topk", fraction=0.1)):
         keras.utils.set_random_seed(0)
@@ -202,8 +206,10 @@ def test_compressed_pushes_train_digits_like_uncompressed(cluster, digits):
             cluster.resolver, n_sync=10, compression=codec
         )
         with strategy.scope():
-            model = compile_digits(tf_asgd.models.digits_convnet())
-        model.fit(x, y, batch_size=32, epochs=6, verbose=0)
+            decay = keras.optimizers.schedules.CosineDecay(0.05, epochs * steps)
+            optimizer = keras.optimizers.SGD(decay, momentum=0.9)
+            model = compile_digits(tf_asgd.models.digits_convnet(), optimizer)
+        model.fit(x, y, batch_size=32, epochs=epochs, verbose=0)
         name = codec if isinstance(codec, str) else codec.codec
         accuracy[name] = model.evaluate(xt, yt, verbose=0)[1]
         stats = strategy.model_stats(model)
