@@ -8,27 +8,7 @@ import pytest
 import tf_asgd
 from tf_asgd.rules import update_rules
 
-LR, MU, KAPPA, N_SYNC = 0.1, 0.9, 2.0, 3
-
-
-def _tiny_problem():
-    rng = np.random.default_rng(7)
-    x = rng.normal(size=(8, 3)).astype("float32")
-    t = rng.normal(size=(8, 2)).astype("float32")
-    return x, t
-
-
-def _tiny_model():
-    return keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="glorot_uniform")]
-    )
-
-
-def _mse_grads(w, b, x, t):
-    """Gradients of keras' MSE (mean over all elements) for y = x @ w + b."""
-    r = x @ w + b - t
-    scale = 2.0 / r.size
-    return scale * x.T @ r, scale * r.sum(axis=0)
+from gem_reference import KAPPA, LR, MU, _mse_grads, _tiny_model, _tiny_problem
 
 
 def test_single_process_gem_is_the_paper_rule():
