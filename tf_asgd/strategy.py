@@ -22,7 +22,7 @@ from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.keras_glue import keras_hook
 from tf_asgd.keras_glue.evaluation import Evaluator, validate_evaluation
 from tf_asgd.rules import update_rules
-from tf_asgd.rules.compression import as_compression
+from tf_asgd.rules.compression import as_compression, as_pull_compression
 from tf_asgd.runtime import python_inputs
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import WindowTrainer, validate_windows_per_closure
@@ -209,18 +209,27 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             sent is added to the next push), committed with the push; each PS
             decodes its own pieces before the staleness scale and the outer
             optimizer. Only float32 variables are compressed; others travel
-            as they are. Pulls are not compressed.
+            as they are.
+        pull_compression: how each window's pull travels to the worker:
+            `None` or `"none"` (float32, the default) or `"bf16"`: the PS
+            sends a bfloat16 copy of each float32 variable and keeps float32
+            itself. The worker trains from that copy and pushes its weights
+            minus the copy, so nothing of its steps is lost; the central
+            variables (what `fit` leaves in the model) stay float32. No
+            memory on the PS. GEM's rule then sees the bfloat16 copy.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
             `worker_state` or `evaluation`; `max_staleness` not an integer
             >= 0; `windows_per_closure` not `None` or an integer from 1 to 256;
             `connect_timeout` not a positive number; an unknown `compression`
-            codec (or a bad block or fraction); a cluster without a `ps` or a
+            codec (or a bad block or fraction); a `pull_compression` other
+            than `"none"` and `"bf16"`; a cluster without a `ps` or a
             `worker` task. Each is checked before connecting.
         TypeError: `per_worker_dataset_fn` is not callable, `outer_optimizer`
-            is not an `OuterSGD` or a `DelayedNesterov`, or `compression` is
-            not `None`, a codec name or a `Compression`.
+            is not an `OuterSGD` or a `DelayedNesterov`, or `compression`
+            (or `pull_compression`) is not `None`, a codec name or a
+            `Compression`.
         tf_asgd.ClusterUnreachableError: some task did not answer within
             `connect_timeout`.
 
@@ -235,6 +244,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         evaluation: as given; may be set again later.
         compression: the `Compression` of pushes (`Compression("none")` for
             `None`).
+        pull_compression: the `Compression` of pulls, likewise.
         connect_timeout: as given; may be set again later.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
@@ -279,6 +289,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         evaluation="workers",
         connect_timeout=connect.DEFAULT_CONNECT_TIMEOUT,
         compression=None,
+        pull_compression=None,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -295,6 +306,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         validate_windows_per_closure(windows_per_closure)
         validate_evaluation(evaluation)
         compression = as_compression(compression)
+        pull_compression = as_pull_compression(pull_compression)
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
@@ -313,6 +325,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.evaluation = evaluation
         self.connect_timeout = connect_timeout
         self.compression = compression
+        self.pull_compression = pull_compression
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")

@@ -1,12 +1,13 @@
-"""Compressed pushes on an emulated bandwidth-limited network: throughput and bytes.
+"""Compressed pushes and pulls on an emulated bandwidth-limited network: throughput, bytes.
 
-For each model x bandwidth x codec x n_sync, 2 workers and 1 PS (all tasks in one child
-process) train `model.fit` on synthetic 28x28 batches of 64 for `--windows` windows per
-worker after a warm-up fit, and report samples/s and the bytes that crossed each way per
-sample (`strategy.model_stats`). A bandwidth other than `none` limits the loopback of this
-run's own network namespace (`LocalCluster(bandwidth=...)`): the tool re-executes itself
-in one. Models: `gem_convnet` (`models.gem_mnist_convnet`, 164k parameters) and `mlp`
-(784-2048-1024-10, 3.7M parameters: bandwidth-bound). Pulls are not compressed.
+For each workers x bandwidth x model x n_sync x codec x pull codec, the workers and 1 PS
+(all tasks in one child process) train `model.fit` on synthetic 28x28 batches of 64 for
+`--windows` windows per worker after a warm-up fit, and report samples/s and the bytes
+that crossed each way per sample (`strategy.model_stats`). A bandwidth other than `none`
+limits the loopback of this run's own network namespace (`LocalCluster(bandwidth=...)`):
+the tool re-executes itself in one. Models: `gem_convnet` (`models.gem_mnist_convnet`,
+164k parameters) and `mlp` (784-2048-1024-10, 3.7M parameters: bandwidth-bound).
+Writes `runs.jsonl`, `runs.csv`, `summary.md` and `speedup.png` under `--out`.
 
     python tools/compression.py --models mlp,gem_convnet --bandwidths none,1gbit,100mbit
 """
@@ -16,6 +17,7 @@ import os
 import time
 
 import _common
+import plots
 
 CODECS = ("none", "bf16", "int8", "topk")
 
@@ -46,7 +48,7 @@ def _dataset(batch=64):
     return tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
-def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64):
+def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls="none"):
     """One cell: samples/s and bytes per sample each way, after a warm-up fit."""
     import keras
 
@@ -54,7 +56,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64):
 
     compression = tf_asgd.Compression("topk", fraction=0.01) if codec == "topk" else codec
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=n_sync, compression=compression
+        cluster.resolver, n_sync=n_sync, compression=compression, pull_compression=pulls
     )
     with strategy.scope():
         model = _model(model_name)
@@ -72,6 +74,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64):
         "model": model_name,
         "params": int(sum(v.numpy().size for v in model.trainable_variables)),
         "codec": codec,
+        "pulls": pulls,
         "n_sync": n_sync,
         "workers": workers,
         "steps": steps,
@@ -89,7 +92,9 @@ def main():
     p.add_argument("--models", type=_common.str_list, default=["mlp", "gem_convnet"])
     p.add_argument("--bandwidths", type=_common.str_list, default=["none", "1gbit", "100mbit"])
     p.add_argument("--codecs", type=_common.str_list, default=list(CODECS))
+    p.add_argument("--pulls", type=_common.str_list, default=["none", "bf16"])
     p.add_argument("--n-sync", type=_common.int_list, default=[1, 10])
+    p.add_argument("--workers", type=_common.int_list, default=[2, 4])
     p.add_argument("--windows", type=int, default=4, help="timed windows per worker")
     args = p.parse_args()
     if any(b != "none" for b in args.bandwidths):
@@ -101,48 +106,102 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rows = []
     with open(os.path.join(args.out, "runs.jsonl"), "a") as log:
-        for bandwidth in args.bandwidths:
-            limit = None if bandwidth == "none" else bandwidth
-            with tf_asgd.LocalCluster(num_workers=2, num_ps=1, bandwidth=limit) as cluster:
-                for model_name in args.models:
-                    for n_sync in args.n_sync:
-                        for codec in args.codecs:
-                            row = run(cluster, model_name, codec, n_sync, args.windows)
-                            row["bandwidth"] = bandwidth
-                            print(json.dumps(row), flush=True)
-                            log.write(json.dumps(row) + "\n")
-                            rows.append(row)
+        for workers in args.workers:
+            for bandwidth in args.bandwidths:
+                limit = None if bandwidth == "none" else bandwidth
+                with tf_asgd.LocalCluster(workers, num_ps=1, bandwidth=limit) as cluster:
+                    for model_name, codec, n_sync, pulls in _cells(args):
+                        row = run(
+                            cluster, model_name, codec, n_sync, args.windows, workers, pulls=pulls
+                        )
+                        row["bandwidth"] = bandwidth
+                        print(json.dumps(row), flush=True)
+                        log.write(json.dumps(row) + "\n")
+                        rows.append(row)
+    plots.write_csv(os.path.join(args.out, "runs.csv"), rows)
     write_summary(rows, os.path.join(args.out, "summary.md"))
+    plot(rows, os.path.join(args.out, "speedup.png"))
+
+
+def _cells(args):
+    """`(model, codec, n_sync, pulls)` per cell of one cluster, each pull codec's cells
+    together (the uncompressed cell first: the others' baseline)."""
+    return [
+        (model_name, codec, n_sync, pulls)
+        for model_name in args.models
+        for n_sync in args.n_sync
+        for pulls in args.pulls
+        for codec in args.codecs
+    ]
+
+
+def _key(r):
+    return r["model"], r["bandwidth"], r["n_sync"], r.get("workers", 2)
+
+
+def _ratio(r, base):
+    """Samples/s over the same cell's run with nothing compressed (None if absent)."""
+    return r["samples_per_s"] / base[_key(r)] if _key(r) in base else None
+
+
+def _baselines(rows):
+    return {
+        _key(r): r["samples_per_s"]
+        for r in rows
+        if r["codec"] == "none" and r.get("pulls", "none") == "none"
+    }
+
+
+def plot(rows, path):
+    """One bar panel per model x bandwidth: the speed-up of each push codec (bars) with
+    float32 and with bf16 pulls, per workers x n_sync."""
+    base = _baselines(rows)
+    panels = []
+    for model_name in dict.fromkeys(r["model"] for r in rows):
+        for bandwidth in dict.fromkeys(r["bandwidth"] for r in rows):
+            cells = [r for r in rows if r["model"] == model_name and r["bandwidth"] == bandwidth]
+            groups = list(dict.fromkeys((r.get("workers", 2), r["n_sync"]) for r in cells))
+            series = []
+            for pulls in dict.fromkeys(r.get("pulls", "none") for r in cells):
+                for codec in dict.fromkeys(r["codec"] for r in cells):
+                    mine = {
+                        (r.get("workers", 2), r["n_sync"]): _ratio(r, base)
+                        for r in cells
+                        if r["codec"] == codec and r.get("pulls", "none") == pulls
+                    }
+                    y = [mine.get(g) or 0.0 for g in groups]
+                    series.append((f"push {codec}, pull {pulls}", range(len(groups)), y))
+            panels.append(
+                {
+                    "title": f"{model_name}, {bandwidth}; groups: "
+                    + ", ".join(f"{w}w n_sync {n}" for w, n in groups),
+                    "xlabel": "group",
+                    "ylabel": "samples/s over uncompressed",
+                    "kind": "bar",
+                    "series": series,
+                    "hline": (1.0, "uncompressed"),
+                }
+            )
+    plots.plot_panels(path, panels, ncols=3, panel_size=(6.0, 3.6))
 
 
 def write_summary(rows, path):
-    """One row per cell; `x none` is samples/s over the uncompressed run of the same cell."""
-    base = {
-        (r["model"], r["bandwidth"], r["n_sync"]): r["samples_per_s"]
-        for r in rows
-        if r["codec"] == "none"
-    }
+    """One row per cell; `x none` is samples/s over the same cell with nothing compressed."""
+    base = _baselines(rows)
+    header = ["workers", "model", "bandwidth", "n_sync", "codec", "pulls", "samples/s"]
+    header += ["x none", "pushed B/sample", "pulled B/sample"]
     table = _common.markdown_table(
-        [
-            "model",
-            "bandwidth",
-            "n_sync",
-            "codec",
-            "samples/s",
-            "x none",
-            "pushed B/sample",
-            "pulled B/sample",
-        ],
+        header,
         [
             [
+                r.get("workers", 2),
                 f"{r['model']} ({r['params'] / 1e6:.2f}M)",
                 r["bandwidth"],
                 r["n_sync"],
                 r["codec"],
+                r.get("pulls", "none"),
                 f"{r['samples_per_s']:.0f}",
-                f"{r['samples_per_s'] / base[r['model'], r['bandwidth'], r['n_sync']]:.2f}"
-                if (r["model"], r["bandwidth"], r["n_sync"]) in base
-                else "",
+                "" if _ratio(r, base) is None else f"{_ratio(r, base):.2f}",
                 f"{r['pushed_bytes_per_sample']:.0f}",
                 f"{r['pulled_bytes_per_sample']:.0f}",
             ]

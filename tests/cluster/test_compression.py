@@ -31,14 +31,16 @@ from helpers import compile_digits
 
 INT8_SMALL_BLOCKS = compression.Compression("int8", block=4)  # the kernel's 6 values: 2 blocks
 TOPK_THIRD = compression.Compression("topk", fraction=0.3)  # 2 of the kernel's 6, 1 of 2
+BF16 = compression.Compression("bf16")
 
 
 class ReferenceCompressed:
     """One worker's windows in NumPy: `N_SYNC` plain-SGD steps, the push rule (GEM or
     none), error-feedback compression per PS shard, the PS's outer optimizer (tau 0)."""
 
-    def __init__(self, central, shard_rows, codec, gem=False, outer=None):
+    def __init__(self, central, shard_rows, codec, gem=False, outer=None, pulls=None):
         self.central = [c.astype("float64") for c in central]
+        self.pulls = pulls  # a bf16 pull: the worker starts from a rounded copy
         self.shard_rows = shard_rows  # per variable: rows per PS shard
         self.codec, self.gem, self.outer = codec, gem, outer
         self.residual = [np.zeros(c.shape, np.float32) for c in central]
@@ -48,7 +50,10 @@ class ReferenceCompressed:
         self.update_total = [np.zeros_like(c) for c in self.central]
 
     def window(self, x, t):
-        pulled = [c.copy() for c in self.central]
+        pulled = [c.astype(np.float32) for c in self.central]
+        if self.pulls is not None:
+            pulled = [compression.round_trip(c, self.pulls) for c in pulled]
+        pulled = [c.astype("float64") for c in pulled]
         w, b = pulled
         for _ in range(N_SYNC):
             gw, gb = _mse_grads(w, b, x, t)
@@ -94,6 +99,9 @@ CASES = {
     "int8_two_ps_shards": (INT8_SMALL_BLOCKS, False, None, 2),
     "int8_gem": (INT8_SMALL_BLOCKS, True, None, 1),
     "topk_outer_momentum": (TOPK_THIRD, False, update_rules.OuterSGD(0.5, momentum=0.9), 1),
+    "bf16_pulls": (compression.Compression(), False, None, 1, BF16),
+    "int8_bf16_pulls_two_ps_shards": (INT8_SMALL_BLOCKS, False, None, 2, BF16),
+    "int8_bf16_pulls_gem": (INT8_SMALL_BLOCKS, True, None, 1, BF16),
 }
 
 
@@ -103,7 +111,7 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
     every window the central variables are the NumPy reference's, which applies
     `compress_with_feedback` (per PS shard) and the outer rule window by window; the
     bytes pushed are the payloads' sizes."""
-    codec, gem, outer, num_ps = CASES[case]
+    codec, gem, outer, num_ps, pulls = (CASES[case] + (None,))[:5]
     cluster = local_cluster(1, num_ps)
     partitioner = (
         tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=16)
@@ -117,6 +125,7 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
         outer_optimizer=outer,
         variable_partitioner=partitioner,
         compression=codec,
+        pull_compression=pulls,
     )
     x, t = _tiny_problem()
     with strategy.scope():
@@ -129,7 +138,7 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
     if num_ps == 2:
         assert rows[0] == [2, 1], rows  # the kernel is split over both PS
     ref = ReferenceCompressed(
-        [v.numpy() for v in model.trainable_variables], rows, codec, gem, outer
+        [v.numpy() for v in model.trainable_variables], rows, codec, gem, outer, pulls
     )
     recorder = RecordWeights()
     epochs = 10
@@ -162,7 +171,7 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
     assert stats.windows == epochs and stats.applied == epochs
     assert stats.bytes_pushed_per_window == per_window
     assert stats.bytes_pushed == epochs * per_window
-    assert stats.bytes_pulled_per_window == 4 * sum(
+    assert stats.bytes_pulled_per_window == (2 if pulls else 4) * sum(
         int(np.prod(v.shape)) for v in model.trainable_variables
     )
 
@@ -194,29 +203,35 @@ def test_bytes_pushed_per_window_of_the_gem_convnet(cluster, codec):
 
 def test_compressed_pushes_train_digits_like_uncompressed(cluster, digits):
     """The digits convnet on 2 workers, a short fit: int8 and top-k 10% (with error
-    feedback) reach the accuracy of uncompressed pushes within 3 points. The rate decays
-    to 0 over the fit: at a constant rate the last epoch's accuracy alone varies by about
-    4 points from run to run, compressed or not."""
+    feedback), and int8 with bf16 pulls, reach the accuracy of uncompressed pushes within
+    3 points. The rate decays to 0 over the fit: at a constant rate the last epoch's
+    accuracy alone varies by about 4 points from run to run, compressed or not."""
     (x, y), (xt, yt) = digits
     epochs, steps = 6, math.ceil(len(x) / 32)
     accuracy = {}
-    for codec in ("none", "int8", compression.Compression("topk", fraction=0.1)):
+    runs = [
+        ("none", "none", None),
+        ("int8", "int8", None),
+        ("topk", compression.Compression("topk", fraction=0.1), None),
+        ("int8, bf16 pulls", "int8", "bf16"),
+    ]
+    for name, codec, pulls in runs:
         keras.utils.set_random_seed(0)
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=10, compression=codec
+            cluster.resolver, n_sync=10, compression=codec, pull_compression=pulls
         )
         with strategy.scope():
             decay = keras.optimizers.schedules.CosineDecay(0.05, epochs * steps)
             optimizer = keras.optimizers.SGD(decay, momentum=0.9)
             model = compile_digits(tf_asgd.models.digits_convnet(), optimizer)
         model.fit(x, y, batch_size=32, epochs=epochs, verbose=0)
-        name = codec if isinstance(codec, str) else codec.codec
         accuracy[name] = model.evaluate(xt, yt, verbose=0)[1]
         stats = strategy.model_stats(model)
         print(name, accuracy[name], stats.bytes_pushed_per_window, "bytes pushed per window")
     assert accuracy["none"] >= 0.9, accuracy
     assert accuracy["int8"] >= accuracy["none"] - 0.03, accuracy
     assert accuracy["topk"] >= accuracy["none"] - 0.03, accuracy
+    assert accuracy["int8, bf16 pulls"] >= accuracy["none"] - 0.03, accuracy
 
 
 def test_worker_killed_mid_closure_compressed_windows_applied_exactly_once(local_cluster, digits):
@@ -286,15 +301,19 @@ def test_worker_killed_mid_closure_compressed_windows_applied_exactly_once(local
 
 
 @pytest.mark.parametrize(
-    "value,error,match",
+    "kw,error,match",
     [
-        ("int9", ValueError, "Unknown compression codec 'int9'"),
-        ("", ValueError, "Unknown compression codec ''"),
-        (8, TypeError, "compression must be None, a codec name"),
-        (0.01, TypeError, "got 0.01"),
+        (dict(compression="int9"), ValueError, "Unknown compression codec 'int9'"),
+        (dict(compression=""), ValueError, "Unknown compression codec ''"),
+        (dict(compression=8), TypeError, "compression must be None, a codec name"),
+        (dict(compression=0.01), TypeError, "got 0.01"),
+        (dict(pull_compression="int8"), ValueError, "pull_compression 'int8' is not supported"),
+        (dict(pull_compression="topk"), ValueError, "only 'none' and 'bf16'"),
+        (dict(pull_compression="fp8"), ValueError, "Unknown compression codec 'fp8'"),
+        (dict(pull_compression=16), TypeError, "pull_compression must be None"),
     ],
 )
-def test_bad_compression_is_refused_before_connecting(value, error, match):
+def test_bad_compression_is_refused_before_connecting(kw, error, match):
     """Refused at construction, before the cluster is contacted (none exists here)."""
 
     class Unreachable(tf.distribute.cluster_resolver.SimpleClusterResolver):
@@ -304,4 +323,4 @@ def test_bad_compression_is_refused_before_connecting(value, error, match):
             )
 
     with pytest.raises(error, match=match):
-        tf_asgd.AsyncParameterServerStrategy(Unreachable(), compression=value)
+        tf_asgd.AsyncParameterServerStrategy(Unreachable(), **kw)

@@ -12,6 +12,8 @@ import tf_asgd
 
 from helpers import ROOT
 
+REAL_ZEROS = ("windows", "staleness")  # logs whose 0 is a value, not a placeholder
+
 
 class _BatchEnds(keras.callbacks.Callback):
     def __init__(self):
@@ -50,11 +52,13 @@ def test_progress_counts_the_epochs_steps_and_shows_no_placeholder(cluster, digi
         for _, logs in epoch:
             if logs:
                 assert logs["loss"] > 0 and logs["accuracy"] > 0, logs
-                assert all(v != 0 for k, v in logs.items() if k != "windows"), logs
+                # (Mean staleness may truly be 0: windows that did not overlap.)
+                assert all(v != 0 for k, v in logs.items() if k not in REAL_ZEROS), logs
         assert epoch[-1][1], "the epoch's last batch end has the epoch's metrics"
     shown = [int(n) for n in re.findall(r"(\d+)/45\b", out)]
     assert shown and max(shown) == 45, out
-    assert "0.0000e+00" not in out, out
+    zeros = set(re.findall(r"(\w+): 0\.0000e\+00", out))
+    assert zeros <= set(REAL_ZEROS), out
 
 
 def _python(code, **env):

@@ -489,3 +489,28 @@ def test_python_inputs_tool(tmp_path):
     md = (tmp_path / "python_inputs.md").read_text()
     assert "| 2 | PyDataset |" in md and "2 workers gave" in md
     assert "PyDataset: 2 workers gave" in proc.stdout
+
+
+def test_compression_tool(tmp_path):
+    """One worker count, no bandwidth limit, two push codecs x two pull codecs: a row per
+    cell with the bytes each way (bf16 pulls half of float32's), the table and the plot."""
+    _run(
+        "compression.py",
+        *("--out", str(tmp_path), "--models", "gem_convnet", "--bandwidths", "none"),
+        *("--codecs", "none,int8", "--pulls", "none,bf16", "--n-sync", "2"),
+        *("--workers", "2", "--windows", "1"),
+    )
+    runs = _csv(tmp_path / "runs.csv", ["model", "codec", "pulls", "samples_per_s"])
+    assert [(r["codec"], r["pulls"]) for r in runs] == [
+        ("none", "none"),
+        ("int8", "none"),
+        ("none", "bf16"),
+        ("int8", "bf16"),
+    ]
+    pulled = {(r["codec"], r["pulls"]): float(r["pulled_bytes_per_sample"]) for r in runs}
+    pushed = {(r["codec"], r["pulls"]): float(r["pushed_bytes_per_sample"]) for r in runs}
+    assert pulled["none", "bf16"] == pytest.approx(pulled["none", "none"] / 2, rel=1e-3)
+    assert pushed["int8", "bf16"] < pushed["none", "bf16"] / 3.5
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| pulls |" in summary and "bf16" in summary
+    _png(tmp_path / "speedup.png")

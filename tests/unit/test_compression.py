@@ -264,6 +264,17 @@ def test_configs_and_their_defaults():
         compression.as_compression("int4")
 
 
+def test_pull_compression_offers_a_bf16_copy_only():
+    assert compression.as_pull_compression(None) == Compression("none")
+    assert compression.as_pull_compression("bf16") == Compression("bf16")
+    assert compression.as_pull_compression(Compression("bf16")) == Compression("bf16")
+    for codec in ("int8", "topk"):
+        with pytest.raises(ValueError, match=f"pull_compression '{codec}' is not supported"):
+            compression.as_pull_compression(codec)
+    with pytest.raises(TypeError, match="pull_compression must be None"):
+        compression.as_pull_compression(2)
+
+
 def test_a_tensor_without_a_static_shape_is_refused():
     @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
     def run(x):

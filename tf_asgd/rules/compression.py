@@ -139,6 +139,44 @@ def as_compression(value):
     )
 
 
+PULL_CODECS = ("none", "bf16")
+
+
+def as_pull_compression(value):
+    """A pull's `Compression` from a config value: `None`, `"none"`, `"bf16"`, or
+    a `Compression` of those codecs.
+
+    A pull sends the worker the whole model, not an update, so an error
+    feedback residual has nothing to carry into the next pull: only a
+    reduced-precision copy of the weights is offered (the PS keeps float32).
+
+    Args:
+        value: `None` or `"none"` (float32 as it is), `"bf16"`, or a
+            `Compression` of either.
+
+    Returns:
+        A `Compression`.
+
+    Raises:
+        ValueError: a codec other than `"none"` and `"bf16"`.
+        TypeError: any other kind of value.
+
+    Examples:
+        >>> as_pull_compression("bf16").codec
+        'bf16'
+    """
+    if value is not None and not isinstance(value, (str, Compression)):
+        raise TypeError(f"pull_compression must be None, 'none' or 'bf16', got {value!r}.")
+    compression = as_compression(value)
+    if compression.codec not in PULL_CODECS:
+        raise ValueError(
+            f"pull_compression {compression.codec!r} is not supported: a pull sends the "
+            "whole model, so only 'none' and 'bf16' (a bfloat16 copy; the PS keeps "
+            "float32) are offered."
+        )
+    return compression
+
+
 def topk_count(n, fraction):
     """Top-k's `k = ceil(fraction * n)`, in exact decimal arithmetic.
 

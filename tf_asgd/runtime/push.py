@@ -25,9 +25,23 @@ def raw(v):
     return v.value if isinstance(v, Variable) else v
 
 
-def nbytes(variables):
-    """Bytes of `variables` (Keras or TF variables), as one pull reads them."""
-    return int(sum(np.prod(v.shape) * v.dtype.size for v in map(raw, variables)))
+def nbytes(variables, compression=None):
+    """Bytes of `variables` (Keras or TF variables), as one pull reads them
+    under the pull's `compression` (`"none"` or `"bf16"`; default none)."""
+    return int(
+        sum(
+            np.prod(s.shape) * pull_dtype(s.dtype, compression).size
+            for v in variables
+            for s in shard_variables(raw(v))
+        )
+    )
+
+
+def pull_dtype(dtype, compression=None):
+    """The dtype a variable of `dtype` travels in to the worker: bfloat16 for
+    float32 under a `"bf16"` pull, else its own."""
+    bf16 = compression is not None and compression.codec == "bf16"
+    return tf.bfloat16 if bf16 and tf.as_dtype(dtype) == tf.float32 else tf.as_dtype(dtype)
 
 
 def read(raw_variable):
@@ -151,7 +165,10 @@ class Pull:
     the window already pushed, `replayed(ids)`, and the version counter),
     then the local optimizer's shared variables (step counter, learning
     rate), then the variables' shards. Small ones travel as one byte vector
-    per PS (`Transfer`).
+    per PS (`Transfer`). Under a `"bf16"` compression each float32 shard is
+    read as a bfloat16 copy and widened back on the worker: the PS keeps
+    float32, and the push (the worker's weights minus what it pulled) stays
+    exact.
 
     Args:
         variables: the central variables (Keras or TF, possibly sharded).
@@ -159,13 +176,18 @@ class Pull:
         counters: the strategy's `counters.PushCounters`.
         replayed: `fn(ids) -> bool scalar` on the counters' PS, `ids` the
             window's `[window_id, num_steps]` there.
+        compression: the pull's `compression.Compression` (`"none"` or
+            `"bf16"`); default none.
     """
 
-    def __init__(self, variables, shared, counters, replayed):
+    def __init__(self, variables, shared, counters, replayed, compression=None):
         self.cdev = raw(counters.version).device
         self.num_variables, self.num_shared = len(variables), len(shared)
         self.owners = [i for i, v in enumerate(variables) for _ in shard_variables(raw(v))]
-        tensors = [raw(v) for v in shared] + [s for v in variables for s in shard_variables(raw(v))]
+        pieces = [s for v in variables for s in shard_variables(raw(v))]
+        tensors = [raw(v) for v in shared] + pieces
+        # The dtype each piece travels in (bf16 for float32 under a bf16 pull).
+        self._dtypes = [pull_dtype(p.dtype, compression) for p in pieces]
 
         def meta(ids):
             return tf.stack(
@@ -176,10 +198,14 @@ class Pull:
                 ]
             )
 
-        self._reads = [meta] + [lambda ids, v=v: v.read_value() for v in tensors]
+        dtypes = [v.dtype for v in shared] + self._dtypes
+        self._reads = [meta] + [
+            lambda ids, v=v, t=t: tf.cast(v.read_value(), t) for v, t in zip(tensors, dtypes)
+        ]
         self.transfer = Transfer(
-            [(self.cdev, [3], tf.int64)] + [(v.device, v.shape, v.dtype) for v in tensors]
+            [(self.cdev, [3], tf.int64)] + [(v.device, v.shape, t) for v, t in zip(tensors, dtypes)]
         )
+        self._widen = [p.dtype for p in pieces]
 
     def read(self, ids, device=None):
         """On each PS (or `device` only): the pull's flat tensors."""
@@ -213,6 +239,7 @@ class Pull:
             values[1 : 1 + self.num_shared],
             values[1 + self.num_shared :],
         )
+        pieces = [tf.cast(p, t) for p, t in zip(pieces, self._widen)]
         weights = []
         for i in range(self.num_variables):
             parts = [p for owner, p in zip(self.owners, pieces) if owner == i]

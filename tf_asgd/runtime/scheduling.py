@@ -113,7 +113,7 @@ class WindowTrainer:
         tracker = internals.loss_tracker(model)
         tracked = tracker is not None and all(id(v) in ids for v in tracker.variables)
         self._loss_index = [ids.index(id(v)) for v in tracker.variables] if tracked else None
-        self.bytes_per_pull = nbytes(self.variables)
+        self.bytes_per_pull = nbytes(self.variables, strategy.pull_compression)
         # A push's payload: the update's bytes as they cross (compressed or not).
         self.bytes_per_push = PushCodec(strategy.compression).nbytes(self.variables)
         # One trace for every closure size: the window vectors are padded to

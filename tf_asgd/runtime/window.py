@@ -246,6 +246,7 @@ class WindowFunction:
             [self._shared[id(v)] for v in self._opt_variables if id(v) in self._shared],
             self._trainer.strategy.counters,
             self._already_pushed,
+            self._trainer.strategy.pull_compression,
         )
         self._cdev = pull.cdev
         with tf.device(pull.cdev):
