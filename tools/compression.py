@@ -93,6 +93,12 @@ def main():
     p.add_argument("--bandwidths", type=_common.str_list, default=["none", "1gbit", "100mbit"])
     p.add_argument("--codecs", type=_common.str_list, default=list(CODECS))
     p.add_argument("--pulls", type=_common.str_list, default=["none", "bf16"])
+    p.add_argument(
+        "--pull-codecs",
+        type=_common.str_list,
+        default=None,
+        help="the push codecs run with compressed pulls (default: --codecs)",
+    )
     p.add_argument("--n-sync", type=_common.int_list, default=[1, 10])
     p.add_argument("--workers", type=_common.int_list, default=[2, 4])
     p.add_argument("--windows", type=int, default=4, help="timed windows per worker")
@@ -126,12 +132,13 @@ def main():
 def _cells(args):
     """`(model, codec, n_sync, pulls)` per cell of one cluster, each pull codec's cells
     together (the uncompressed cell first: the others' baseline)."""
+    with_pulls = args.codecs if args.pull_codecs is None else args.pull_codecs
     return [
         (model_name, codec, n_sync, pulls)
         for model_name in args.models
         for n_sync in args.n_sync
         for pulls in args.pulls
-        for codec in args.codecs
+        for codec in (args.codecs if pulls == "none" else with_pulls)
     ]
 
 
