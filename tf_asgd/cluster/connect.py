@@ -68,11 +68,14 @@ class ClusterUnreachableError(ConnectionError):
 
     def __init__(self, tasks, timeout):
         self.tasks, self.timeout = list(tasks), timeout
-        named = _named(tasks)
-        super().__init__(
-            f"Could not reach {len(self.tasks)} cluster task(s) within {timeout:g} s: {named}. "
-            "Check that these tasks are running and that the cluster (TF_CONFIG, or the "
-            "resolver's cluster spec) names their hosts and ports; connect_timeout sets "
+        super().__init__(self._message(_named(self.tasks)))
+
+    def _message(self, named):
+        """The error's text, given `named`, the tasks as `_named` writes them."""
+        return (
+            f"Could not reach {len(self.tasks)} cluster task(s) within {self.timeout:g} s: "
+            f"{named}. Check that these tasks are running and that the cluster (TF_CONFIG, or "
+            "the resolver's cluster spec) names their hosts and ports; connect_timeout sets "
             "how long to wait."
         )
 
@@ -85,16 +88,8 @@ class WorkersLostError(ClusterUnreachableError):
     the strategy's `connect_timeout` (see `lost_workers`). A
     `ClusterUnreachableError`. The pushes that finished stay on the parameter
     servers; once every task answers again, the same strategy trains again.
-
-    Args:
-        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
-            answer and why.
-        timeout: the seconds waited.
-
-    Attributes:
-        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
-            answer and why (the last probe's error).
-        timeout: the seconds waited.
+    Its arguments and attributes, `tasks` and `timeout`, are
+    `ClusterUnreachableError`'s; only the message differs.
 
     Example:
 
@@ -106,19 +101,16 @@ class WorkersLostError(ClusterUnreachableError):
     ```
     """
 
-    def __init__(self, tasks, timeout):
-        self.tasks, self.timeout = list(tasks), timeout
-        named = _named(tasks)
-        ConnectionError.__init__(
-            self,
-            f"Lost the workers: none could run for {timeout:g} s, and {len(self.tasks)} "
+    def _message(self, named):
+        return (
+            f"Lost the workers: none could run for {self.timeout:g} s, and {len(self.tasks)} "
             f"cluster task(s) did not answer: {named}. TensorFlow's coordinator runs "
             "closures again only once every task answers. The windows (or evaluation "
             "shards) not yet run were dropped; the pushes that finished are on the "
             "parameter servers. Start these tasks again at the same addresses: this "
             "strategy trains again once every task answers (until then each fit or "
             "evaluate raises this after at most connect_timeout); or restart the job "
-            "from a checkpoint.",
+            "from a checkpoint."
         )
 
 
