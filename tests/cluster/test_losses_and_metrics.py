@@ -278,20 +278,3 @@ def test_builtin_metrics_train_and_merge_on_the_workers(cluster, digits, caplog)
     assert set(on_workers) == set(on_chief) >= {"auc", "precision", "recall", "f1_score"}
     for key in on_chief:
         assert on_workers[key] == pytest.approx(on_chief[key], abs=1e-6), key
-
-
-# ---- the rule itself (no cluster) ----------------------------------------------
-
-
-RULES = {
-    "assign_add": (lambda m, x: m.state.assign_add(x), None),
-    "assign_sum": (lambda m, x: m.state.assign(x + m.state), None),
-    "two_adds": (lambda m, x: (m.state.assign_add(x), m.state.assign_sub(2 * x)), None),
-    "max": (lambda m, x: m.state.assign(keras.ops.maximum(m.state, x)), "Maximum"),
-    "moving_average": (lambda m, x: m.state.assign(0.9 * m.state + 0.1 * x), "Mul"),
-    "overwrite": (lambda m, x: m.state.assign(x), "overwritten"),
-    "reads_another": (
-        lambda m, x: (m.count.assign_add(1.0), m.state.assign_add(x * m.count)),
-        "reads a metric state",
-    ),
-}

@@ -1,13 +1,7 @@
-"""`add_loss` terms, regularizers and metric states under AsyncParameterServerStrategy,
-against plain Keras on the same data and weights.
-
-- A layer's `add_loss` term, `activity_regularizer` and `kernel_regularizer` are
-  each counted once, as Keras counts them: in a window's local steps (Keras's
-  step and a model's own `train_step`) and in evaluation on the workers.
-- A metric state merges over windows and evaluation shards only if its update
-  is additive (`tf_asgd.runtime.metric_states`): Keras's built-in metrics are; a
-  running max is not, and is refused in training and evaluated on the chief.
-"""
+"""The rule that says whether a metric state merges over windows and evaluation shards
+(`tf_asgd.runtime.metric_states`), read from the metric's update without a cluster: an
+additive update merges, as Keras's built-in metrics' updates do; a running max, a moving
+average, an overwrite or an update that reads another state is flagged, named with why."""
 
 import keras
 import numpy as np
@@ -16,17 +10,6 @@ import tensorflow as tf
 
 from tf_asgd.keras_glue import evaluation
 from tf_asgd.runtime import metric_states, steps
-
-TOL = 1e-5
-
-
-# ---- add_loss and regularizers ------------------------------------------------
-
-
-# ---- metric states ------------------------------------------------------------
-
-
-# ---- the rule itself (no cluster) ----------------------------------------------
 
 
 class _Update(keras.metrics.Metric):

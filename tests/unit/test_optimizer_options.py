@@ -1,6 +1,6 @@
-"""Keras optimizer options and mixed precision under AsyncParameterServerStrategy:
-each honoured as plain Keras honours it (compared with plain Keras on the same
-data and seed), or refused before any window is scheduled."""
+"""Keras optimizer options without a cluster: the stateless step a window runs leaves every
+variable as Keras's own `apply` does, and the parameter servers' EMA rule in NumPy
+(tests/ema_reference.py) is Keras's own EMA when each push is one step."""
 
 import keras
 import numpy as np
@@ -9,19 +9,7 @@ import tensorflow as tf
 
 from tf_asgd import internals
 
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _flat(digits):
-    (x, y), (xt, yt) = digits
-    return (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
-
-
-def _mlp():
-    return keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
-    )
-
+from ema_reference import LOSS, _assert_close, _ema_reference, _flat, _mlp, _Record
 
 # ---- the stateless step a window runs, against Keras's own apply (no cluster) --
 
@@ -76,51 +64,6 @@ def test_window_step_equals_keras_apply(make):
     assert int(o1.iterations) > 0
 
 
-def _ema_reference(centrals, advances, momentum, start=None, before=0):
-    """The PS's EMA rule in NumPy: per push of `k` steps after `before` steps,
-    `m = 0` while no step was counted before it, else `momentum ** k`;
-    `avg = m * avg + (1 - m) * central` (float32, Keras's order)."""
-    averages, avg = [], start
-    for central, k in zip(centrals, advances):
-        m = np.float32(0.0 if before == 0 else np.float64(momentum) ** k)
-        avg = [m * a + (np.float32(1) - m) * c for a, c in zip(avg or central, central)]
-        averages.append(avg)
-        before += k
-    return averages
-
-
-class _Record(keras.callbacks.Callback):
-    """The trainable variables and the EMA after each batch (or epoch)."""
-
-    def __init__(self, per_epoch):
-        super().__init__()
-        self.per_epoch, self.central, self.average = per_epoch, [], []
-
-    def _take(self):
-        self.central.append([v.numpy() for v in self.model.trainable_variables])
-        self.average.append(
-            [
-                v.numpy()
-                for _, v in internals.moving_averages(
-                    internals.wrapped_optimizers(self.model.optimizer)[-1]
-                )
-            ]
-        )
-
-    def on_train_batch_end(self, batch, logs=None):
-        if not self.per_epoch:
-            self._take()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.per_epoch:
-            self._take()
-
-
-def _assert_close(got, want):
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
-
-
 def test_ema_reference_is_keras_per_step_ema(digits):
     """With one step per push the reference rule is Keras's own EMA: checked
     against plain Keras step by step (6 steps, momentum 0.9)."""
@@ -134,20 +77,3 @@ def test_ema_reference_is_keras_per_step_ema(digits):
     )
     for got, want in zip(record.average, _ema_reference(record.central, [1] * 6, 0.9)):
         _assert_close(got, want)
-
-
-# ---- EMA --------------------------------------------------------------------
-
-
-# ---- gradient accumulation --------------------------------------------------
-
-
-# ---- clipping, loss scale factor, explicit loss scaling: exact ---------------
-
-
-# ---- mixed precision --------------------------------------------------------
-
-MIXED_EPOCHS = 10
-
-
-# ---- refused ----------------------------------------------------------------
