@@ -1,4 +1,5 @@
-"""Shared fixtures: offline digits data, and one factory of real loopback TF clusters.
+"""Shared fixtures: offline digits data, one factory of real loopback TF clusters, and a
+guard that turns a hang into a failure (`hang_guard`, for tests that kill tasks).
 
 Tests under tests/cluster/ start TF servers, the launcher or a fresh TensorFlow process and
 are marked `cluster`; tests under tests/unit/ do none of these (the fast tier:
@@ -10,6 +11,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import contextlib  # noqa: E402 (TF's log level is set before TF loads)
+import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import pathlib  # noqa: E402
 
@@ -41,6 +43,16 @@ def _free_what_the_test_left(request):
     yield
     if CLUSTER_TESTS in pathlib.Path(request.node.path).parents:
         gc.collect()
+
+
+@pytest.fixture
+def hang_guard():
+    """A hang fails loudly: after 300 s the test process dumps its threads and
+    exits (its LocalCluster tasks follow through their stdin lifeline). A module
+    that kills tasks asks for it: `pytestmark = pytest.mark.usefixtures("hang_guard")`."""
+    faulthandler.dump_traceback_later(300, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,19 @@ def task_server_processes(ports):
     return found
 
 
+def alive(pid):
+    """Whether process `pid` runs: False once it is gone or a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def assert_all_stopped(ports, within=15.0):
     deadline = time.time() + within
     while task_server_processes(ports) and time.time() < deadline:

@@ -22,21 +22,13 @@ import tf_asgd
 from tf_asgd.rules import update_rules
 
 from helpers import ROOT, compile_digits
-from launching import assert_all_stopped, launcher, local_cluster_ports
+from launching import alive, assert_all_stopped, launcher, local_cluster_ports
 
 # ---------------------------------------------------------------------------
 # Helpers
 
 
-@pytest.fixture(autouse=True)
-def hang_guard():
-    """A hang fails loudly: after 300 s the test process dumps its threads and
-    exits (its LocalCluster tasks follow through their stdin lifeline)."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(300, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+pytestmark = pytest.mark.usefixtures("hang_guard")  # conftest.py
 
 
 def _wait_for(predicate, timeout, what):
@@ -45,18 +37,6 @@ def _wait_for(predicate, timeout, what):
         if time.time() > deadline:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _gem(lr=0.05):
@@ -122,7 +102,7 @@ def test_worker_killed_mid_fit_training_completes_and_worker_rejoins(local_clust
         fit_secs = time.perf_counter() - t0
         helper.join(60)
         assert "error" not in events, events.get("error")
-        assert not _alive(old_pid)
+        assert not alive(old_pid)
         assert cluster.pids()["worker:1"] != old_pid
 
         _, acc = model.evaluate(xt, yt, verbose=0)
@@ -520,7 +500,7 @@ def test_soak_fit_kill_restart_cycles_leak_nothing(local_cluster, digits):
             assert strategy.stats().windows == 12
         del model, strategy
         samples.append(_resources())
-        assert not _children() - others and not any(_alive(p) for p in pids)
+        assert not _children() - others and not any(alive(p) for p in pids)
     secs = time.time() - t0
     first, last = samples[0], samples[-1]
     print(

@@ -5,7 +5,6 @@ running; a worker that comes back in time is waited for, and after the error
 the strategy trains again once its workers answer."""
 
 import logging
-import os
 import threading
 import time
 
@@ -17,37 +16,19 @@ import tensorflow as tf
 import tf_asgd
 from tf_asgd.cluster import connect
 
+from launching import alive
+
 TIMEOUT = 3.0
 SLACK = 20.0  # what the bound may be overrun by: a probe round, the chief's join, a loaded machine
 # TF's coordinator threads, and the watch's probes.
 THREAD_PREFIXES = ("WorkerPreemptionHandler", "WorkerClosureProcessingLoop", "tf_asgd_probe")
 
 
-@pytest.fixture(autouse=True)
-def hang_guard():
-    """A hang fails loudly: after 300 s the test process dumps its threads and
-    exits (its LocalCluster tasks follow through their stdin lifeline)."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(300, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+pytestmark = pytest.mark.usefixtures("hang_guard")  # conftest.py
 
 
 def _coordinator_threads():
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIXES)]
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _model(strategy):
@@ -157,7 +138,7 @@ def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_
     assert close_secs < 10
     # This strategy's threads ended (earlier tests' may have ended meanwhile too).
     assert len(left) <= threads_before, left
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(alive(pid) for pid in pids.values())
 
 
 def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(
