@@ -1,8 +1,10 @@
-"""GEM's NumPy reference (the paper's rule, window by window) and its tiny problem."""
+"""GEM's NumPy reference (the paper's rule, window by window), its tiny problem, and the
+fit that records the variables after each epoch to compare with it."""
 
 import keras
 import numpy as np
 
+import tf_asgd
 from tf_asgd.rules import update_rules
 
 LR, MU, KAPPA, N_SYNC = 0.1, 0.9, 2.0, 3
@@ -70,3 +72,42 @@ class RecordWeights(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.weights.append([v.numpy() for v in self.model.trainable_variables])
+
+
+def gem_optimizer():
+    """GEM over momentum SGD at the reference's rate, momentum and kappa."""
+    return tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA)
+
+
+def fit_recording_weights(model, x, t, epochs, steps_per_epoch):
+    """Fits `model` on the tiny problem, its 8 rows one batch, unshuffled.
+
+    Args:
+        model: a compiled model of `_tiny_model()`'s shape.
+        x: the tiny problem's inputs.
+        t: its targets.
+        epochs: how many epochs.
+        steps_per_epoch: steps an epoch.
+
+    Returns:
+        The trainable variables' values (NumPy) after each epoch, one list an epoch.
+    """
+    recorder = RecordWeights()
+    model.fit(
+        x,
+        t,
+        batch_size=8,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    return recorder.weights
+
+
+def assert_matches_reference(weights, central):
+    """Fails unless one epoch's `weights` equal the reference's `central` variables
+    (float32 training against the float64 reference)."""
+    for got, want in zip(weights, central):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

@@ -1,15 +1,21 @@
 """What tests share besides fixtures: the repository root, the digits model's compile, the
-supported versions as internals.py states them, and a bounded call for error-path tests."""
+supported versions as internals.py states them, a bounded call for error-path tests, and a
+fit whose only worker is killed in the middle of a closure."""
 
 import ast
+import contextlib
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
 
 import keras
 import pytest
+
+import tf_asgd
+from tf_asgd.runtime.window import APPLIED_RING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,3 +70,89 @@ def bounded(fn, seconds):
     if thread.is_alive():
         pytest.fail(f"no result and no error after {seconds} s: the call hangs")
     return out.get("value"), out.get("error"), secs
+
+
+@contextlib.contextmanager
+def worker_killed_mid_closure(local_cluster, digits, **strategy_options):
+    """Fits the digits convnet on one worker whose closure is killed half-applied.
+
+    A closure of 8 windows of 1 step (60 ms of emulated device time a step) runs on the
+    only worker; once some of its windows have pushed (their ids are in the PS's ring of
+    applied windows) and before it returns, the worker is SIGKILLed, then restarted. TF's
+    coordinator runs the closure again: the windows that had pushed are replays (no steps,
+    no push), the others run. Checks that every window is applied once: tickets, steps and
+    records agree.
+
+    Args:
+        local_cluster: the `local_cluster` fixture (the cluster is the test's own).
+        digits: the `digits` fixture.
+        **strategy_options: more `AsyncParameterServerStrategy` options (`compression`).
+
+    Yields:
+        `(strategy, model, steps)`, the cluster still running, for the caller's own checks.
+    """
+    (x, y), _ = digits
+    k, n_sync, steps = 8, 1, 48
+    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver,
+            n_sync=n_sync,
+            windows_per_closure=k,
+            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60),
+            **strategy_options,
+        )
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet())
+        events = {}
+
+        def partly_applied():
+            trainer = strategy._trainer_of(model)
+            if trainer is None:
+                return None
+            applied = trainer.window.applied_windows.numpy()
+            for _, windows, _ in list(trainer._pending):
+                ids = [i for _, i in windows]
+                done = [applied[i % APPLIED_RING] == i + 1 for i in ids]
+                if any(done) and not all(done):
+                    return ids, sum(done)
+            return None
+
+        def inject():
+            try:
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    found = partly_applied()
+                    if found:
+                        cluster.kill_task("worker:0", signal.SIGKILL)
+                        events["killed"] = found
+                        break
+                    time.sleep(0.01)
+                time.sleep(1.0)
+                cluster.restart_task("worker:0")
+                events["restarted"] = True
+            except BaseException as e:  # reported by the main thread
+                events["error"] = e
+
+        helper = threading.Thread(target=inject, daemon=True)
+        helper.start()
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
+        helper.join(120)
+        assert "error" not in events, events.get("error")
+        assert "killed" in events and events.get("restarted"), events
+        ids, pushed_before_kill = events["killed"]
+        trainer = strategy._trainer_of(model)
+        log = strategy.window_log(model)
+        stats = strategy.model_stats(model)
+        replays = [r for r in log if r.replayed]
+        print(
+            f"killed with {pushed_before_kill} of {len(ids)} windows of a closure pushed; "
+            f"{len(replays)} replays; closures {trainer.closure_log}"
+        )
+        # The windows that had pushed before the kill were replayed, not re-applied.
+        assert len(replays) >= pushed_before_kill >= 1
+        assert {r.window_id for r in replays} <= set(ids)
+        # Every window once: one record each, one ticket and n_sync steps per window.
+        assert len(log) == steps and len({r.window_id for r in log}) == steps
+        assert stats.windows == steps == sum(r.pushed for r in log)
+        assert int(model.optimizer.iterations.numpy()) == steps * n_sync
+        yield strategy, model, steps

@@ -4,20 +4,16 @@ exact; a bad `windows_per_closure` is rejected; a worker killed in the middle
 of a closure leaves every window applied exactly once; a slow worker's closure
 hands back the windows it did not start."""
 
-import signal
-import threading
 import time
 
-import keras
 import numpy as np
 import pytest
 
 import tf_asgd
 from tf_asgd.rules import update_rules
 from tf_asgd.runtime import scheduling
-from tf_asgd.runtime.window import APPLIED_RING
 
-from helpers import compile_digits
+from helpers import compile_digits, worker_killed_mid_closure
 
 
 def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluster, digits):
@@ -82,53 +78,31 @@ def test_gem_is_exact_with_several_windows_per_closure(local_cluster, outer):
     NumPy reference does window by window (with outer state, the push is a
     `tf.cond` on the PS; without, branch-free)."""
     cluster1 = local_cluster(1)
-    from gem_reference import (
-        KAPPA,
-        LR,
-        MU,
-        N_SYNC,
-        RecordWeights,
-        ReferenceGEM,
-        _tiny_model,
-        _tiny_problem,
-    )
+    import gem_reference as gem
 
-    x, t = _tiny_problem()
+    x, t = gem._tiny_problem()
     strategy = tf_asgd.AsyncParameterServerStrategy(
         cluster1.resolver,
-        n_sync=N_SYNC,
+        n_sync=gem.N_SYNC,
         staleness="dynsgd",
         outer_optimizer=outer,
         windows_per_closure=4,
     )
     with strategy.scope():
-        model = _tiny_model()
-        model.compile(
-            tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse"
-        )
-    ref = ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
-    recorder = RecordWeights()
+        model = gem._tiny_model()
+        model.compile(gem.gem_optimizer(), "mse")
+    ref = gem.ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
     epochs = 3
-    model.fit(
-        x,
-        t,
-        batch_size=8,
-        epochs=epochs,
-        steps_per_epoch=4 * N_SYNC,
-        shuffle=False,
-        verbose=0,
-        callbacks=[recorder],
-    )
+    per_epoch = gem.fit_recording_weights(model, x, t, epochs, steps_per_epoch=4 * gem.N_SYNC)
     trainer = strategy._trainer_of(model)
     assert trainer.closure_sizes == [4] * epochs
     assert [run for _, _, run, _ in trainer.closure_log] == [4] * epochs
     log = strategy.window_log(model)
     assert len(log) == 4 * epochs and all(r.pushed and r.staleness == 0 for r in log)
-    for weights in recorder.weights:
+    for weights in per_epoch:
         for _ in range(4):
             ref.window(0, x, t)
-        for got, want in zip(weights, ref.central):
-            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        gem.assert_matches_reference(weights, ref.central)
 
 
 @pytest.mark.parametrize("n_sync,windows_per_closure", [(5, None), (2, 5)])
@@ -199,72 +173,10 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
 
 
 def test_worker_killed_mid_closure_every_window_applied_exactly_once(local_cluster, digits):
-    """A closure of 8 windows (60 ms of emulated device time a step) runs on
-    the only worker; once some of its windows have pushed (their ids are in
-    the PS's ring of applied windows) and before it returns, the worker is
-    SIGKILLed, then restarted. TF's coordinator runs the closure again: the
-    windows that had pushed are replays (no steps, no push), the others run.
-    Every window is applied once: tickets, steps and records agree."""
-    (x, y), _ = digits
-    k, n_sync, steps = 8, 1, 48
-    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
-        strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver,
-            n_sync=n_sync,
-            windows_per_closure=k,
-            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60),
-        )
-        with strategy.scope():
-            model = compile_digits(tf_asgd.models.digits_convnet())
-        events = {}
-
-        def partly_applied():
-            trainer = strategy._trainer_of(model)
-            if trainer is None:
-                return None
-            applied = trainer.window.applied_windows.numpy()
-            for _, windows, _ in list(trainer._pending):
-                ids = [i for _, i in windows]
-                done = [applied[i % APPLIED_RING] == i + 1 for i in ids]
-                if any(done) and not all(done):
-                    return ids, sum(done)
-            return None
-
-        def inject():
-            try:
-                deadline = time.time() + 120
-                while time.time() < deadline:
-                    found = partly_applied()
-                    if found:
-                        cluster.kill_task("worker:0", signal.SIGKILL)
-                        events["killed"] = found
-                        break
-                    time.sleep(0.01)
-                time.sleep(1.0)
-                cluster.restart_task("worker:0")
-                events["restarted"] = True
-            except BaseException as e:  # reported by the main thread
-                events["error"] = e
-
-        helper = threading.Thread(target=inject, daemon=True)
-        helper.start()
-        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
-        helper.join(120)
-        assert "error" not in events, events.get("error")
-        assert "killed" in events and events.get("restarted"), events
-        ids, pushed_before_kill = events["killed"]
-        trainer = strategy._trainer_of(model)
-        log = strategy.window_log(model)
-        stats = strategy.model_stats(model)
-        replays = [r for r in log if r.replayed]
-        print(
-            f"killed with {pushed_before_kill} of {len(ids)} windows of a closure pushed; "
-            f"{len(replays)} replays; closures {trainer.closure_log}"
-        )
-        # The windows that had pushed before the kill were replayed, not re-applied.
-        assert len(replays) >= pushed_before_kill >= 1
-        assert {r.window_id for r in replays} <= set(ids)
-        # Every window once: one record each, one ticket and n_sync steps per window.
-        assert len(log) == steps and len({r.window_id for r in log}) == steps
-        assert stats.windows == steps == sum(r.pushed for r in log)
-        assert int(model.optimizer.iterations.numpy()) == steps * n_sync
+    """The only worker is SIGKILLed while a closure of 8 windows is partly applied,
+    then restarted: TF's coordinator runs the closure again, the windows that had
+    pushed are replays (no steps, no push), the others run, and every window is
+    applied once: tickets, steps and records agree. The fit and its checks are
+    `helpers.worker_killed_mid_closure`'s (test_compression runs it with int8)."""
+    with worker_killed_mid_closure(local_cluster, digits):
+        pass  # every check is the helper's

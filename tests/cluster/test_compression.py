@@ -3,9 +3,6 @@
 training to accuracy, exactly once under a worker killed mid-closure, and bad values."""
 
 import math
-import signal
-import threading
-import time
 
 import keras
 import numpy as np
@@ -15,19 +12,20 @@ import tensorflow as tf
 import tf_asgd
 from tf_asgd.rules import compression, update_rules
 from tf_asgd.runtime.push import raw, shard_variables
-from tf_asgd.runtime.window import APPLIED_RING
 
 from gem_reference import (
     KAPPA,
     LR,
     MU,
     N_SYNC,
-    RecordWeights,
     _mse_grads,
     _tiny_model,
     _tiny_problem,
+    assert_matches_reference,
+    fit_recording_weights,
+    gem_optimizer,
 )
-from helpers import compile_digits
+from helpers import compile_digits, worker_killed_mid_closure
 
 INT8_SMALL_BLOCKS = compression.Compression("int8", block=4)  # the kernel's 6 values: 2 blocks
 TOPK_THIRD = compression.Compression("topk", fraction=0.3)  # 2 of the kernel's 6, 1 of 2
@@ -132,7 +130,7 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
         model = _tiny_model()
         optimizer = keras.optimizers.SGD(LR)
         if gem:
-            optimizer = tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA)
+            optimizer = gem_optimizer()
         model.compile(optimizer, "mse")
     rows = _shard_rows(model.trainable_variables)
     if num_ps == 2:
@@ -140,24 +138,13 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
     ref = ReferenceCompressed(
         [v.numpy() for v in model.trainable_variables], rows, codec, gem, outer, pulls
     )
-    recorder = RecordWeights()
     epochs = 10
-    model.fit(
-        x,
-        t,
-        batch_size=8,
-        epochs=epochs,
-        steps_per_epoch=N_SYNC,
-        shuffle=False,
-        verbose=0,
-        callbacks=[recorder],
-    )
+    per_epoch = fit_recording_weights(model, x, t, epochs, steps_per_epoch=N_SYNC)
     log = strategy.window_log(model)
     assert len(log) == epochs and all(r.pushed for r in log)
-    for weights in recorder.weights:
+    for weights in per_epoch:
         ref.window(x, t)
-        for got, want in zip(weights, ref.central):
-            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        assert_matches_reference(weights, ref.central)
     if codec.lossy:  # nothing dropped is lost: sent = updates - what is still held back
         for sent, total, residual in zip(ref.sent_total, ref.update_total, ref.residual):
             np.testing.assert_allclose(sent, total - residual, rtol=1e-5, atol=1e-6)
@@ -238,64 +225,11 @@ def test_worker_killed_mid_closure_compressed_windows_applied_exactly_once(local
     """int8 pushes, a closure of 8 windows on the only worker (60 ms of emulated device
     time a step): once some of its windows have pushed and before it returns, the worker
     is SIGKILLed, then restarted. The re-run closure replays the windows that pushed (no
-    steps, no push, no residual written) and runs the others: every window once."""
-    (x, y), _ = digits
-    k, steps = 8, 48
-    with local_cluster(1, 1, own=True, shared_process=False) as cluster:
-        strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver,
-            n_sync=1,
-            windows_per_closure=k,
-            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60),
-            compression="int8",
-        )
-        with strategy.scope():
-            model = compile_digits(tf_asgd.models.digits_convnet())
-        events = {}
-
-        def partly_applied():
-            trainer = strategy._trainer_of(model)
-            if trainer is None:
-                return None
-            applied = trainer.window.applied_windows.numpy()
-            for _, windows, _ in list(trainer._pending):
-                ids = [i for _, i in windows]
-                done = [applied[i % APPLIED_RING] == i + 1 for i in ids]
-                if any(done) and not all(done):
-                    return ids, sum(done)
-            return None
-
-        def inject():
-            try:
-                deadline = time.time() + 120
-                while time.time() < deadline:
-                    found = partly_applied()
-                    if found:
-                        cluster.kill_task("worker:0", signal.SIGKILL)
-                        events["killed"] = found
-                        break
-                    time.sleep(0.01)
-                time.sleep(1.0)
-                cluster.restart_task("worker:0")
-                events["restarted"] = True
-            except BaseException as e:  # reported by the main thread
-                events["error"] = e
-
-        helper = threading.Thread(target=inject, daemon=True)
-        helper.start()
-        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)
-        helper.join(120)
-        assert "error" not in events, events.get("error")
-        assert "killed" in events and events.get("restarted"), events
-        ids, pushed_before_kill = events["killed"]
-        log = strategy.window_log(model)
+    steps, no push, no residual written) and runs the others: every window once (checked
+    by `helpers.worker_killed_mid_closure`), each push the int8 payload's size."""
+    with worker_killed_mid_closure(local_cluster, digits, compression="int8") as run:
+        strategy, model, steps = run
         stats = strategy.model_stats(model)
-        replays = [r for r in log if r.replayed]
-        assert len(replays) >= pushed_before_kill >= 1
-        assert {r.window_id for r in replays} <= set(ids)
-        assert len(log) == steps and len({r.window_id for r in log}) == steps
-        assert stats.windows == steps == sum(r.pushed for r in log)
-        assert int(model.optimizer.iterations.numpy()) == steps
         assert stats.bytes_pushed == steps * stats.bytes_pushed_per_window
         assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
 

@@ -9,14 +9,13 @@ import tf_asgd
 from tf_asgd.rules import update_rules
 
 from gem_reference import (
-    KAPPA,
-    LR,
-    MU,
     N_SYNC,
-    RecordWeights,
     ReferenceGEM,
     _tiny_model,
     _tiny_problem,
+    assert_matches_reference,
+    fit_recording_weights,
+    gem_optimizer,
 )
 
 
@@ -37,30 +36,17 @@ def test_gem_matches_numpy_reference(local_cluster, workers, outer):
     )
     with strategy.scope():
         model = _tiny_model()
-        model.compile(
-            tf_asgd.optimizers.GEM(keras.optimizers.SGD(LR, momentum=MU), kappa=KAPPA), "mse"
-        )
+        model.compile(gem_optimizer(), "mse")
     ref = ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
-    recorder = RecordWeights()
     # One window per epoch, and fit joins at each epoch's end: a fixed push
     # order; the window log says which worker ran each window.
     epochs = 12
-    model.fit(
-        x,
-        t,
-        batch_size=8,
-        epochs=epochs,
-        steps_per_epoch=N_SYNC,
-        shuffle=False,
-        verbose=0,
-        callbacks=[recorder],
-    )
+    per_epoch = fit_recording_weights(model, x, t, epochs, steps_per_epoch=N_SYNC)
     log = strategy.window_log(model)
     assert len(log) == epochs and all(r.pushed for r in log)
-    for record, weights in zip(log, recorder.weights):
+    for record, weights in zip(log, per_epoch):
         ref.window(record.worker, x, t)
-        for got, want in zip(weights, ref.central):
-            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        assert_matches_reference(weights, ref.central)
     if workers == 3:
         assert len({r.worker for r in log}) > 1, "expected windows on several workers"
     stats = strategy.model_stats(model)
