@@ -40,6 +40,8 @@ def get_config():
     c.max_staleness = config_dict.placeholder(int)  # None: keep every push
     c.worker_state = "keep"
     c.windows_per_closure = 0  # automatic
+    c.compression = "none"  # pushes: none | bf16 | int8 | topk (1%)
+    c.pull_compression = "none"  # pulls: none | bf16
     c.outer = config_dict.ConfigDict()  # the PS's outer optimizer
     c.outer.name = "default"
     c.outer.learning_rate = 0.0

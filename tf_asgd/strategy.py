@@ -404,9 +404,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         Returns:
             An `AsyncStats`.
         """
-        pull = trainer.bytes_per_pull if trainer else 0
-        push = trainer.bytes_per_push if trainer else 0
-        return self.counters.stats(pull, push)
+        if trainer is None:
+            return self.counters.stats(0, 0)
+        ran = [r.samples for r in trainer.window_log if not r.replayed]
+        per_window = sum(ran) / len(ran) if ran else 0.0
+        return self.counters.stats(trainer.bytes_per_pull, trainer.bytes_per_push, per_window)
 
     def window_log(self, model):
         """Every finished window of `model`'s training so far.
@@ -452,7 +454,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """`stats()` with byte counts for `model`.
 
         The counters are the strategy's (every push under it); the bytes pulled
-        and pushed are counted at `model`'s size per window.
+        and pushed are counted at `model`'s size per window, and per sample
+        over the mean samples of `model`'s windows so far.
 
         Args:
             model: a Keras model trained under this strategy (if not, the

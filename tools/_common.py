@@ -61,13 +61,14 @@ def capped_outer_optimizer(workers):
     return rules.OuterSGD(lr)
 
 
-def local_cluster(workers, num_ps=1):
+def local_cluster(workers, num_ps=1, bandwidth=None):
     """A `tf_asgd.LocalCluster` on loopback with every task in one child
-    process (`shared_process=True`: 32 workers fit in memory). Use it as a
-    context manager; leaving the block stops the process."""
+    process (`shared_process=True`: 32 workers fit in memory), its loopback
+    limited to `bandwidth` if given. Use it as a context manager; leaving the
+    block stops the process."""
     import tf_asgd
 
-    return tf_asgd.LocalCluster(workers, num_ps, shared_process=True)
+    return tf_asgd.LocalCluster(workers, num_ps, shared_process=True, bandwidth=bandwidth)
 
 
 def compile_classifier(model, optimizer, metrics=None, keras_module=None):

@@ -4,17 +4,17 @@ Each minibatch costs `--device-ms` of device time that uses no CPU, for plain Ke
 every worker. Per setup (`--setups`), worker count and `n_sync`: time and samples to reach
 plain's final held-out accuracy minus 1 point, the speed-up, final accuracy, the `stable`
 and `final_ok` checks, and CPU use (`cpu_bound` runs measure the CPU, not the devices).
-`--calibrate` measures instead the CPU a step costs and the smallest device time that
-keeps the largest `--workers` under half the cores. Details: docs/architecture.md (Tools).
-
-Writes to `--out`: `runs.csv`, `curves.csv`, `speedups.md`, `accuracy_vs_time.png`,
-`accuracy_vs_samples.png`; `calibration.csv` with `--calibrate`.
+`--compressions` adds push (`+`pull) codecs, `--bandwidth` limits the cluster's loopback.
+`--calibrate` measures the CPU a step costs and the smallest device time that keeps the
+largest `--workers` under half the cores. Details: docs/architecture.md (Tools). Writes
+`runs.csv`, `curves.csv`, `speedups.md`, `accuracy_vs_*.png` (`calibration.csv`) to `--out`.
 
     python tools/time_to_accuracy.py --quick                # a smoke run
     python tools/time_to_accuracy.py --setups mnist1d_adam --workers 4,8,16 --n-sync 10,100
 """
 
 import collections
+import itertools
 import math
 import os
 import sys
@@ -276,8 +276,15 @@ def run_plain(setup, seed, args):
     return row, curve.points
 
 
-def run_asgd(cluster, setup, workers, n_sync, seed, args):
-    """tf_asgd on `workers` emulated devices; returns (run row, curve points)."""
+def parse_compression(spec):
+    """`(push codec, pull codec)` from `"push"` or `"push+pull"`, e.g. `"int8+bf16"`."""
+    push, _, pull = spec.partition("+")
+    return push, pull or "none"
+
+
+def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none"):
+    """tf_asgd on `workers` emulated devices, pushes (and pulls) compressed as
+    `compression` says (`parse_compression`); returns (run row, curve points)."""
     import keras
 
     import tf_asgd
@@ -287,10 +294,13 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args):
     steps = int(round(args.budget * _steps(setup, args)))
     device_ms = _device_ms(setup, args)
     device = tf_asgd.data.emulated_device_time(device_ms)
+    push, pull = parse_compression(compression)
     strategy = tf_asgd.AsyncParameterServerStrategy(
         cluster.resolver,
         n_sync=n_sync,
         per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i),
+        compression=push,
+        pull_compression=pull,
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
@@ -330,6 +340,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args):
         method="tf_asgd",
         workers=workers,
         n_sync=n_sync,
+        compression=compression,
         seed=seed,
         device_ms=device_ms,
         batch_size=batch,
@@ -341,6 +352,8 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args):
         windows=stats.windows,
         mean_staleness=stats.mean_staleness,
         max_staleness=stats.max_staleness,
+        pushed_bytes_per_window=stats.bytes_pushed_per_window,
+        pulled_bytes_per_window=stats.bytes_pulled_per_window,
     )
     return row, curve.points
 
@@ -427,8 +440,11 @@ def run_line(row):
         if math.isfinite(row["time_to_target_s"])
         else "target never reached"
     )
+    codec = row.get("compression", "none")
     return (
-        f"{row['setup']} {row['workers']}w n_sync {row['n_sync']} seed {row['seed']}: "
+        f"{row['setup']} {row['workers']}w n_sync {row['n_sync']}"
+        + ("" if codec == "none" else f" {codec}")
+        + f" seed {row['seed']}: "
         f"{reached}; final {row['final_accuracy']:.3f} "
         f"(plain {row['plain_final_accuracy']:.3f}), "
         f"worst drop {row['worst_drop_points']:.1f} pts, "
@@ -453,15 +469,17 @@ def write_table(out, runs):
     groups = collections.defaultdict(list)
     for r in runs:
         if r["method"] == "tf_asgd":
-            groups[(r["setup"], r["n_sync"], r["workers"])].append(r)
+            groups[(r["setup"], r["n_sync"], r["workers"], r.get("compression", "none"))].append(r)
     rows = []
-    for (setup, n_sync, workers), rs in sorted(groups.items()):
+    compressed = any(key[3] != "none" for key in groups)
+    for (setup, n_sync, workers, codec), rs in sorted(groups.items()):
         reached = [r for r in rs if math.isfinite(r["time_to_target_s"])]
         rows.append(
             [
                 setup,
                 n_sync,
                 workers,
+                *([codec] if compressed else []),
                 len(rs),
                 rs[0]["device_ms"],
                 _range([r["plain_final_accuracy"] for r in rs], "{:.3f}"),
@@ -481,6 +499,7 @@ def write_table(out, runs):
         "setup",
         "n_sync",
         "workers",
+        *(["compression (push+pull)"] if compressed else []),
         "seeds",
         "device ms",
         "plain final",
@@ -513,23 +532,26 @@ def plot(out, runs, curves):
 
     by_run = collections.defaultdict(list)
     for p in curves:
-        by_run[(p["setup"], p["method"], p["workers"], p["n_sync"])].append(p)
+        by_run[
+            (p["setup"], p["method"], p["workers"], p["n_sync"], p.get("compression", "none"))
+        ].append(p)
     panels = {"time_s": [], "samples": []}
     keys = sorted({(r["setup"], r["n_sync"]) for r in runs if r["method"] == "tf_asgd"})
     for setup, n_sync in keys:
         plain = [r for r in runs if r["method"] == "plain" and r["setup"] == setup]
         target = sum(r["final_accuracy"] for r in plain) / len(plain) - 0.01
         for x_key, xlabel in (("time_s", "training time (s)"), ("samples", "samples seen")):
-            series = [_mean_line("plain Keras, 1 device", by_run[(setup, "plain", 1, 0)], x_key)]
-            counts = {
-                r["workers"]
+            plain_run = by_run[(setup, "plain", 1, 0, "none")]
+            series = [_mean_line("plain Keras, 1 device", plain_run, x_key)]
+            cells = {
+                (r["workers"], r.get("compression", "none"))
                 for r in runs
                 if r["method"] == "tf_asgd" and (r["setup"], r["n_sync"]) == (setup, n_sync)
             }
-            for w in sorted(counts):
-                series.append(
-                    _mean_line(f"{w} workers", by_run[(setup, "tf_asgd", w, n_sync)], x_key)
-                )
+            for w, codec in sorted(cells):
+                label = f"{w} workers" + ("" if codec == "none" else f", {codec}")
+                run = by_run[(setup, "tf_asgd", w, n_sync, codec)]
+                series.append(_mean_line(label, run, x_key))
             lo = min(min(s[2]) for s in series if len(s[2]))
             panels[x_key].append(
                 dict(
@@ -660,6 +682,17 @@ def main(argv=None):
     p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
     p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
     p.add_argument(
+        "--compressions",
+        type=_common.str_list,
+        default=["none"],
+        help="push codecs, each optionally +pull codec: e.g. none,int8,int8+bf16",
+    )
+    p.add_argument(
+        "--bandwidth",
+        default=None,
+        help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
+    )
+    p.add_argument(
         "--device-ms",
         type=float,
         default=None,
@@ -702,6 +735,10 @@ def main(argv=None):
     if args.calibrate:
         calibrate(args)
         return 0
+    if args.bandwidth:
+        from tf_asgd.cluster import network
+
+        network.reexec_in_loopback_namespace()  # returns inside this run's own namespace
     os.makedirs(args.out, exist_ok=True)
     import plots
 
@@ -710,11 +747,18 @@ def main(argv=None):
         * _device_ms(s, args)
         / 1000
         * args.seeds
-        * (1 + args.budget * len(args.n_sync) * sum(1 / w for w in args.workers))
+        * (
+            1
+            + args.budget
+            * len(args.n_sync)
+            * len(args.compressions)
+            * sum(1 / w for w in args.workers)
+        )
         for s in args.setups
     )
+    cells = len(args.workers) * len(args.n_sync) * len(args.compressions)
     print(
-        f"{len(args.setups) * args.seeds * (1 + len(args.workers) * len(args.n_sync))} runs; "
+        f"{len(args.setups) * args.seeds * (1 + cells)} runs; "
         f"emulated device time alone {device_s / 60:.1f} min",
         flush=True,
     )
@@ -725,6 +769,7 @@ def main(argv=None):
         row.update(cores=args.cores, budget=args.budget, cpu_bound=int(row["cpu_util"] > CPU_BOUND))
         runs.append(row)
         tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
+        tags["compression"] = row.get("compression", "none")
         curves.extend(dict(**tags, **pt) for pt in points)
         print(f"[{time.time() - t0:5.0f}s] {run_line(row)}", flush=True)
         plots.write_csv(os.path.join(args.out, "runs.csv"), runs)
@@ -738,14 +783,14 @@ def main(argv=None):
             row.update(summarize(points, points, args))
             record(row, points)
     for workers in args.workers:
-        with _common.local_cluster(workers) as cluster:
-            for setup in args.setups:
-                for n_sync in args.n_sync:
-                    for seed in range(args.seeds):
-                        row, points = run_asgd(cluster, setup, workers, n_sync, seed, args)
-                        row.update(summarize(points, plain[(setup, seed)], args))
-                        record(row, points)
-                        write_table(args.out, runs)
+        with _common.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
+            for setup, n_sync, codec, seed in itertools.product(
+                args.setups, args.n_sync, args.compressions, range(args.seeds)
+            ):
+                row, points = run_asgd(cluster, setup, workers, n_sync, seed, args, codec)
+                row.update(summarize(points, plain[(setup, seed)], args))
+                record(row, points)
+                write_table(args.out, runs)
     plot(args.out, runs, curves)
     flagged = sum(r["cpu_bound"] for r in runs)
     names = (

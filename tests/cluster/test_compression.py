@@ -161,6 +161,12 @@ def test_compressed_pushes_match_numpy_error_feedback(local_cluster, case):
     assert stats.bytes_pulled_per_window == (2 if pulls else 4) * sum(
         int(np.prod(v.shape)) for v in model.trainable_variables
     )
+    # Per sample: each window trains N_SYNC batches of all 8 rows.
+    assert all(r.samples == N_SYNC * 8 for r in log)
+    assert stats.bytes_pushed_per_sample == pytest.approx(per_window / (N_SYNC * 8))
+    assert stats.bytes_pulled_per_sample == pytest.approx(
+        stats.bytes_pulled_per_window / (N_SYNC * 8)
+    )
 
 
 @pytest.mark.parametrize("codec", ["none", "bf16", "int8", "topk"])

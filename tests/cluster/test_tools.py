@@ -514,3 +514,17 @@ def test_compression_tool(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "| pulls |" in summary and "bf16" in summary
     _png(tmp_path / "speedup.png")
+
+
+def test_time_to_accuracy_tool_with_compression(tmp_path):
+    """`--compressions int8+bf16`: int8 pushes and bf16 pulls, a column of their own and
+    the bytes each way per window."""
+    _run(
+        "time_to_accuracy.py",
+        *("--quick", "--out", str(tmp_path), "--compressions", "int8+bf16"),
+    )
+    plain, asgd = _csv(tmp_path / "runs.csv", ["method", "compression", "pulled_bytes_per_window"])
+    assert (plain["compression"], asgd["compression"]) == ("none", "int8+bf16")
+    pulled, pushed = int(asgd["pulled_bytes_per_window"]), int(asgd["pushed_bytes_per_window"])
+    assert 3.5 * pushed < 2 * pulled  # int8 pushes against float32; the pull is bf16
+    assert "int8+bf16" in (tmp_path / "speedups.md").read_text()

@@ -46,6 +46,9 @@ CONFIG_FIELDS = {
     "at each pull",
     "windows_per_closure": "windows a worker runs per coordinator closure "
     "(0 = automatic, about 200 ms)",
+    "compression": "how pushes travel to the PS: none | bf16 | int8 (per-block absmax) | "
+    "topk (the largest 1%); lossy codecs keep an error-feedback residual per worker",
+    "pull_compression": "how pulls travel to the workers: none | bf16 (the PS keeps float32)",
     "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
     "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
     "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",

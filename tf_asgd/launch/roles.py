@@ -98,6 +98,8 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         outer_optimizer=make_outer_optimizer(config),
         worker_state=config.worker_state,
         windows_per_closure=config.windows_per_closure or None,
+        compression=config.compression,
+        pull_compression=config.pull_compression,
     )
     with strategy.scope():
         model = make_model(config)

@@ -37,6 +37,9 @@ class AsyncStats:
         bytes_pulled_per_window: bytes one window's pull reads (0 if unknown).
         bytes_pushed_per_window: bytes of one window's push payload (0 if
             unknown): the sizes of the tensors that carry the update.
+        bytes_pulled_per_sample: `bytes_pulled_per_window` over the mean
+            samples a window of the model trained on (0 if unknown).
+        bytes_pushed_per_sample: likewise for the push.
 
     Example:
 
@@ -59,6 +62,8 @@ class AsyncStats:
     staleness_histogram: np.ndarray
     bytes_pulled_per_window: int = 0
     bytes_pushed_per_window: int = 0
+    bytes_pulled_per_sample: float = 0.0
+    bytes_pushed_per_sample: float = 0.0
 
     def __repr__(self):
         # A summary (the histogram's counts by staleness where not zero), not
@@ -151,12 +156,14 @@ class PushCounters(tf.Module):
             )
             return tf.concat([scalars, self.histogram.read_value()], axis=0)
 
-    def stats(self, bytes_per_pull, bytes_per_push):
+    def stats(self, bytes_per_pull, bytes_per_push, samples_per_window=0.0):
         """Reads every counter from the PS in one round trip.
 
         Args:
             bytes_per_pull: bytes one window's pull reads (0 if unknown).
             bytes_per_push: bytes one window's push sends (0 if unknown).
+            samples_per_window: the mean samples a window trains on (0 if
+                unknown: the per-sample bytes are then 0).
 
         Returns:
             An `AsyncStats`.
@@ -177,4 +184,10 @@ class PushCounters(tf.Module):
             staleness_histogram=hist,
             bytes_pulled_per_window=bytes_per_pull,
             bytes_pushed_per_window=bytes_per_push,
+            bytes_pulled_per_sample=bytes_per_pull / samples_per_window
+            if samples_per_window
+            else 0.0,
+            bytes_pushed_per_sample=bytes_per_push / samples_per_window
+            if samples_per_window
+            else 0.0,
         )

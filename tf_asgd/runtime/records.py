@@ -41,6 +41,8 @@ class WindowRecord(typing.NamedTuple):
             where unknown).
         window_id: the chief's id of the window, unique; a re-run keeps it
             (-1 where unknown).
+        samples: the samples its local steps trained on (the batches' sizes
+            summed; 0 for a replay).
 
     Example:
 
@@ -64,6 +66,7 @@ class WindowRecord(typing.NamedTuple):
     replayed: bool = False
     started_at: float = float("nan")  # time.time() on the worker when the window started
     window_id: int = -1  # the chief's id of the window (unique; a re-run keeps it)
+    samples: int = 0  # samples its local steps trained on (0 for a replay)
 
 
 class WindowResultLayout:
@@ -78,8 +81,9 @@ class WindowResultLayout:
     # worker: its index; pushed: the update is in the central variables, once
     # (true also for a replay); replayed: see WindowRecord; finished_at: the
     # worker's time.time() after the push; staleness: tau, -1 if not pushed;
-    # started_at: the worker's time.time() when the window started.
-    HEADER = ("worker", "pushed", "replayed", "finished_at", "staleness", "started_at")
+    # started_at: the worker's time.time() when the window started; samples:
+    # the batches' sizes summed over its local steps.
+    HEADER = ("worker", "pushed", "replayed", "finished_at", "staleness", "started_at", "samples")
 
     def __init__(self, metric_values, has_pi, num_trainable=0):
         self.metric_specs = [(np.shape(m), np.asarray(m).dtype) for m in metric_values]

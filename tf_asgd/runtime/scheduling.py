@@ -339,6 +339,7 @@ class WindowTrainer:
             replayed=bool(header["replayed"]),
             started_at=float(header["started_at"]),
             window_id=int(window_id),
+            samples=int(header["samples"]),
         )
         if not record.replayed:
             seconds = max(record.finished_at - record.started_at, 0.0)

@@ -288,7 +288,7 @@ class WindowFunction:
             started_at = tf.timestamp()
         pulled, replayed = self._pull(flats, token)
         steps = tf.where(replayed, tf.zeros_like(num_steps[k]), num_steps[k])
-        weights, opt_values, metric_values = self._local_steps(iterator, steps, pulled)
+        weights, opt_values, metric_values, samples = self._local_steps(iterator, steps, pulled)
         with tf.control_dependencies([token]):
             outgoing = self._outgoing(pulled, weights, opt_values)
         count, budget, start = limits
@@ -320,7 +320,7 @@ class WindowFunction:
         state_ops = self._write_worker_state(ok, pulled, outgoing)
         with tf.control_dependencies(state_ops):
             row = self._pack_result(
-                worker, ok, replayed, tau, metric_values, outgoing.pi_stats, started_at
+                worker, ok, replayed, tau, metric_values, outgoing.pi_stats, (started_at, samples)
             )
         return row, has_next, flats
 
@@ -390,7 +390,8 @@ class WindowFunction:
         """Local steps: `num_steps` steps of the local optimizer on the worker's
         own batches, with weights, optimizer state and metric state carried as
         loop tensors; nothing is written to any variable meanwhile. Returns
-        `(weights, optimizer_values, metric_values)` after the last step."""
+        `(weights, optimizer_values, metric_values, samples)` after the last
+        step, `samples` the batches' sizes summed (int64)."""
         metric_values = [tf.constant(m) for m in self._trainer.metric_init]
         weights, opt_values = list(pulled.weights), list(pulled.optimizer_values)
         # `compile(jit_compile=True)`: each step XLA-compiled, as Keras compiles its step.
@@ -399,11 +400,12 @@ class WindowFunction:
             if self._trainer.model.jit_compile
             else self._step
         )
+        samples = tf.constant(0, tf.int64)
         for _ in tf.range(num_steps):
-            weights, opt_values, metric_values = step(
-                next(iterator), weights, opt_values, metric_values
-            )
-        return weights, opt_values, metric_values
+            batch = next(iterator)
+            samples += batch_size(batch)
+            weights, opt_values, metric_values = step(batch, weights, opt_values, metric_values)
+        return weights, opt_values, metric_values, samples
 
     def _step(self, batch, weights, opt_values, metric_values):
         """One training step on loop tensors (`steps.py`): the model's own
@@ -570,13 +572,15 @@ class WindowFunction:
             ]
         return state_ops
 
-    def _pack_result(self, worker, pushed, replayed, tau, metric_values, pi_stats, started_at):
-        """The window's row (`records.WindowResultLayout`); call under control
-        dependencies on the state writes, so that the timestamp is taken
-        after them (and, through `tau`, after the push)."""
+    def _pack_result(self, worker, pushed, replayed, tau, metric_values, pi_stats, began):
+        """The window's row (`records.WindowResultLayout`), `began` its
+        `(start time, samples trained)`; call under control dependencies on
+        the state writes, so that the timestamp is taken after them (and,
+        through `tau`, after the push)."""
         header = dict(
             worker=worker,
-            started_at=started_at,
+            started_at=began[0],
+            samples=began[1],
             pushed=tf.logical_or(pushed, replayed),  # the update is in the central variables, once
             replayed=replayed,
             finished_at=tf.timestamp(),  # under the control dependency: after the state writes
@@ -584,3 +588,14 @@ class WindowFunction:
         )
         deltas = [m - i for m, i in zip(metric_values, self._trainer.metric_init)]
         return self._trainer.layout.pack(header, deltas, pi_stats)
+
+
+def batch_size(batch):
+    """The number of samples in `batch` (its first element's leading dimension;
+    rows for a ragged or sparse one), int64."""
+    first = tf.nest.flatten(batch)[0]
+    if isinstance(first, tf.RaggedTensor):
+        return first.nrows(out_type=tf.int64)
+    if isinstance(first, tf.SparseTensor):
+        return first.dense_shape[0]
+    return tf.shape(first, out_type=tf.int64)[0]
