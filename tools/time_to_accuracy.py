@@ -266,6 +266,7 @@ def run_plain(setup, seed, args):
         method="plain",
         workers=1,
         n_sync=0,
+        compression="none",
         seed=seed,
         device_ms=device_ms,
         batch_size=batch,
