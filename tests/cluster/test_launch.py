@@ -244,8 +244,10 @@ def test_default_run_prints_no_errors_and_no_tf_noise(tmp_path):
     assert not bad, f"{bad} in:\n{out[-4000:]}"
     for noise in ("absl::InitializeLog", "cudart_stub", "cpu_feature_guard", "cuInit"):
         assert noise not in out, out[:3000]
-    for wanted in ("config:", "n_sync: 10", "done: test accuracy"):
+    for wanted in ("config:", "n_sync: 10", "optimizer.momentum: 0.9", "done: test accuracy"):
         assert wanted in out, wanted
+    printed = [line for line in out.splitlines() if line.strip()]
+    assert len(printed) == len(set(printed)), "a line printed twice"
     # One line per epoch: the launcher's, not Keras's as well; no warning on a clean run.
     epoch_lines = [line for line in out.splitlines() if re.search(r"\b[Ee]poch \d+/6\b", line)]
     assert [k for k in range(1, 7) for line in epoch_lines if f"epoch {k}/6 done" in line] == [

@@ -197,7 +197,7 @@ def main(argv):
     from tf_asgd.launch import roles as training
 
     train_lib.configure_tf_python_logging(FLAGS.verbose_tf)
-    logging.info("config:\n%s", config)
+    logging.info("config:\n%s", "\n".join(config_lines(config)))
     stop = train_lib.StopSignals(FLAGS.stop_timeout)
     try:
         training.run(
@@ -251,3 +251,16 @@ def import_tf_quietly(verbose):
         import tensorflow as tf
 
         tf.config.list_physical_devices()
+
+
+def config_lines(config, prefix=""):
+    """`field: value` per leaf of `config`, dotted and sorted (`optimizer.momentum: 0.9`):
+    each field on a line of its own, none repeated, as `--config.<field>` names it."""
+    for key in sorted(config.keys()):
+        value = config[key]
+        if hasattr(value, "keys"):  # a nested ConfigDict
+            yield from config_lines(value, f"{prefix}{key}.")
+        else:
+            yield (
+                f"{prefix}{key}: {value!r}" if isinstance(value, str) else f"{prefix}{key}: {value}"
+            )
