@@ -1,18 +1,17 @@
-"""The GPU A-SGD paper's experiments on a real local cluster: n_sync sweep,
-worker sweep, cold versus warm start.
+"""The GPU A-SGD paper's experiments on a local cluster: n_sync, workers, cold against warm start.
 
 Each run trains a fresh model with Keras 3 `fit` under `AsyncParameterServerStrategy` on a
 `LocalCluster` and records every window as it finishes; curves are the training error
 smoothed over the last 400 minibatches, against wall time and samples seen. Sweeps
 (`--sweeps`): `nsync` (`--nsyncs` at `--nsync-workers`), `workers` (`--workers` at
 `--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--step-ms` adds
-emulated device time per minibatch. Method: docs/architecture.md (Tools).
+emulated device time per minibatch; `--data mnist1d` separates the curves. Method:
+docs/architecture.md (Tools).
 
 Writes `windows.csv` (one row per window), `summary.csv`, and
 `<sweep>_curves.png`, `<sweep>_staleness.png` to `--out`.
 
     python tools/experiments.py --sweeps nsync --nsyncs 1,10 --steps 200
-    python tools/experiments.py --data mnist1d --batch-size 100 --eta 0.05 --steps 6000
 """
 
 import os
