@@ -24,6 +24,7 @@ from tf_asgd.runtime.push import raw, read
 EVALUATION_MODES = ("workers", "chief")
 SHARDS_PER_WORKER = 4  # array shards per worker: a slow worker holds back a quarter of its share
 DATASET_SHARDS_PER_WORKER = 2  # fewer for datasets: each shard skips the batches before it
+FETCH_RETRIES = 3  # a shard whose result was lost with its worker runs again, at most this often
 _EXTERNAL_STATE_WARN = 0  # DatasetToGraphV2's ExternalStatePolicy.WARN
 
 log = logging.getLogger("tf_asgd")
@@ -270,7 +271,7 @@ class Evaluator:
                     b = plan["batch_size"]
                     lo, hi = start * b, min((start + count) * b, plan["rows"])
                     args = (tuple(a[lo:hi] for a in plan["flat"]),)
-                pending.append((coordinator.schedule(function, args=args), count))
+                pending.append((coordinator.schedule(function, args=args), count, args, 0))
             while pending:
                 ready = [p for p in pending if internals.remote_value_ready(p[0])]
                 if not ready:
@@ -278,7 +279,17 @@ class Evaluator:
                     continue
                 for item in ready:
                     pending.remove(item)
-                    yield self._unpack(item[0].fetch(), init)
+                    try:
+                        flat = item[0].fetch()
+                    except tf.errors.UnavailableError:
+                        # The shard ran, but the worker holding its result died before the
+                        # chief copied it: the shard is read-only, so it runs again.
+                        if item[3] >= FETCH_RETRIES:
+                            raise
+                        value = coordinator.schedule(function, args=item[2])
+                        pending.append((value, item[1], item[2], item[3] + 1))
+                        continue
+                    yield self._unpack(flat, init)
         finally:
             if pending:  # an error: nothing may be left running
                 try:
