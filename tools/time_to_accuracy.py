@@ -4,7 +4,8 @@ Each minibatch costs `--device-ms` of device time that uses no CPU, for plain Ke
 every worker. Per setup (`--setups`), worker count and `n_sync`: time and samples to reach
 plain's final held-out accuracy minus 1 point, the speed-up, final accuracy, the `stable`
 and `final_ok` checks, and CPU use (`cpu_bound` runs measure the CPU, not the devices).
-`--compressions` adds push (`+`pull) codecs, `--bandwidth` limits the cluster's loopback.
+`--compressions` adds push (`+`pull) codecs, `--outer-rates` constant outer rates beside the
+default, `--bandwidth` limits the cluster's loopback.
 `--calibrate` measures the CPU a step costs and the smallest device time that keeps the
 largest `--workers` under half the cores. Details: docs/architecture.md (Tools). Writes
 `runs.csv`, `curves.csv`, `speedups.md`, `accuracy_vs_*.png` (`calibration.csv`) to `--out`.
@@ -277,15 +278,45 @@ def run_plain(setup, seed, args):
     return row, curve.points
 
 
+def outer_sgd(spec, workers):
+    """`OuterSGD` at a constant rate: `"0.5"`, or `"0.667*limit"` (that fraction of
+    `update_rules.stability_limit(workers)`)."""
+    import tf_asgd
+
+    fraction, _, limit = spec.partition("*")
+    rate = float(fraction)
+    if limit:
+        rate *= tf_asgd.rules.update_rules.stability_limit(workers)
+    return tf_asgd.OuterSGD(rate)
+
+
+def _is_positive(text):
+    fraction, _, limit = text.partition("*")
+    try:
+        return float(fraction) > 0 and limit in ("", "limit")
+    except ValueError:
+        return False
+
+
 def parse_compression(spec):
     """`(push codec, pull codec)` from `"push"` or `"push+pull"`, e.g. `"int8+bf16"`."""
     push, _, pull = spec.partition("+")
     return push, pull or "none"
 
 
-def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none"):
+def variant(row):
+    """A run's cell label beside its setup, workers and n_sync: its compression (push+pull)
+    and, where not the default, its outer rate ("none", "int8+bf16", "outer 0.667")."""
+    codec, outer = row.get("compression", "none"), row.get("outer", "default")
+    if outer == "default":
+        return codec
+    return f"outer {outer}" if codec == "none" else f"{codec}, outer {outer}"
+
+
+def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", outer="default"):
     """tf_asgd on `workers` emulated devices, pushes (and pulls) compressed as
-    `compression` says (`parse_compression`); returns (run row, curve points)."""
+    `compression` says (`parse_compression`), under the default outer optimizer or a
+    constant `OuterSGD(outer)`; returns (run row, curve points)."""
     import keras
 
     import tf_asgd
@@ -302,6 +333,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none"):
         per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i),
         compression=push,
         pull_compression=pull,
+        **({} if outer == "default" else {"outer_optimizer": outer_sgd(outer, workers)}),
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
@@ -342,6 +374,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none"):
         workers=workers,
         n_sync=n_sync,
         compression=compression,
+        outer=outer,
         seed=seed,
         device_ms=device_ms,
         batch_size=batch,
@@ -441,7 +474,7 @@ def run_line(row):
         if math.isfinite(row["time_to_target_s"])
         else "target never reached"
     )
-    codec = row.get("compression", "none")
+    codec = variant(row)
     return (
         f"{row['setup']} {row['workers']}w n_sync {row['n_sync']}"
         + ("" if codec == "none" else f" {codec}")
@@ -470,7 +503,7 @@ def write_table(out, runs):
     groups = collections.defaultdict(list)
     for r in runs:
         if r["method"] == "tf_asgd":
-            groups[(r["setup"], r["n_sync"], r["workers"], r.get("compression", "none"))].append(r)
+            groups[(r["setup"], r["n_sync"], r["workers"], variant(r))].append(r)
     rows = []
     compressed = any(key[3] != "none" for key in groups)
     for (setup, n_sync, workers, codec), rs in sorted(groups.items()):
@@ -500,7 +533,7 @@ def write_table(out, runs):
         "setup",
         "n_sync",
         "workers",
-        *(["compression (push+pull)"] if compressed else []),
+        *(["compression (push+pull), outer rate"] if compressed else []),
         "seeds",
         "device ms",
         "plain final",
@@ -533,9 +566,7 @@ def plot(out, runs, curves):
 
     by_run = collections.defaultdict(list)
     for p in curves:
-        by_run[
-            (p["setup"], p["method"], p["workers"], p["n_sync"], p.get("compression", "none"))
-        ].append(p)
+        by_run[(p["setup"], p["method"], p["workers"], p["n_sync"], variant(p))].append(p)
     panels = {"time_s": [], "samples": []}
     keys = sorted({(r["setup"], r["n_sync"]) for r in runs if r["method"] == "tf_asgd"})
     for setup, n_sync in keys:
@@ -545,7 +576,7 @@ def plot(out, runs, curves):
             plain_run = by_run[(setup, "plain", 1, 0, "none")]
             series = [_mean_line("plain Keras, 1 device", plain_run, x_key)]
             cells = {
-                (r["workers"], r.get("compression", "none"))
+                (r["workers"], variant(r))
                 for r in runs
                 if r["method"] == "tf_asgd" and (r["setup"], r["n_sync"]) == (setup, n_sync)
             }
@@ -689,6 +720,13 @@ def main(argv=None):
         help="push codecs, each optionally +pull codec: e.g. none,int8,int8+bf16",
     )
     p.add_argument(
+        "--outer-rates",
+        type=_common.str_list,
+        default=["default"],
+        help="default (the strategy's) or constant per-push outer rates, as numbers or fractions "
+        "of the stability limit: e.g. default,0.5,0.667*limit",
+    )
+    p.add_argument(
         "--bandwidth",
         default=None,
         help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
@@ -730,6 +768,9 @@ def main(argv=None):
         for k, v in QUICK.items():
             if k not in given:
                 setattr(args, k, v)
+    for rate in args.outer_rates:
+        if rate != "default" and not _is_positive(rate):
+            p.error(f"--outer-rates: {rate!r} is neither 'default' nor a number > 0")
     for s in args.setups:
         if s not in SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(SETUPS)}")
@@ -753,11 +794,12 @@ def main(argv=None):
             + args.budget
             * len(args.n_sync)
             * len(args.compressions)
+            * len(args.outer_rates)
             * sum(1 / w for w in args.workers)
         )
         for s in args.setups
     )
-    cells = len(args.workers) * len(args.n_sync) * len(args.compressions)
+    cells = len(args.workers) * len(args.n_sync) * len(args.compressions) * len(args.outer_rates)
     print(
         f"{len(args.setups) * args.seeds * (1 + cells)} runs; "
         f"emulated device time alone {device_s / 60:.1f} min",
@@ -771,6 +813,7 @@ def main(argv=None):
         runs.append(row)
         tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
         tags["compression"] = row.get("compression", "none")
+        tags["outer"] = row.get("outer", "default")
         curves.extend(dict(**tags, **pt) for pt in points)
         print(f"[{time.time() - t0:5.0f}s] {run_line(row)}", flush=True)
         plots.write_csv(os.path.join(args.out, "runs.csv"), runs)
@@ -785,10 +828,10 @@ def main(argv=None):
             record(row, points)
     for workers in args.workers:
         with _common.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
-            for setup, n_sync, codec, seed in itertools.product(
-                args.setups, args.n_sync, args.compressions, range(args.seeds)
+            for setup, n_sync, codec, outer, seed in itertools.product(
+                args.setups, args.n_sync, args.compressions, args.outer_rates, range(args.seeds)
             ):
-                row, points = run_asgd(cluster, setup, workers, n_sync, seed, args, codec)
+                row, points = run_asgd(cluster, setup, workers, n_sync, seed, args, codec, outer)
                 row.update(summarize(points, plain[(setup, seed)], args))
                 record(row, points)
                 write_table(args.out, runs)
