@@ -406,9 +406,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """
         if trainer is None:
             return self.counters.stats(0, 0)
-        ran = [r.samples for r in trainer.window_log if not r.replayed]
-        per_window = sum(ran) / len(ran) if ran else 0.0
-        return self.counters.stats(trainer.bytes_per_pull, trainer.bytes_per_push, per_window)
+        return self.counters.stats(
+            trainer.bytes_per_pull, trainer.bytes_per_push, trainer.samples_per_window
+        )
 
     def window_log(self, model):
         """Every finished window of `model`'s training so far.

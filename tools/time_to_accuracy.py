@@ -268,6 +268,7 @@ def run_plain(setup, seed, args):
         workers=1,
         n_sync=0,
         compression="none",
+        outer="default",
         seed=seed,
         device_ms=device_ms,
         batch_size=batch,

@@ -492,39 +492,54 @@ def test_python_inputs_tool(tmp_path):
 
 
 def test_compression_tool(tmp_path):
-    """One worker count, no bandwidth limit, two push codecs x two pull codecs: a row per
-    cell with the bytes each way (bf16 pulls half of float32's), the table and the plot."""
+    """One worker count, no bandwidth limit, two push codecs, and int8 also with bf16 pulls:
+    a row per cell with the bytes each way (bf16 pulls half of float32's), the table and
+    the plot."""
     _run(
         "compression.py",
         *("--out", str(tmp_path), "--models", "gem_convnet", "--bandwidths", "none"),
-        *("--codecs", "none,int8", "--pulls", "none,bf16", "--n-sync", "2"),
-        *("--workers", "2", "--windows", "1"),
+        *("--codecs", "none,int8", "--pulls", "none,bf16", "--pull-codecs", "int8"),
+        *("--n-sync", "2", "--workers", "2", "--windows", "1"),
     )
     runs = _csv(tmp_path / "runs.csv", ["model", "codec", "pulls", "samples_per_s"])
     assert [(r["codec"], r["pulls"]) for r in runs] == [
         ("none", "none"),
         ("int8", "none"),
-        ("none", "bf16"),
         ("int8", "bf16"),
     ]
     pulled = {(r["codec"], r["pulls"]): float(r["pulled_bytes_per_sample"]) for r in runs}
     pushed = {(r["codec"], r["pulls"]): float(r["pushed_bytes_per_sample"]) for r in runs}
-    assert pulled["none", "bf16"] == pytest.approx(pulled["none", "none"] / 2, rel=1e-3)
-    assert pushed["int8", "bf16"] < pushed["none", "bf16"] / 3.5
+    assert pulled["int8", "bf16"] == pytest.approx(pulled["none", "none"] / 2, rel=1e-3)
+    assert pushed["int8", "bf16"] < pushed["none", "none"] / 3.5
     summary = (tmp_path / "summary.md").read_text()
     assert "| pulls |" in summary and "bf16" in summary
     _png(tmp_path / "speedup.png")
 
 
-def test_time_to_accuracy_tool_with_compression(tmp_path):
-    """`--compressions int8+bf16`: int8 pushes and bf16 pulls, a column of their own and
-    the bytes each way per window."""
+def test_time_to_accuracy_tool_with_compression_and_an_outer_rate(tmp_path):
+    """`--compressions int8+bf16 --outer-rates 0.5*limit`: int8 pushes and bf16 pulls under
+    a constant outer rate, a cell of their own and the bytes each way per window."""
     _run(
         "time_to_accuracy.py",
         *("--quick", "--out", str(tmp_path), "--compressions", "int8+bf16"),
+        *("--outer-rates", "0.5*limit"),
     )
-    plain, asgd = _csv(tmp_path / "runs.csv", ["method", "compression", "pulled_bytes_per_window"])
+    plain, asgd = _csv(
+        tmp_path / "runs.csv", ["method", "compression", "outer", "pulled_bytes_per_window"]
+    )
     assert (plain["compression"], asgd["compression"]) == ("none", "int8+bf16")
+    assert asgd["outer"] == "0.5*limit"
     pulled, pushed = int(asgd["pulled_bytes_per_window"]), int(asgd["pushed_bytes_per_window"])
     assert 3.5 * pushed < 2 * pulled  # int8 pushes against float32; the pull is bf16
-    assert "int8+bf16" in (tmp_path / "speedups.md").read_text()
+    assert "| int8+bf16, outer 0.5*limit |" in (tmp_path / "speedups.md").read_text()
+
+
+def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "time_to_accuracy.py"), "--outer-rates", "0.5*n"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "neither 'default' nor a number > 0" in proc.stderr

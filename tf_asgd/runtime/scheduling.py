@@ -87,6 +87,7 @@ class WindowTrainer:
         self.window = WindowFunction(self)  # creates the worker-side state
         self.window_log = []  # a WindowRecord per finished window, in order seen
         self._ticketed = 0  # windows of window_log that took a version ticket
+        self._ran = [0, 0]  # samples and windows of window_log that ran (not replayed)
         # The metric values at the epoch's start; a window's metrics start from
         # them (read when the window function is traced).
         self.metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
@@ -128,6 +129,12 @@ class WindowTrainer:
     def model(self):
         """The Keras model trained (None once it is gone)."""
         return self._model()
+
+    @property
+    def samples_per_window(self):
+        """The mean samples of the windows that ran so far (replays aside); 0 before any."""
+        samples, windows = self._ran
+        return samples / windows if windows else 0.0
 
     # ---- chief side -------------------------------------------------------
 
@@ -342,6 +349,8 @@ class WindowTrainer:
             samples=int(header["samples"]),
         )
         if not record.replayed:
+            self._ran[0] += record.samples
+            self._ran[1] += 1
             seconds = max(record.finished_at - record.started_at, 0.0)
             key = (record.worker, steps)
             old = self._window_s.get(key)
