@@ -279,22 +279,29 @@ def run_plain(setup, seed, args):
     return row, curve.points
 
 
+def parse_outer(spec):
+    """`(rate, of_limit)` from `"0.5"` or `"0.667*limit"`; `ValueError` for anything else."""
+    fraction, star, limit = spec.partition("*")
+    rate = float(fraction)
+    if not rate > 0 or (star and limit != "limit"):
+        raise ValueError(spec)
+    return rate, bool(star)
+
+
 def outer_sgd(spec, workers):
     """`OuterSGD` at a constant rate: `"0.5"`, or `"0.667*limit"` (that fraction of
     `update_rules.stability_limit(workers)`)."""
     import tf_asgd
 
-    fraction, _, limit = spec.partition("*")
-    rate = float(fraction)
-    if limit:
+    rate, of_limit = parse_outer(spec)
+    if of_limit:
         rate *= tf_asgd.rules.update_rules.stability_limit(workers)
     return tf_asgd.OuterSGD(rate)
 
 
-def _is_positive(text):
-    fraction, _, limit = text.partition("*")
+def _is_outer_rate(spec):
     try:
-        return float(fraction) > 0 and limit in ("", "limit")
+        return spec == "default" or bool(parse_outer(spec))
     except ValueError:
         return False
 
@@ -770,7 +777,7 @@ def main(argv=None):
             if k not in given:
                 setattr(args, k, v)
     for rate in args.outer_rates:
-        if rate != "default" and not _is_positive(rate):
+        if not _is_outer_rate(rate):
             p.error(f"--outer-rates: {rate!r} is neither 'default' nor a number > 0")
     for s in args.setups:
         if s not in SETUPS:

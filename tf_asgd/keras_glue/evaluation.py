@@ -271,7 +271,7 @@ class Evaluator:
                     b = plan["batch_size"]
                     lo, hi = start * b, min((start + count) * b, plan["rows"])
                     args = (tuple(a[lo:hi] for a in plan["flat"]),)
-                pending.append((coordinator.schedule(function, args=args), count, args, 0))
+                pending.append((coordinator.schedule(function, args=args), args, 0))
             while pending:
                 ready = [p for p in pending if internals.remote_value_ready(p[0])]
                 if not ready:
@@ -279,15 +279,16 @@ class Evaluator:
                     continue
                 for item in ready:
                     pending.remove(item)
+                    value, args, retries = item
                     try:
-                        flat = item[0].fetch()
+                        flat = value.fetch()
                     except tf.errors.UnavailableError:
                         # The shard ran, but the worker holding its result died before the
                         # chief copied it: the shard is read-only, so it runs again.
-                        if item[3] >= FETCH_RETRIES:
+                        if retries >= FETCH_RETRIES:
                             raise
-                        value = coordinator.schedule(function, args=item[2])
-                        pending.append((value, item[1], item[2], item[3] + 1))
+                        value = coordinator.schedule(function, args=args)
+                        pending.append((value, args, retries + 1))
                         continue
                     yield self._unpack(flat, init)
         finally:
