@@ -52,17 +52,22 @@ def __dir__():
 
 
 def _started_module():
-    """The module `python -m` is starting, while it imports this package first; else None."""
+    """The module `python -m` is starting, while it imports this package first; else None.
+    Also a module `LocalCluster` starts quietly (`python -c "'module';..." module ...`)."""
     if sys.argv and sys.argv[0] == "-m":
         return sys.orig_argv[-len(sys.argv)]
+    if len(sys.argv) > 1 and sys.argv[0] == "-c":
+        if sys.orig_argv[-len(sys.argv)].startswith(repr(sys.argv[1]) + ";"):
+            return sys.argv[1]
     return None
 
 
 # `python -m tf_asgd.launch` imports what it uses itself: it re-executes
 # itself in a network namespace before it loads TensorFlow (seconds on a
-# small machine). Everyone else gets everything at once, which also
-# registers tf_asgd's Keras objects (GEM, the models' layers) for loading.
-if _started_module() != "tf_asgd.launch":
+# small machine). A task server loads TensorFlow alone. Everyone else gets
+# everything at once, which also registers tf_asgd's Keras objects (GEM,
+# the models' layers) for loading.
+if _started_module() not in ("tf_asgd.launch", "tf_asgd.cluster.task_server"):
     # Imported before TensorFlow, tf_asgd loads it without its start-up banners
     # (every other line it prints is shown; TF_ASGD_VERBOSE_TF=1 shows them all).
     if "tensorflow" not in sys.modules and os.environ.get("TF_ASGD_VERBOSE_TF") != "1":

@@ -268,7 +268,7 @@ def table(rows):
     )
 
 
-def main():
+def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument(
         "--tf",
@@ -307,7 +307,7 @@ def main():
     p.add_argument(
         "--python", default=sys.executable, help="the interpreter the venvs are made from"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     base = args.venv_dir or tempfile.mkdtemp(prefix="tf_asgd_compat_")
     rows = []

@@ -86,7 +86,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
     }
 
 
-def main():
+def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/compression")
     p.add_argument("--models", type=_common.str_list, default=["mlp", "gem_convnet"])
@@ -102,7 +102,7 @@ def main():
     p.add_argument("--n-sync", type=_common.int_list, default=[1, 10])
     p.add_argument("--workers", type=_common.int_list, default=[2, 4])
     p.add_argument("--windows", type=int, default=4, help="timed windows per worker")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if any(b != "none" for b in args.bandwidths):
         from tf_asgd.cluster import network
 

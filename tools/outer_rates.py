@@ -112,7 +112,7 @@ def run(workers, n_sync, rate, optimizer, seed, steps, eval_every=300):
     )
 
 
-def main():
+def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/outer_rates")
     p.add_argument("--workers", type=_common.int_list, default=[8])
@@ -121,7 +121,7 @@ def main():
     p.add_argument("--optimizers", type=_common.str_list, default=["sgd"])
     p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
     p.add_argument("--steps", type=int, default=6000)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "runs.jsonl")
     for workers in args.workers:

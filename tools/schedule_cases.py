@@ -70,13 +70,13 @@ def _strategy(cluster, rate):
     return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10, outer_optimizer=outer)
 
 
-def main():
+def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/schedule_cases")
     p.add_argument("--recipes", type=_common.str_list, default=list(RECIPES))
     p.add_argument("--rates", type=_common.str_list, default=["default"])
     p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for recipe in args.recipes:
         if recipe not in RECIPES:
             p.error(f"--recipes: {recipe!r} is not one of {', '.join(RECIPES)}")

@@ -256,7 +256,7 @@ def run_plain(setup, seed, args):
     ds = tf_asgd.data.emulated_device_time(device_ms)(train_dataset(data, batch, seed), 0).repeat()
     curve = curve_callback(HeldOut(model_name, data), _eval_every(setup, args), batch)
     curve.start(model)
-    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve])
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve], shuffle=False)
     end = curve.clock(time.perf_counter())
     curve.finish(steps)
     # Start-up: the first step's excess over the others (tracing).

@@ -92,3 +92,32 @@ def test_a_fatal_message_inside_the_filter_still_reaches_stderr():
     proc = _python(code)
     assert proc.returncode != 0
     assert "F0000 fatal: this CPU lacks AVX" in proc.stderr
+
+
+def test_a_task_server_starts_quietly_and_without_keras():
+    """A LocalCluster's task process (`python_command`'s quiet start) loads TensorFlow
+    alone: Keras, which TF would import for SavedModel registrations, is a third of a
+    task's start-up CPU, and a server runs only graphs. It still starts without TF's
+    banners."""
+    from tf_asgd.cluster import local_cluster
+
+    module = "tf_asgd.cluster.task_server"
+    cmd = local_cluster.python_command(module)
+    # The quiet start, with the module's run replaced by a report of what it loaded.
+    boot = cmd[2].replace(
+        "runpy.run_module(sys.argv[0],run_name='__main__',alter_sys=True)",
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'keras', 'tensorflow'}))",
+    )
+    assert boot != cmd[2]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    proc = subprocess.run(
+        [cmd[0], "-c", boot, *cmd[3:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[-2] == "['tensorflow']", proc.stdout
+    assert "cpu_feature_guard" not in proc.stderr and "oneDNN" not in proc.stderr, proc.stderr

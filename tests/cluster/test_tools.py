@@ -4,11 +4,14 @@ Never a speed: only that each tool runs end to end on a real local cluster
 (or the simulator) and that its CSV, Markdown and PNG outputs are complete.
 """
 
+import contextlib
 import csv
+import importlib
+import io
 import math
 import os
-import subprocess
 import sys
+import types
 
 import pytest
 
@@ -18,16 +21,26 @@ TOOLS = os.path.join(ROOT, "tools")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(tool, *args, timeout=240):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, tool), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+def _tool(tool):
+    """The module of `tool` ("NAME.py"), imported as its script would import it."""
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    return importlib.import_module(tool[: -len(".py")])
+
+
+def _run(tool, *args):
+    """Runs `tool`'s `main(args)` in this process, its stdout and stderr captured (as
+    `python tools/TOOL ARGS` would, without starting TensorFlow again)."""
+    module = _tool(tool)
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = module.main(list(args))
+    finally:
+        os.chdir(cwd)
+    proc = types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
     assert proc.returncode == 0, _errors(proc.stderr)
     return proc
 
@@ -534,12 +547,8 @@ def test_time_to_accuracy_tool_with_compression_and_an_outer_rate(tmp_path):
     assert "| int8+bf16, outer 0.5*limit |" in (tmp_path / "speedups.md").read_text()
 
 
-def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, "time_to_accuracy.py"), "--outer-rates", "0.5*n"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "neither 'default' nor a number > 0" in proc.stderr
+def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _tool("time_to_accuracy.py").main(["--outer-rates", "0.5*n"])
+    assert exit_info.value.code == 2
+    assert "neither 'default' nor a number > 0" in capsys.readouterr().err

@@ -14,6 +14,8 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import re
@@ -27,7 +29,7 @@ import time
 
 from tf_asgd.cluster import network
 
-_READY = "TF_ASGD_READY"  # printed by tf_asgd.cluster.task_server once it listens
+READY = "TF_ASGD_READY"  # printed by tf_asgd.cluster.task_server once it listens
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 
@@ -79,13 +81,57 @@ _QUIET_BOOT = "exec(%r)" % (  # one line (`ps` shows lines)
     "import os,sys,tempfile,runpy\n"
     "f=tempfile.TemporaryFile();e=os.dup(2);os.dup2(f.fileno(),2);ok=False\n"
     "try:\n"
-    " import tf_asgd.cluster.local_cluster as c,tensorflow as tf\n"
-    " tf.config.list_physical_devices();ok=True\n"
+    " import tf_asgd.cluster.local_cluster as c\n"
+    " c.import_tensorflow(sys.argv[1]).config.list_physical_devices();ok=True\n"
     "finally:\n"
     " os.dup2(e,2);os.close(e);f.seek(0);t=f.read().decode(errors='replace');f.close()\n"
     " sys.stderr.write(c.startup_log_to_show(t) if ok else t);sys.stderr.flush()\n"
     "sys.argv=sys.argv[1:];runpy.run_module(sys.argv[0],run_name='__main__',alter_sys=True)\n"
 )
+
+
+# Processes that only serve TF graphs: TensorFlow starts there without Keras.
+SERVER_MODULES = ("tf_asgd.cluster.task_server",)
+
+
+class _NoKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `keras` where it is installed (TF looks up its directory) but
+    refuses to load it (TF then skips its eager import of Keras)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "keras":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        raise ImportError("Keras is not loaded in a process that only serves TF graphs")
+
+    def exec_module(self, module):
+        raise ImportError("Keras is not loaded in a process that only serves TF graphs")
+
+
+def import_tensorflow(module=None):
+    """Imports and returns TensorFlow for a process that runs `module`.
+
+    For a task server (`SERVER_MODULES`), without Keras: TF imports Keras's
+    optimizers eagerly, to register them for SavedModel loading, which a
+    server never does; that import is about a third of a task's start-up CPU.
+    Where Keras or TF is loaded already, this only imports TF.
+    """
+    if module not in SERVER_MODULES or "keras" in sys.modules or "tensorflow" in sys.modules:
+        import tensorflow
+
+        return tensorflow
+    blocker = _NoKeras()
+    sys.meta_path.insert(0, blocker)
+    try:
+        import tensorflow
+    finally:
+        sys.meta_path.remove(blocker)
+    return tensorflow
 
 
 def verbose_tf():
@@ -496,7 +542,7 @@ class LocalCluster:
 
         def read():
             for line in proc.stdout:
-                if line.strip() == _READY:
+                if line.strip() == READY:
                     result["ok"] = True
                     return
 

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from tf_asgd.cluster.local_cluster import _READY as READY
+from tf_asgd.cluster import local_cluster
 
 
 def serve(cluster, tasks):
@@ -19,7 +19,7 @@ def serve(cluster, tasks):
 
     The caller keeps the process alive.
     """
-    import tensorflow as tf
+    tf = local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
 
     # Tasks that share a process share its inter-op thread pool; a pool no
     # larger than the core count deadlocks when every thread blocks on a
@@ -38,7 +38,7 @@ def serve(cluster, tasks):
                 start=True,
             )
         )
-    print(READY, flush=True)
+    print(local_cluster.READY, flush=True)
     return servers
 
 
