@@ -66,44 +66,43 @@ def test_help_lists_every_flag_and_loads_no_tensorflow():
     assert not imported & {"tensorflow", "keras"}
 
 
-def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path):
+def test_default_run_prints_no_noise_then_resume_continues_version_and_epochs(tmp_path):
     workdir = str(tmp_path / "run")
     t0 = time.time()
-    first = run_launcher([*SHORT, "--config.epochs=2", f"--workdir={workdir}"])
-    assert first.returncode == 0, first.stderr[-3000:]
+    _clean_default_run(workdir)
     first_secs = time.time() - t0
-    assert_all_stopped(local_cluster_ports(first.stderr))
 
     for name in ("model.keras", "metrics.csv", "results.json", "DONE", "checkpoints"):
         assert os.path.exists(os.path.join(workdir, name)), name
     with open(os.path.join(workdir, "results.json")) as f:
         r1 = json.load(f)
-    assert r1["epochs"] == 2 and r1["initial_epoch"] == 0
-    windows_per_epoch = 2  # 20 steps per epoch, n_sync 10
-    assert r1["version"] == r1["windows"] == 2 * windows_per_epoch
+    assert r1["epochs"] == 6 and r1["initial_epoch"] == 0
+    windows_per_epoch = 1  # 10 steps per epoch, n_sync 10
+    assert r1["version"] == r1["windows"] == 6 * windows_per_epoch
     assert r1["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
     assert 0 <= r1["mean_staleness"] <= 1  # 2 workers
     with open(os.path.join(workdir, "metrics.csv")) as f:
         rows = f.read().splitlines()
     assert rows[0].startswith("epoch") and "samples_per_sec" in rows[0] and "staleness" in rows[0]
-    assert len(rows) == 3
+    assert len(rows) == 7
 
     # A second run without --resume refuses to clobber the checkpoints.
-    again = run_launcher([*SHORT, "--config.epochs=3", f"--workdir={workdir}"])
+    resumed = [*SHORT, "--config.steps_per_epoch=10", "--config.epochs=7"]
+    again = run_launcher([*resumed, f"--workdir={workdir}"])
     assert again.returncode != 0 and "--resume" in again.stderr
 
-    second = run_launcher([*SHORT, "--config.epochs=3", "--resume", f"--workdir={workdir}"])
+    second = run_launcher([*resumed, "--resume", f"--workdir={workdir}"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert_all_stopped(local_cluster_ports(second.stderr))
     with open(os.path.join(workdir, "results.json")) as f:
         r2 = json.load(f)
-    assert r2["initial_epoch"] == 2 and r2["epochs"] == 3
+    assert r2["initial_epoch"] == 6 and r2["epochs"] == 7
     # The version counter went on from the checkpoint: one more epoch of windows.
     assert r2["version"] == r1["version"] + windows_per_epoch
     with open(os.path.join(workdir, "metrics.csv")) as f:
         rows = f.read().splitlines()
-    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"]
-    print(f"launcher, 2 short epochs: {first_secs:.1f} s, accuracy {r1['test_accuracy']:.3f}")
+    assert [r.split(",")[0] for r in rows[1:]] == [str(e) for e in range(7)]
+    print(f"launcher, 6 short epochs: {first_secs:.1f} s, accuracy {r1['test_accuracy']:.3f}")
 
     # The evaluator role reads the same checkpoints: the newest one gives the
     # chief's final test metrics (central variables restored exactly).
@@ -113,9 +112,10 @@ def test_default_config_trains_then_resume_continues_version_and_epochs(tmp_path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
-    config.epochs = 3
+    config.epochs = 7
+    config.steps_per_epoch = 10
     evaluated = training.evaluate_checkpoints(config, workdir, timeout_secs=1)
-    assert [e["epoch"] for e in evaluated][-1] == 3
+    assert [e["epoch"] for e in evaluated][-1] == 7
     assert evaluated[-1]["accuracy"] == pytest.approx(r2["test_accuracy"], abs=1e-6)
     assert os.path.exists(os.path.join(workdir, "eval_metrics.csv"))
 
@@ -220,7 +220,7 @@ _NOT_IN_A_CLEAN_RUN = re.compile(
 )
 
 
-def test_default_run_prints_no_errors_and_no_tf_noise(tmp_path):
+def _clean_default_run(workdir):
     """The README's first command, shortened: 6 epochs of 10 steps (6
     checkpoints: TF's per-save retracing warned from the 5th), with its
     per-epoch validation, and TF's log level left to the launcher. Its output
@@ -232,7 +232,7 @@ def test_default_run_prints_no_errors_and_no_tf_noise(tmp_path):
             "--config=configs/default.py",
             "--config.epochs=6",
             "--config.steps_per_epoch=10",
-            f"--workdir={tmp_path}",
+            f"--workdir={workdir}",
         ]
     )
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
@@ -250,14 +250,8 @@ def test_default_run_prints_no_errors_and_no_tf_noise(tmp_path):
     assert len(printed) == len(set(printed)), "a line printed twice"
     # One line per epoch: the launcher's, not Keras's as well; no warning on a clean run.
     epoch_lines = [line for line in out.splitlines() if re.search(r"\b[Ee]poch \d+/6\b", line)]
-    assert [k for k in range(1, 7) for line in epoch_lines if f"epoch {k}/6 done" in line] == [
-        1,
-        2,
-        3,
-        4,
-        5,
-        6,
-    ], epoch_lines
+    done = [k for k in range(1, 7) for line in epoch_lines if f"epoch {k}/6 done" in line]
+    assert done == [1, 2, 3, 4, 5, 6], epoch_lines
     assert len(epoch_lines) == 6, epoch_lines
     assert not re.search(r"^\s*10/10 ", out, re.MULTILINE), "Keras's progress line as well"
     assert not re.search(r"^W\d{4} .*keras_hook", out, re.MULTILINE), "a warning on a clean run"

@@ -347,4 +347,4 @@ def window_on_sent_batches(window, element_spec):
     def run(packed, plan, limits):
         return window.run_on_sent_batches(sent_batches(packed, element_spec), plan, limits)
 
-    return tf.function(run)
+    return tf.function(run, autograph=False)

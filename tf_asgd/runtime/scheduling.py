@@ -121,7 +121,7 @@ class WindowTrainer:
         # MAX_WINDOWS_PER_CLOSURE (a shape that varied would retrace, and TF
         # cannot relax the shape of a function that captures per-worker
         # variables).
-        self._window = tf.function(self.window.run)
+        self._window = tf.function(self.window.run, autograph=False)
         self._concrete = None  # (iterator, the concrete function scheduled with it)
         self._fed_concrete = {}  # element spec -> the closure on batches the chief sends
 

@@ -342,9 +342,12 @@ class WindowFunction:
         tensor that exists once the batches are skipped."""
         shifted = self.data_shifted.read_value()
         skip = tf.where(shifted, tf.zeros_like(worker), worker)
-        for _ in tf.range(skip):
-            next(iterator)
-        return skip
+
+        def next_batch(i):
+            with tf.control_dependencies(tf.nest.flatten(next(iterator))):
+                return i + 1
+
+        return tf.while_loop(lambda i: i < skip, next_batch, [tf.zeros_like(skip)])[0]
 
     def _already_pushed(self, ids):
         """Whether an earlier attempt of window `ids[0]` (on a worker that
@@ -400,12 +403,17 @@ class WindowFunction:
             if self._trainer.model.jit_compile
             else self._step
         )
-        samples = tf.constant(0, tf.int64)
-        for _ in tf.range(num_steps):
+
+        def one_step(i, samples, weights, opt_values, metric_values):
             batch = next(iterator)
-            samples += batch_size(batch)
-            weights, opt_values, metric_values = step(batch, weights, opt_values, metric_values)
-        return weights, opt_values, metric_values, samples
+            out = step(batch, weights, opt_values, metric_values)
+            return (i + 1, samples + batch_size(batch), *map(list, out))
+
+        loop = (tf.zeros_like(num_steps), tf.constant(0, tf.int64))
+        _, samples, weights, opt_values, metric_values = tf.while_loop(
+            lambda i, *_: i < num_steps, one_step, (*loop, weights, opt_values, metric_values)
+        )
+        return list(weights), list(opt_values), list(metric_values), samples
 
     def _step(self, batch, weights, opt_values, metric_values):
         """One training step on loop tensors (`steps.py`): the model's own
