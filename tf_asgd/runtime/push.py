@@ -37,11 +37,17 @@ def nbytes(variables, compression=None):
     )
 
 
+def compressible(dtype):
+    """Whether values of `dtype` may be compressed, either way: float32 only
+    (other floats are small already; integers must stay exact)."""
+    return tf.as_dtype(dtype) == tf.float32
+
+
 def pull_dtype(dtype, compression=None):
     """The dtype a variable of `dtype` travels in to the worker: bfloat16 for
     float32 under a `"bf16"` pull, else its own."""
     bf16 = compression is not None and compression.codec == "bf16"
-    return tf.bfloat16 if bf16 and tf.as_dtype(dtype) == tf.float32 else tf.as_dtype(dtype)
+    return tf.bfloat16 if bf16 and compressible(dtype) else tf.as_dtype(dtype)
 
 
 def read(raw_variable):
@@ -290,7 +296,7 @@ class PushCodec:
 
     def compresses(self, dtype):
         """Whether a variable of `dtype` is compressed (float32 under a lossy codec)."""
-        return self.compression.lossy and tf.as_dtype(dtype) == tf.float32
+        return self.compression.lossy and compressible(dtype)
 
     def encode(self, variables, updates, residuals):
         """On the worker: the payloads of one push, and the residuals to keep.

@@ -319,9 +319,9 @@ class WindowFunction:
         tau, flats = self._push_skip_or_replay(outgoing, ok, meta, has_next)
         state_ops = self._write_worker_state(ok, pulled, outgoing)
         with tf.control_dependencies(state_ops):
-            row = self._pack_result(
-                worker, ok, replayed, tau, metric_values, outgoing.pi_stats, (started_at, samples)
-            )
+            header = dict(worker=worker, pushed=ok, replayed=replayed, staleness=tau)
+            header.update(started_at=started_at, samples=samples)
+            row = self._pack_result(header, metric_values, outgoing.pi_stats)
         return row, has_next, flats
 
     def _advanced(self, pulled, opt_values):
@@ -580,19 +580,16 @@ class WindowFunction:
             ]
         return state_ops
 
-    def _pack_result(self, worker, pushed, replayed, tau, metric_values, pi_stats, began):
-        """The window's row (`records.WindowResultLayout`), `began` its
-        `(start time, samples trained)`; call under control dependencies on
-        the state writes, so that the timestamp is taken after them (and,
-        through `tau`, after the push)."""
+    def _pack_result(self, header, metric_values, pi_stats):
+        """The window's row (`records.WindowResultLayout`) from `header`'s
+        fields but `finished_at`; call under control dependencies on the state
+        writes, so that the timestamp is taken after them (and, through the
+        staleness `tau`, after the push)."""
         header = dict(
-            worker=worker,
-            started_at=began[0],
-            samples=began[1],
-            pushed=tf.logical_or(pushed, replayed),  # the update is in the central variables, once
-            replayed=replayed,
+            header,
+            # A replay's update is in the central variables already, once.
+            pushed=tf.logical_or(header["pushed"], header["replayed"]),
             finished_at=tf.timestamp(),  # under the control dependency: after the state writes
-            staleness=tau,
         )
         deltas = [m - i for m, i in zip(metric_values, self._trainer.metric_init)]
         return self._trainer.layout.pack(header, deltas, pi_stats)
