@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from tf_asgd.cluster import network
+from tf_asgd.cluster import network, task_forks
 
 READY = "TF_ASGD_READY"  # printed by tf_asgd.cluster.task_server once it listens
 
@@ -82,7 +82,7 @@ _QUIET_BOOT = "exec(%r)" % (  # one line (`ps` shows lines)
     "f=tempfile.TemporaryFile();e=os.dup(2);os.dup2(f.fileno(),2);ok=False\n"
     "try:\n"
     " import tf_asgd.cluster.local_cluster as c\n"
-    " c.import_tensorflow(sys.argv[1]).config.list_physical_devices();ok=True\n"
+    " c.boot_tensorflow(sys.argv[1:]);ok=True\n"
     "finally:\n"
     " os.dup2(e,2);os.close(e);f.seek(0);t=f.read().decode(errors='replace');f.close()\n"
     " sys.stderr.write(c.startup_log_to_show(t) if ok else t);sys.stderr.flush()\n"
@@ -90,8 +90,10 @@ _QUIET_BOOT = "exec(%r)" % (  # one line (`ps` shows lines)
 )
 
 
+_TASK_SERVER = "tf_asgd.cluster.task_server"
+
 # Processes that only serve TF graphs: TensorFlow starts there without Keras.
-SERVER_MODULES = ("tf_asgd.cluster.task_server",)
+SERVER_MODULES = (_TASK_SERVER,)
 
 
 class _NoKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -132,6 +134,16 @@ def import_tensorflow(module=None):
     finally:
         sys.meta_path.remove(blocker)
     return tensorflow
+
+
+def boot_tensorflow(argv):
+    """What a quiet start runs before the module `argv[0]`: imports TensorFlow
+    and lists its devices (which loads the GPU libraries) while stderr is muted.
+    A fork server (`task_forks`) lists none: CUDA is not fork-safe once
+    initialised, and each task it forks lists its own."""
+    tf = import_tensorflow(argv[0])
+    if task_forks.FORKS not in argv:
+        tf.config.list_physical_devices()
 
 
 def verbose_tf():
@@ -461,7 +473,8 @@ class LocalCluster:
         self.num_workers, self.num_ps = num_workers, num_ps
         self.shared_process = shared_process
         self.gpus_per_worker = gpus_per_worker
-        self._procs = {}  # "job:index" -> Popen; a shared host is "all"
+        self._procs = {}  # "job:index" -> Popen or ForkedTask; a shared host is "all"
+        self._forks = None  # a task_forks.ForkServer, for one process per task
         self._lock = threading.Lock()
         ports = _pick_ports(num_workers + num_ps + 1)
         self.cluster_spec = {
@@ -517,12 +530,11 @@ class LocalCluster:
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
-    def _spawn(self, tasks):
-        cmd = python_command(
-            "tf_asgd.cluster.task_server", [json.dumps(self.cluster_spec), ",".join(tasks)]
-        )
+    def _spawn(self, tasks, deadline):
+        if self._forks is not None:
+            return self._forks.spawn(self.cluster_spec, tasks, deadline)
         return subprocess.Popen(
-            cmd,
+            python_command(_TASK_SERVER, [json.dumps(self.cluster_spec), ",".join(tasks)]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self._env_for(tasks),
@@ -530,10 +542,19 @@ class LocalCluster:
         )
 
     def _start(self, timeout):
-        groups = [self.tasks()] if self.shared_process else [[t] for t in self.tasks()]
-        for group in groups:
-            self._procs["all" if self.shared_process else group[0]] = self._spawn(group)
         deadline = time.time() + timeout
+        if self.shared_process:
+            self._procs["all"] = self._spawn(self.tasks(), deadline)
+        else:
+            # One TF import for all tasks and restarts; tasks with GPUs start on
+            # their own (CUDA is initialised in each, under its own devices).
+            if not self.gpus_per_worker and task_forks.available():
+                self._forks = task_forks.ForkServer(
+                    python_command(_TASK_SERVER, [json.dumps(self.cluster_spec), task_forks.FORKS]),
+                    self._env_for([]),
+                )
+            for task in self.tasks():
+                self._procs[task] = self._spawn([task], deadline)
         for name, proc in self._procs.items():
             self._wait_ready(name, proc, deadline)
 
@@ -550,7 +571,10 @@ class LocalCluster:
         reader.start()
         reader.join(max(0.0, deadline - time.time()))
         if not result.get("ok"):
-            code = proc.poll()
+            try:  # its stdout closed: it is exiting
+                code = proc.wait(timeout=5) if not reader.is_alive() else proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
             raise RuntimeError(
                 f"TF server task {name} did not start "
                 + (f"(exit code {code})." if code is not None else "in time.")
@@ -574,7 +598,7 @@ class LocalCluster:
             raise ValueError("restart_task needs shared_process=False.")
         self.kill_task(task)
         _mark_gone(self._addresses([task]), gone=False)
-        proc = self._spawn([task])
+        proc = self._spawn([task], time.time() + timeout)
         self._procs[task] = proc
         self._wait_ready(task, proc, time.time() + timeout)
 
@@ -651,6 +675,9 @@ class LocalCluster:
                 proc.wait()
             if proc.stdout:
                 proc.stdout.close()
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
         atexit.unregister(self.close)
 
     def __enter__(self):

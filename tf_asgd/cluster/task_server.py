@@ -4,14 +4,22 @@
 The process prints `READY` once its servers listen, then serves until its
 stdin closes (the parent's lifeline) or it gets SIGTERM. TF servers cannot
 be stopped in-process, so ending this process is how they stop.
+
+`task_server SPEC --forks FD` is a fork server instead (`task_forks`): it
+imports TensorFlow once, then forks one such process per request read from
+the socket `FD`.
 """
 
 import json
 import os
+import select
 import signal
+import socket
 import sys
+import traceback
 
 from tf_asgd.cluster import local_cluster
+from tf_asgd.cluster.task_forks import FORKS
 
 
 def serve(cluster, tasks):
@@ -42,13 +50,80 @@ def serve(cluster, tasks):
     return servers
 
 
-def _main(argv):
+def _host(cluster, tasks):
     # Exit when the parent goes away (stdin EOF) or is asked to (SIGTERM).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Held, not used: the servers run while they are referenced.
-    _servers = serve(json.loads(argv[1]), argv[2].split(","))
+    _servers = serve(cluster, tasks)
     sys.stdin.read()
     os._exit(0)  # the servers end with the process (TF cannot stop them)
+
+
+def _serve_forks(sock):
+    """Forks a task process per request on `sock` until stdin (the lifeline)
+    closes. Each request carries the task's stdin and stdout pipes; the reply
+    is `started PID`, and `exited PID CODE` follows when it ends."""
+    local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
+    # A Ctrl-C in the terminal reaches the whole process group: the tasks
+    # stop on it as before, this process on its lifeline.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        ready, _, _ = select.select([sys.stdin, sock], [], [], 0.05)
+        _report_exits(sock)
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1 << 16):
+            return
+        if sock in ready:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+            if not message:
+                return
+            pid = os.fork()
+            if pid == 0:
+                _run_forked(sock, json.loads(message), fds)
+            for fd in fds:
+                os.close(fd)
+            sock.send(f"started {pid}".encode())
+
+
+def _report_exits(sock):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock.send(f"exited {pid} {os.waitstatus_to_exitcode(status)}".encode())
+
+
+def _run_forked(sock, request, fds):
+    """In the forked child: becomes a task process on the request's pipes. Never returns."""
+    try:
+        sock.close()  # this process's copy
+        os.dup2(fds[0], 0)
+        os.dup2(fds[1], 1)
+        for fd in fds:
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        tf = local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
+        with local_cluster.quiet_tf_startup(not local_cluster.verbose_tf()):
+            tf.config.list_physical_devices()
+        _host(request["cluster"], request["tasks"])
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException:
+        traceback.print_exc()
+    os._exit(1)
+
+
+def _main(argv):
+    if argv[2] == FORKS:  # argv[1], the cluster, is there to name it in `ps`
+        with socket.socket(fileno=int(argv[3])) as sock:
+            try:
+                _serve_forks(sock)
+            except BrokenPipeError:  # the parent is gone
+                pass
+        os._exit(0)
+    _host(json.loads(argv[1]), argv[2].split(","))
 
 
 if __name__ == "__main__":
