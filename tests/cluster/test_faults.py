@@ -171,6 +171,43 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     assert strategy.stats().windows == version + 1
 
 
+def test_a_result_lost_with_its_worker_runs_again_as_a_replay(cluster, digits, caplog):
+    """A closure can finish (its window pushed) and its worker die before the chief
+    fetches its rows; the fetch then raises UnavailableError. A SIGKILL makes that
+    happen only by chance (the worker-kill test above once hit it on a loaded
+    machine), so here the fetch of one finished closure raises what TF raises then;
+    the cluster, the closure and the replay are real. The window runs again as a
+    replay: recorded once, applied once."""
+    (x, y), _ = digits
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet(), _gem())
+    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
+    trainer = strategy._trainer_for(model)  # private: drives one closure by hand
+    iterator = iter(
+        strategy.coordinator.create_per_worker_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+        )
+    )
+    version, seen = strategy.stats().windows, len(trainer.window_log)
+    trainer.train_function(iterator)
+    strategy.coordinator.join()
+    ((rv, windows, _),) = trainer._pending  # private: the finished, unfetched closure
+    assert strategy.stats().windows == version + 1  # it pushed
+
+    def lost():
+        raise tf.errors.UnavailableError(None, None, "failed to connect to all addresses")
+
+    rv.fetch = lost
+    with caplog.at_level("WARNING", logger="tf_asgd"):
+        trainer._drain(block=True)
+    assert "result was lost with its worker" in caplog.text
+    assert len(trainer.window_log) == seen + 1
+    record = trainer.window_log[-1]
+    assert record.replayed and record.pushed and record.window_id == windows[0][1]
+    assert strategy.stats().windows == version + 1  # applied once
+
+
 @pytest.mark.parametrize(
     "outer_opt",
     [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],

@@ -412,9 +412,10 @@ class LocalCluster:
     Args:
         num_workers: worker tasks.
         num_ps: parameter-server tasks.
-        shared_process: host all tasks in one child process (cheap: one
-            TensorFlow import for many emulated workers) instead of one
-            process per task (tasks can then be killed one by one).
+        shared_process: host all tasks in one child process instead of one
+            process per task. Per-task processes can be killed one by one;
+            without GPUs they are forked from one process that imported
+            TensorFlow once (`task_forks`), which stops with the cluster.
         gpus_per_worker: GPUs given to each worker process through
             `CUDA_VISIBLE_DEVICES`; 0 hides all GPUs. PS tasks never see a GPU.
         start_timeout: seconds to wait for the servers to come up.

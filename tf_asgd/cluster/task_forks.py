@@ -1,7 +1,7 @@
 """Task processes forked from one process that imported TensorFlow once.
 
-Importing TensorFlow is most of a task process's start-up CPU (about 4 s here),
-and a `LocalCluster` with one process per task pays it once per task and per
+Importing TensorFlow is most of a task process's start-up CPU, and a
+`LocalCluster` with one process per task would pay it once per task and per
 restart. Its `ForkServer` pays it once: a child process (`task_server SPEC
 --forks FD`) imports TF, initialises no device, then forks a task process per
 request. Each `ForkedTask` gets its own stdin lifeline and stdout pipe, passed

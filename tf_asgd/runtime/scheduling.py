@@ -9,6 +9,7 @@ worker's side is `window`, the PS side of a push `push`, the results `records`. 
 closures are sized and re-runs made safe: docs/architecture.md.
 """
 
+import logging
 import statistics
 import time
 import weakref
@@ -33,6 +34,8 @@ from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 
 # CentralVariables and WindowRecord are re-exported: tests and tools use them from here.
 __all__ = ["APPLIED_RING", "CentralVariables", "WindowRecord", "WindowTrainer"]
+
+log = logging.getLogger("tf_asgd")
 
 MAX_IN_FLIGHT_PER_WORKER = 2  # closures scheduled but unfinished, per worker
 # Automatic K: about this much work on a worker per closure (shorter closures were slower:
@@ -310,7 +313,13 @@ class WindowTrainer:
             for item in ready:
                 self._pending.remove(item)
                 rv, windows, budget = item
-                rows = np.asarray(rv.fetch()).reshape(-1, self.layout.size)
+                try:
+                    rows = np.asarray(rv.fetch()).reshape(-1, self.layout.size)
+                except tf.errors.UnavailableError:
+                    if internals.remote_value_failed(rv):
+                        raise
+                    self._result_lost(windows)
+                    continue
                 for row, (steps, window_id) in zip(rows, windows):
                     self._record(row, window_id, steps)
                 if python_inputs.is_feed(self._iterator):
@@ -321,6 +330,17 @@ class WindowTrainer:
             if not block or len(self._pending) <= keep:
                 return
             internals.wait_briefly(self._pending[0][0])
+
+    def _result_lost(self, windows):
+        """A closure finished, but its result was lost with its worker before
+        the chief fetched it. Its windows run again: each that had pushed is a
+        replay (it pushes nothing), the others train as scheduled."""
+        log.warning(
+            "A finished closure's result was lost with its worker; its %d window(s) run "
+            "again (those that had pushed as replays, which push nothing).",
+            len(windows),
+        )
+        self._schedule(windows, first=False)
 
     def drop_failed(self):
         """Forgets the scheduled closures that failed (after a failed `fit`,
