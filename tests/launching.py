@@ -54,23 +54,13 @@ def local_cluster_ports(log):
     return [a.split(":")[1] for job in ("worker", "ps") for a in spec[job]]
 
 
-def task_server_processes(ports):
-    """Live tf_asgd.cluster.task_server processes of the cluster whose worker and PS
-    ports are `ports` (each task's command line holds the whole cluster spec).
-    All ports must match: a launcher in its own network namespace can pick a
-    port number that a cluster outside it uses too."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "tf_asgd.cluster.task_server" in cmd and all(f':{p}"' in cmd for p in ports):
-            found.append((pid, cmd))
-    return found
+def local_cluster_pids(log):
+    """The process ids of the launcher's local cluster, from its log: each task
+    process, and the process they were forked from (if any)."""
+    m = re.search(r"local cluster \{.*?\}, processes (\{.*?\}), forked from (\w+)", log)
+    assert m, "the launcher did not log its local cluster's processes"
+    pids = [int(pid) for pid in re.findall(r"': (\d+)", m.group(1))]
+    return pids + ([int(m.group(2))] if m.group(2) != "None" else [])
 
 
 def alive(pid):
@@ -86,8 +76,9 @@ def alive(pid):
         return False
 
 
-def assert_all_stopped(ports, within=15.0):
+def assert_all_stopped(pids, within=15.0):
+    """Every process in `pids` (`local_cluster_pids`) ends within `within` seconds."""
     deadline = time.time() + within
-    while task_server_processes(ports) and time.time() < deadline:
+    while any(alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.2)
-    assert not task_server_processes(ports)
+    assert not [pid for pid in pids if alive(pid)]

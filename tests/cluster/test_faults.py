@@ -22,7 +22,7 @@ import tf_asgd
 from tf_asgd.rules import update_rules
 
 from helpers import ROOT, compile_digits
-from launching import alive, assert_all_stopped, launcher, local_cluster_ports
+from launching import alive, assert_all_stopped, launcher, local_cluster_pids
 
 # ---------------------------------------------------------------------------
 # Helpers
@@ -361,8 +361,8 @@ class Launch:
         m = re.search(r"local cluster .*, processes (\{.*\})", "".join(self.log))
         return {k: int(v) for k, v in re.findall(r"'([a-z]+:\d+)': (\d+)", m.group(1))}
 
-    def ports(self):
-        return local_cluster_ports("".join(self.log))
+    def cluster_pids(self):
+        return local_cluster_pids("".join(self.log))
 
     def finish(self, timeout):
         try:
@@ -409,7 +409,7 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
     launch = Launch([*FAST, f"--config.epochs={epochs}", f"--workdir={workdir}"])
     try:
         launch.wait_for("saved checkpoint", count=3)
-        ports = launch.ports()
+        job = launch.cluster_pids()
         t0 = time.time()
         os.kill(launch.pids()["ps:0"], signal.SIGKILL)
     finally:
@@ -423,12 +423,12 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
         r"\(unreachable: ps:0 \(localhost:\d+\)\).*rerun with --resume",
         log,
     ), _tail(log)
-    assert_all_stopped(ports)
+    assert_all_stopped(job)
 
     # --resume: a fresh cluster, central variables, version and epoch restored.
     second, log2 = _run([*FAST, f"--config.epochs={epochs}", "--resume", f"--workdir={workdir}"])
     assert second.proc.returncode == 0, log2[-3000:]
-    assert_all_stopped(second.ports())
+    assert_all_stopped(second.cluster_pids())
     _, epoch, version = _resumed(log2)
     assert epoch >= 3 and version > 0 and version % epoch == 0
     per_epoch = version // epoch
@@ -452,7 +452,7 @@ def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
     launch = Launch(args)
     try:
         launch.wait_for(r"saved checkpoint .*\(epoch 1\)")
-        ports = launch.ports()
+        job = launch.cluster_pids()
         time.sleep(1.0)
         t0 = time.time()
         launch.proc.send_signal(signal.SIGTERM)
@@ -469,7 +469,7 @@ def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
     )
     assert m, _tail(log)
     interrupted = m.group(1) or m.group(2)
-    assert_all_stopped(ports)
+    assert_all_stopped(job)
 
     # The chief (the launcher) killed with SIGKILL after its first epoch: its
     # tasks follow it (stdin lifeline); --resume picks the newest checkpoint.
@@ -481,11 +481,11 @@ def test_sigterm_checkpoints_and_chief_restart_resumes(tmp_path):
         # finished) restarts, with the partial epoch's pushes kept.
         assert path == interrupted and epoch >= 1 and version > 0
         launch.wait_for(rf"saved checkpoint .*\(epoch {epoch + 1}\)")
-        ports = launch.ports()
+        job = launch.cluster_pids()
         launch.proc.kill()
     finally:
         launch.finish(timeout=60)
-    assert_all_stopped(ports)
+    assert_all_stopped(job)
 
     # The last run trains to epoch `epoch + 3` only: Keras's `epochs` is the index of the
     # last epoch, so a resumed run may end sooner than the interrupted one would have.

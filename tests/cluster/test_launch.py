@@ -23,12 +23,13 @@ from tf_asgd.launch import roles as training
 from helpers import ROOT
 from launching import (
     SHORT,
+    alive,
     assert_all_stopped,
     launcher,
+    local_cluster_pids,
     local_cluster_ports,
     run_launcher,
     start_launcher,
-    task_server_processes,
 )
 
 
@@ -93,7 +94,7 @@ def test_default_run_prints_no_noise_then_resume_continues_version_and_epochs(tm
 
     second = run_launcher([*resumed, "--resume", f"--workdir={workdir}"])
     assert second.returncode == 0, second.stderr[-3000:]
-    assert_all_stopped(local_cluster_ports(second.stderr))
+    assert_all_stopped(local_cluster_pids(second.stderr))
     with open(os.path.join(workdir, "results.json")) as f:
         r2 = json.load(f)
     assert r2["initial_epoch"] == 6 and r2["epochs"] == 7
@@ -176,11 +177,12 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
             if "saved checkpoint" in line:
                 break
         ports = local_cluster_ports("".join(log))
-        assert task_server_processes(ports)
+        cluster_pids = local_cluster_pids("".join(log))
+        assert cluster_pids and all(alive(pid) for pid in cluster_pids)
         isolated = "Isolated: this run has its own network namespace" in "".join(log)
         assert isolated == (isolate == "auto" and _userns_available()), "".join(log)[-3000:]
         ours = os.readlink("/proc/self/ns/net")
-        pids = [proc.pid] + [int(pid) for pid, _ in task_server_processes(ports)]
+        pids = [proc.pid, *cluster_pids]
         assert [os.readlink(f"/proc/{pid}/ns/net") != ours for pid in pids] == [isolated] * len(
             pids
         )
@@ -207,7 +209,7 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
     # mean the --stop_timeout bound had to end it (stacks in the log).
     assert proc.returncode == 130, err[-3000:]
     assert "Rerun with --resume" in err and "Traceback" not in err, err[-3000:]
-    assert_all_stopped(ports)
+    assert_all_stopped(cluster_pids)
 
 
 # What a clean run must not print: TF's errors about removing functions from
@@ -239,7 +241,7 @@ def _clean_default_run(workdir):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert_all_stopped(local_cluster_ports(proc.stderr))
+    assert_all_stopped(local_cluster_pids(proc.stderr))
     bad = sorted({m.group(0) for m in _NOT_IN_A_CLEAN_RUN.finditer(out)})
     assert not bad, f"{bad} in:\n{out[-4000:]}"
     for noise in ("absl::InitializeLog", "cudart_stub", "cpu_feature_guard", "cuInit"):

@@ -1,12 +1,13 @@
-"""A LocalCluster with one process per task forks its tasks from one TensorFlow
-import (`tf_asgd.cluster.task_forks`): they start, fail, die and stop as
-processes of their own do."""
+"""A LocalCluster's task processes are forked from one TensorFlow import per
+process (`tf_asgd.cluster.task_forks`): they start, fail, die and stop as
+processes of their own do, and the fork server stops with the last cluster."""
 
 import signal
 import socket
 
 import pytest
 
+import tf_asgd
 from tf_asgd.cluster import task_forks
 
 from launching import alive
@@ -19,16 +20,23 @@ def _parent(pid):
         return int(f.read().split(")")[-1].split()[1])
 
 
-def test_forked_tasks_report_their_status_restart_and_all_stop(local_cluster):
-    with local_cluster(1, own=True, shared_process=False) as cluster:
-        forks = cluster._forks.pid  # private: which process forks is not API
+@pytest.fixture
+def own_forks(monkeypatch):
+    """An environment of this test's own: its clusters get a fork server no
+    other open cluster of this process shares (one per environment)."""
+    monkeypatch.setenv("TF_ASGD_TEST_OWN_FORKS", "1")
+
+
+def test_forked_tasks_report_their_status_restart_and_all_stop(own_forks):
+    with tf_asgd.LocalCluster(1, 1) as cluster:
+        forks = cluster.fork_server_pid
         first = cluster.pids()
         assert set(first) == {"ps:0", "worker:0"}
         assert {_parent(pid) for pid in first.values()} == {forks}
 
         cluster.kill_task("worker:0")
         assert "worker:0" not in cluster.pids()
-        assert cluster._procs["worker:0"].returncode == -signal.SIGKILL  # as Popen says it
+        assert cluster._procs["worker:0"].returncode == -signal.SIGKILL  # private: as Popen's
 
         # A task that cannot listen exits at once, and its status says so.
         port = int(cluster.cluster_spec["worker"][0].split(":")[1])
@@ -43,3 +51,18 @@ def test_forked_tasks_report_their_status_restart_and_all_stop(local_cluster):
         assert again["ps:0"] == first["ps:0"] and again["worker:0"] != first["worker:0"]
         assert _parent(again["worker:0"]) == forks
     assert not any(alive(pid) for pid in [forks, *first.values(), *again.values()])
+
+
+def test_open_clusters_share_one_fork_server_until_the_last_closes(own_forks):
+    one = tf_asgd.LocalCluster(1, 1, shared_process=True)
+    try:
+        with tf_asgd.LocalCluster(2, 1) as two:
+            forks = one.fork_server_pid
+            assert two.fork_server_pid == forks
+            tasks = [*one.pids().values(), *two.pids().values()]
+            assert {_parent(pid) for pid in tasks} == {forks}
+            one.close()
+            assert alive(forks)
+    finally:
+        one.close()
+    assert not any(alive(pid) for pid in [forks, *tasks])

@@ -413,9 +413,10 @@ class LocalCluster:
         num_workers: worker tasks.
         num_ps: parameter-server tasks.
         shared_process: host all tasks in one child process instead of one
-            process per task. Per-task processes can be killed one by one;
-            without GPUs they are forked from one process that imported
-            TensorFlow once (`task_forks`), which stops with the cluster.
+            process per task (tasks can then be killed one by one). Without
+            GPUs, task processes are forked from one process that imported
+            TensorFlow once (`task_forks`), shared by this process's open
+            clusters.
         gpus_per_worker: GPUs given to each worker process through
             `CUDA_VISIBLE_DEVICES`; 0 hides all GPUs. PS tasks never see a GPU.
         start_timeout: seconds to wait for the servers to come up.
@@ -544,20 +545,23 @@ class LocalCluster:
 
     def _start(self, timeout):
         deadline = time.time() + timeout
-        if self.shared_process:
-            self._procs["all"] = self._spawn(self.tasks(), deadline)
-        else:
-            # One TF import for all tasks and restarts; tasks with GPUs start on
-            # their own (CUDA is initialised in each, under its own devices).
-            if not self.gpus_per_worker and task_forks.available():
-                self._forks = task_forks.ForkServer(
-                    python_command(_TASK_SERVER, [json.dumps(self.cluster_spec), task_forks.FORKS]),
-                    self._env_for([]),
-                )
-            for task in self.tasks():
-                self._procs[task] = self._spawn([task], deadline)
+        # One TF import for all the process's clusters, tasks and restarts;
+        # tasks with GPUs start on their own (CUDA initialised under their devices).
+        if not self.gpus_per_worker and task_forks.available():
+            command = python_command(_TASK_SERVER, [task_forks.FORKS])
+            self._forks = task_forks.acquire(command, self._env_for([]))
+        groups = [self.tasks()] if self.shared_process else [[t] for t in self.tasks()]
+        for group in groups:
+            self._procs["all" if self.shared_process else group[0]] = self._spawn(group, deadline)
         for name, proc in self._procs.items():
             self._wait_ready(name, proc, deadline)
+
+    @property
+    def fork_server_pid(self):
+        """The process id of the process the tasks were forked from
+        (`task_forks`), shared by this process's open clusters; `None` where
+        each task started on its own (GPUs given, or no pidfds)."""
+        return None if self._forks is None else self._forks.pid
 
     def _wait_ready(self, name, proc, deadline):
         result = {}
@@ -677,7 +681,7 @@ class LocalCluster:
             if proc.stdout:
                 proc.stdout.close()
         if self._forks is not None:
-            self._forks.close()
+            task_forks.release(self._forks)
             self._forks = None
         atexit.unregister(self.close)
 

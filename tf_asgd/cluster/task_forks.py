@@ -1,10 +1,11 @@
 """Task processes forked from one process that imported TensorFlow once.
 
-Importing TensorFlow is most of a task process's start-up CPU, and a
-`LocalCluster` with one process per task would pay it once per task and per
-restart. Its `ForkServer` pays it once: a child process (`task_server SPEC
---forks FD`) imports TF, initialises no device, then forks a task process per
-request. Each `ForkedTask` gets its own stdin lifeline and stdout pipe, passed
+Importing TensorFlow is most of a task process's start-up CPU, which every
+`LocalCluster` task and restart would pay. A `ForkServer` pays it once per
+process and environment: a child process (`task_server --forks FD`) imports
+TF, initialises no device, then forks a task process per request. The
+`LocalCluster`s of a process share it (`acquire`, `release`); it stops when
+the last of them closes. Each `ForkedTask` gets its own stdin lifeline and stdout pipe, passed
 over a Unix socket, so it starts, reports `READY` and stops as a task started
 with `subprocess.Popen` does.
 
@@ -30,6 +31,34 @@ _NO_STATUS = 255  # a task's exit status where the fork server could not report 
 def available():
     """Whether this platform can watch a forked task (pidfds, fd passing)."""
     return hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
+
+
+_SHARED = {}  # (command, environment) -> [ForkServer, number of users]
+_SHARED_LOCK = threading.Lock()
+
+
+def acquire(command, env):
+    """The fork server for `command` and `env`, started if none runs; each
+    call needs a `release`."""
+    key = (tuple(command), tuple(sorted(env.items())))
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+        if entry is None or entry[0].gone:
+            entry = _SHARED[key] = [ForkServer(command, env), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release(server):
+    """Ends one `acquire` of `server`; the last one stops it."""
+    with _SHARED_LOCK:
+        for key, entry in list(_SHARED.items()):
+            if entry[0] is server:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del _SHARED[key]
+    server.close()
 
 
 class ForkServer:
@@ -62,6 +91,11 @@ class ForkServer:
     @property
     def pid(self):
         return self._proc.pid
+
+    @property
+    def gone(self):
+        """Whether the fork server has exited (it forks nothing more)."""
+        return self._gone or self._proc.poll() is not None
 
     def _read(self):
         while True:

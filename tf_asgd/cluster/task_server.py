@@ -5,9 +5,9 @@ The process prints `READY` once its servers listen, then serves until its
 stdin closes (the parent's lifeline) or it gets SIGTERM. TF servers cannot
 be stopped in-process, so ending this process is how they stop.
 
-`task_server SPEC --forks FD` is a fork server instead (`task_forks`): it
-imports TensorFlow once, then forks one such process per request read from
-the socket `FD`.
+`task_server --forks FD` is a fork server instead (`task_forks`): it imports
+TensorFlow once, then forks one such process per request read from the
+socket `FD`.
 """
 
 import json
@@ -116,8 +116,8 @@ def _run_forked(sock, request, fds):
 
 
 def _main(argv):
-    if argv[2] == FORKS:  # argv[1], the cluster, is there to name it in `ps`
-        with socket.socket(fileno=int(argv[3])) as sock:
+    if argv[1] == FORKS:
+        with socket.socket(fileno=int(argv[2])) as sock:
             try:
                 _serve_forks(sock)
             except BrokenPipeError:  # the parent is gone

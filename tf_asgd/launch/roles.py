@@ -238,7 +238,12 @@ def run_local(config, workdir, resume=False, stop=None):
         shared_process=shared,
         gpus_per_worker=config.gpus_per_worker,
     ) as local:  # its close() collects garbage first, then stops the tasks
-        logging.info("local cluster %s, processes %s", json.dumps(local.cluster_spec), local.pids())
+        logging.info(
+            "local cluster %s, processes %s, forked from %s",
+            json.dumps(local.cluster_spec),
+            local.pids(),
+            local.fork_server_pid,
+        )
         try:
             return train_and_evaluate(config, workdir, local.resolver, resume=resume, stop=stop)
         except BaseException as e:
