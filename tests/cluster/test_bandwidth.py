@@ -10,11 +10,19 @@ import pytest
 import tf_asgd
 from tf_asgd.cluster import network
 
+# network.py needs only the standard library: loaded from its file, a child that
+# uses nothing else starts (and re-executes itself) without importing TensorFlow.
+NETWORK_ONLY = f"""
+import importlib.util
+_spec = importlib.util.spec_from_file_location("network", {network.__file__!r})
+network = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(network)
+"""
+
 # Measures a loopback TCP transfer of about `seconds` at `rate` bits/s, at the receiver
 # (from its first chunk to the last, so a connection's start does not count).
 TRANSFER = """
 import socket, sys, threading, time
-from tf_asgd.cluster import network
 
 def transfer_rate(rate, seconds=1.0):
     total = int(rate / 8 * seconds)
@@ -55,7 +63,8 @@ network.reexec_in_loopback_namespace()
 """
 
 LIMITS = (
-    TRANSFER
+    NETWORK_ONLY
+    + TRANSFER
     + """
 for arg in sys.argv[1:]:
     rate = network.limit_bandwidth(arg)
@@ -66,7 +75,8 @@ print("cleared", network.bandwidth_limit(), transfer_rate(1e9), flush=True)
 )
 
 CLUSTER = (
-    TRANSFER
+    "from tf_asgd.cluster import network\n"
+    + TRANSFER
     + """
 import tf_asgd
 with tf_asgd.LocalCluster(num_workers=1, shared_process=True, bandwidth="100mbit") as c:

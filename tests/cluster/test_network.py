@@ -8,9 +8,13 @@ import pytest
 
 from tf_asgd.cluster import network
 
-SCRIPT = """
-import os, socket, sys
-from tf_asgd.cluster import network as tf_asgd_network
+# network.py needs only the standard library: loaded from its file, the child
+# starts (twice) without importing TensorFlow.
+SCRIPT = f"""
+import importlib.util, os, socket, sys
+_spec = importlib.util.spec_from_file_location("network", {network.__file__!r})
+tf_asgd_network = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tf_asgd_network)
 print("before", os.getpid(), flush=True)
 tf_asgd_network.reexec_in_loopback_namespace()
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()  # loopback is up
