@@ -76,10 +76,10 @@ def test_load_mnist1d_is_seeded_and_leaves_global_random_state_alone(mnist1d):
 
 
 def test_load_mnist1d_larger_training_set():
-    (x, y), (xt, yt) = data.load_mnist1d(num_train=16000)
-    assert x.shape == (16000, 40, 1) and xt.shape == (1000, 40, 1)
+    (x, y), (xt, yt) = data.load_mnist1d(num_train=6000)
+    assert x.shape == (6000, 40, 1) and xt.shape == (1000, 40, 1)
     counts = np.bincount(np.concatenate([y, yt]))
-    assert counts.tolist() == [1700] * 10  # (16000 + 1000) / 10 per class
+    assert counts.tolist() == [700] * 10  # (6000 + 1000) / 10 per class
 
 
 @pytest.mark.parametrize(
