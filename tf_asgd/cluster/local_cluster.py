@@ -476,7 +476,7 @@ class LocalCluster:
         self.shared_process = shared_process
         self.gpus_per_worker = gpus_per_worker
         self._procs = {}  # "job:index" -> Popen or ForkedTask; a shared host is "all"
-        self._forks = None  # a task_forks.ForkServer, for one process per task
+        self._forks = None  # the task_forks.ForkServer its tasks come from (None: own starts)
         self._lock = threading.Lock()
         ports = _pick_ports(num_workers + num_ps + 1)
         self.cluster_spec = {
