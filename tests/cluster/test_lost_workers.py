@@ -59,7 +59,9 @@ def _in_thread(events, fn):
 
 
 def _kill_after_windows(cluster, strategy, model, events, windows=3, restart=False):
-    """Kills worker:0 once `model` has `windows` more windows (and restarts it)."""
+    """Kills worker:0 once `model` has `windows` more windows (and, `restart`,
+    starts it again 3 s later: a forked task restarts in a fraction of a second,
+    a real one takes seconds, and meanwhile no worker can run)."""
     start = len(strategy.window_log(model))
 
     def inject():
@@ -70,6 +72,7 @@ def _kill_after_windows(cluster, strategy, model, events, windows=3, restart=Fal
         cluster.kill_task("worker:0")
         events["killed_at"] = time.perf_counter()
         if restart:
+            time.sleep(3.0)
             cluster.restart_task("worker:0")
             events["restarted_at"] = time.perf_counter()
 
