@@ -5,16 +5,15 @@ Importing TensorFlow is most of a task process's start-up CPU, which every
 process and environment: a child process (`task_server --forks FD`) imports
 TF, initialises no device, then forks a task process per request. The
 `LocalCluster`s of a process share it (`acquire`, `release`); it stops when
-the last of them closes. Each `ForkedTask` gets its own stdin lifeline and stdout pipe, passed
-over a Unix socket, so it starts, reports `READY` and stops as a task started
-with `subprocess.Popen` does.
+the last of them closes. Each `ForkedTask` gets its own stdin lifeline and
+stdout pipe, passed over a Unix socket, so it starts, reports `READY` and
+stops as a task started with `subprocess.Popen` does.
 
 A forked process cannot be waited for by its grandparent, so a task's exit is
 watched through a pidfd (Linux 5.3), and its exit status is the one the fork
 server reports when it reaps it.
 """
 
-import collections
 import json
 import os
 import select
@@ -82,7 +81,8 @@ class ForkServer:
         self._sock = ours
         self._lock = threading.Lock()  # one request at a time
         self._cond = threading.Condition()
-        self._started = collections.deque()
+        self._requests = 0  # ids of the requests sent so far
+        self._started = {}  # request id -> pid
         self._exited = {}  # pid -> exit status
         self._gone = False
         self._reader = threading.Thread(target=self._read, name="tf_asgd-task-forks", daemon=True)
@@ -106,8 +106,9 @@ class ForkServer:
             with self._cond:
                 if not message:
                     self._gone = True
-                elif message.startswith("started "):
-                    self._started.append(int(message.split()[1]))
+                elif message.startswith("started "):  # "started ID PID"
+                    _, request, pid = message.split()
+                    self._started[int(request)] = int(pid)
                 else:  # "exited PID CODE"
                     _, pid, code = message.split()
                     self._exited[int(pid)] = int(code)
@@ -128,7 +129,9 @@ class ForkServer:
         with self._lock:
             stdin_r, stdin_w = os.pipe()
             stdout_r, stdout_w = os.pipe()
-            request = json.dumps({"cluster": cluster_spec, "tasks": tasks}).encode()
+            self._requests += 1
+            rid = self._requests  # a reply that comes after a timeout is not the next one's
+            request = json.dumps({"id": rid, "cluster": cluster_spec, "tasks": tasks}).encode()
             try:
                 socket.send_fds(self._sock, [request], [stdin_r, stdout_w])
                 sent = True
@@ -139,10 +142,10 @@ class ForkServer:
                 os.close(stdout_w)
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._started or self._gone or not sent,
+                    lambda: rid in self._started or self._gone or not sent,
                     timeout=max(0.0, deadline - time.time()),
                 )
-                pid = self._started.popleft() if self._started else None
+                pid = self._started.pop(rid, None)
         if pid is None:
             os.close(stdin_w)  # a fork that comes later exits on this lifeline
             os.close(stdout_r)

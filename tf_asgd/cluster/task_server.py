@@ -62,7 +62,8 @@ def _host(cluster, tasks):
 def _serve_forks(sock):
     """Forks a task process per request on `sock` until stdin (the lifeline)
     closes. Each request carries the task's stdin and stdout pipes; the reply
-    is `started PID`, and `exited PID CODE` follows when it ends."""
+    is `started ID PID` (ID: the request's), and `exited PID CODE` follows when
+    the task ends."""
     local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
     # A Ctrl-C in the terminal reaches the whole process group: the tasks
     # stop on it as before, this process on its lifeline.
@@ -76,12 +77,13 @@ def _serve_forks(sock):
             message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
             if not message:
                 return
+            request = json.loads(message)
             pid = os.fork()
             if pid == 0:
-                _run_forked(sock, json.loads(message), fds)
+                _run_forked(sock, request, fds)
             for fd in fds:
                 os.close(fd)
-            sock.send(f"started {pid}".encode())
+            sock.send(f"started {request['id']} {pid}".encode())
 
 
 def _report_exits(sock):
