@@ -552,3 +552,39 @@ def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(capsys):
         _tool("time_to_accuracy.py").main(["--outer-rates", "0.5*n"])
     assert exit_info.value.code == 2
     assert "neither 'default' nor a number > 0" in capsys.readouterr().err
+
+
+def test_batch_scaling_tool(tmp_path):
+    proc = _run("batch_scaling.py", "--quick", "--steps", "100", "--out", str(tmp_path))
+    runs = _csv(
+        tmp_path / "runs.csv",
+        ["method", "workers", "n_sync", "lr_scaling", "final_accuracy", "steps_to_target"],
+    )
+    assert [(r["method"], r["workers"], r["n_sync"], r["lr_scaling"]) for r in runs] == [
+        ("plain", "1", "0", "x1"),
+        ("large_batch", "2", "0", "x1"),
+        ("large_batch", "2", "0", "linear"),
+        ("local_sgd", "2", "10", "x1"),
+    ]
+    curves = _csv(tmp_path / "curves.csv", ["method", "lr_scaling", "step", "accuracy"])
+    plain = [(int(r["step"]), float(r["accuracy"])) for r in curves if r["method"] == "plain"]
+    assert [s for s, _ in plain] == [20, 40, 60, 80, 100]
+    target = plain[-1][1] - 0.01
+    base = next(s for s, a in plain if a >= target)
+    for run in runs:
+        points = [
+            (int(r["step"]), float(r["accuracy"]))
+            for r in curves
+            if (r["method"], r["lr_scaling"]) == (run["method"], run["lr_scaling"])
+        ]
+        assert math.isclose(float(run["target"]), target, rel_tol=1e-5)
+        reached = next((s for s, a in points if a >= target), math.inf)
+        assert float(run["steps_to_target"]) == reached
+        assert float(run["speedup"]) == pytest.approx(base / reached if reached < math.inf else 0)
+    # The scaled optimizers: the setup's own, and its rate times N.
+    tool = _tool("batch_scaling.py")
+    assert tool.scaled_optimizer("adam_1e-2", 2.0).get_config()["learning_rate"] == pytest.approx(
+        0.02
+    )
+    assert "| mnist1d_adam | local SGD, n_sync 10 |" in (tmp_path / "summary.md").read_text()
+    assert "speed-up" in proc.stdout

@@ -1,0 +1,231 @@
+"""The synchronous ceiling: how many steps N workers' samples save, with no staleness at all.
+
+Per setup of `time_to_accuracy.py`, seed and worker count N, plain Keras trains for the
+setup's plain steps with `large_batch` (batch N x B; the learning rate x1, the user's
+optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and `local_sgd` (N copies
+with the user's optimizer, averaged every `--n-sync` steps). Neither has stale pushes.
+Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
+over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
+`curves.csv` and `summary.md` to `--out`. Details: docs/defaults.md.
+
+    python tools/batch_scaling.py --quick
+    python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 2
+"""
+
+import math
+import os
+import sys
+
+import numpy as np
+
+import _common
+import time_to_accuracy as tta
+
+SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
+QUICK = dict(
+    setups=["mnist1d_adam"],
+    workers=[2],
+    n_sync=[10],
+    scalings=["x1", "linear"],
+    seeds=1,
+    steps=200,
+    evals=5,
+    out="results/batch_scaling/quick",
+)
+
+
+def scaled_optimizer(name, scale):
+    """The setup's optimizer with its learning rate times `scale`."""
+    opt = tta.make_optimizer(name)
+    config = opt.get_config()
+    config["learning_rate"] = float(config["learning_rate"]) * scale
+    return opt.__class__.from_config(config)
+
+
+def _model(setup, data, scale, steps_per_execution):
+    _, model_name, opt, _, _, _ = tta.SETUPS[setup]
+    model = tta.build_model(model_name, data)
+    _common.compile_classifier(model, scaled_optimizer(opt, scale))
+    # One call of `train_function` runs this many steps, in one tf.function.
+    model.compile(
+        optimizer=model.optimizer, loss=model.loss, steps_per_execution=steps_per_execution
+    )
+    model.make_train_function()
+    return model
+
+
+def large_batch(setup, data, workers, scale, seed, steps, eval_every):
+    """Held-out points `(step, accuracy)` of batch `workers * B` at `scale` x the rate."""
+    import keras
+
+    batch = tta.SETUPS[setup][3] * workers
+    keras.utils.set_random_seed(seed)
+    model = _model(setup, data, scale, eval_every)
+    held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
+    batches = iter(tta.train_dataset(data, batch, seed).repeat())
+    points = []
+    for step in range(eval_every, steps + 1, eval_every):
+        model.train_function(batches)
+        points.append((step, held_out(model.get_weights())[0]))
+    return points
+
+
+def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
+    """Held-out points of `workers` copies averaged every `n_sync` steps."""
+    import keras
+
+    batch = tta.SETUPS[setup][3]
+    keras.utils.set_random_seed(seed)
+    copies = [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
+    center = copies[0].get_weights()
+    held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
+    # Each copy draws its own shuffle of the whole set, as independent workers would.
+    feeds = [iter(tta.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)]
+    points, next_eval = [], eval_every
+    for step in range(n_sync, steps + 1, n_sync):
+        ends = []
+        for model, feed in zip(copies, feeds):
+            model.set_weights(center)
+            model.train_function(feed)
+            ends.append(model.get_weights())
+        center = [np.mean(w, axis=0) for w in zip(*ends)]
+        if step >= next_eval or step + n_sync > steps:
+            points.append((step, held_out(center)[0]))
+            next_eval += eval_every
+    return points
+
+
+def steps_to(points, target):
+    """The first step whose accuracy is at least `target`; inf if none."""
+    return next((s for s, a in points if a >= target), math.inf)
+
+
+def run_setup(setup, data, seed, args):
+    """Rows and curves of one setup and seed: batch B, then every variant."""
+    steps = args.steps or tta.SETUPS[setup][4]
+    every = max(1, steps // args.evals)
+    steps = every * (steps // every)
+    variants = [("plain", 1, 0, "x1")]
+    for n in args.workers:
+        variants += [("large_batch", n, 0, s) for s in args.scalings]
+        variants += [("local_sgd", n, h, "x1") for h in args.n_sync]
+    rows, curves, target, base_steps = [], [], None, None
+    for method, n, h, scaling in variants:
+        if method == "local_sgd":
+            points = local_sgd(setup, data, n, h, seed, steps, every)
+        else:
+            points = large_batch(setup, data, n, SCALINGS[scaling](n), seed, steps, every)
+        if target is None:
+            target = points[-1][1] - 0.01
+            base_steps = steps_to(points, target)
+        reached = steps_to(points, target)
+        row = dict(
+            setup=setup,
+            seed=seed,
+            method=method,
+            workers=n,
+            n_sync=h,
+            lr_scaling=scaling,
+            steps=steps,
+            final_accuracy=points[-1][1],
+            best_accuracy=max(a for _, a in points),
+            target=target,
+            steps_to_target=reached,
+            plain_steps_to_target=base_steps,
+            speedup=base_steps / reached if math.isfinite(reached) else 0.0,
+        )
+        rows.append(row)
+        curves += [dict(row, step=s, accuracy=a) for s, a in points]
+        print(
+            f"{setup} seed {seed} {method} N={n} n_sync={h} lr {scaling}: final "
+            f"{row['final_accuracy']:.3f}, steps to {target:.3f}: {reached} "
+            f"(speed-up {row['speedup']:.2f}x)",
+            flush=True,
+        )
+    return rows, curves
+
+
+def summary(rows):
+    """`summary.md`'s lines: mean speed-up per setup, variant and worker count."""
+    cells = {}
+    for r in rows:
+        if r["method"] == "plain":
+            continue
+        key = (r["setup"], r["method"], r["n_sync"], r["lr_scaling"])
+        cells.setdefault(key, {}).setdefault(r["workers"], []).append(r)
+    workers = sorted({r["workers"] for r in rows if r["method"] != "plain"})
+
+    def cell(runs):
+        if not runs:
+            return ""
+        speedups = [r["speedup"] for r in runs]
+        reached = sum(s > 0 for s in speedups)
+        finals = "/".join(f"{r['final_accuracy']:.3f}" for r in runs)
+        return f"{np.mean(speedups):.2f}x ({reached}/{len(runs)}; final {finals})"
+
+    table = []
+    for (setup, method, h, scaling), by_n in sorted(cells.items()):
+        variant = (
+            f"local SGD, n_sync {h}" if method == "local_sgd" else f"batch N x B, lr {scaling}"
+        )
+        table.append([setup, variant] + [cell(by_n.get(n, [])) for n in workers])
+    plain = {(r["setup"], r["seed"]): r for r in rows if r["method"] == "plain"}
+    lines = [
+        "Speed-up in steps to plain's final held-out accuracy minus 1 point (mean over seeds, "
+        "0 for a seed that never reached it; reached/seeds; finals at the same steps).",
+        "",
+    ]
+    lines += _common.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
+    lines += ["", "Plain Keras (batch B): final / steps to the target, per seed:", ""]
+    lines += [
+        f"- {s} seed {seed}: {r['final_accuracy']:.3f} / {r['plain_steps_to_target']}"
+        for (s, seed), r in sorted(plain.items())
+    ]
+    return lines
+
+
+def main(argv=None):
+    p = _common.parser(__doc__)
+    p.add_argument("--out", default="results/batch_scaling")
+    p.add_argument("--setups", type=_common.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
+    p.add_argument("--workers", type=_common.int_list, default=[2, 4, 8])
+    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
+    p.add_argument(
+        "--scalings", type=_common.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
+    )
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
+    p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
+    p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
+    p.add_argument("--quick", action="store_true", help="a smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])}
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(args, k, v)
+    for s in args.setups:
+        if s not in tta.SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(tta.SETUPS)}")
+    for s in args.scalings:
+        if s not in SCALINGS:
+            p.error(f"unknown scaling {s!r}; expected some of {', '.join(SCALINGS)}")
+    os.makedirs(args.out, exist_ok=True)
+    import plots
+
+    rows, curves = [], []
+    for setup in args.setups:
+        data = tta.load_data(tta.SETUPS[setup][0])
+        for seed in range(args.seeds):
+            r, c = run_setup(setup, data, seed, args)
+            rows += r
+            curves += c
+    plots.write_csv(os.path.join(args.out, "runs.csv"), rows)
+    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+    lines = summary(rows)
+    _common.write_lines(os.path.join(args.out, "summary.md"), lines)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
