@@ -3,10 +3,11 @@
 Per setup of `time_to_accuracy.py`, seed and worker count N, plain Keras trains for the
 setup's plain steps with `large_batch` (batch N x B; the learning rate x1, the user's
 optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and `local_sgd` (N copies
-with the user's optimizer, averaged every `--n-sync` steps). Neither has stale pushes.
+with the user's optimizer, averaged every `--n-sync` steps); neither has stale pushes.
+`lr_only` (batch B at the scaled rate) is the control: what the rate alone buys.
 Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
 over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
-`curves.csv` and `summary.md` to `--out`. Details: docs/defaults.md.
+`curves.csv` and `summary.md` to `--out`; docs/defaults.md reads them.
 
     python tools/batch_scaling.py --quick
     python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 2
@@ -22,6 +23,7 @@ import _common
 import time_to_accuracy as tta
 
 SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
+METHODS = ("large_batch", "local_sgd", "lr_only")
 QUICK = dict(
     setups=["mnist1d_adam"],
     workers=[2],
@@ -58,7 +60,7 @@ def large_batch(setup, data, workers, scale, seed, steps, eval_every):
     """Held-out points `(step, accuracy)` of batch `workers * B` at `scale` x the rate."""
     import keras
 
-    batch = tta.SETUPS[setup][3] * workers
+    batch = tta.SETUPS[setup][3] * max(1, workers)
     keras.utils.set_random_seed(seed)
     model = _model(setup, data, scale, eval_every)
     held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
@@ -107,14 +109,19 @@ def run_setup(setup, data, seed, args):
     steps = every * (steps // every)
     variants = [("plain", 1, 0, "x1")]
     for n in args.workers:
-        variants += [("large_batch", n, 0, s) for s in args.scalings]
-        variants += [("local_sgd", n, h, "x1") for h in args.n_sync]
+        if "large_batch" in args.methods:
+            variants += [("large_batch", n, 0, s) for s in args.scalings]
+        if "local_sgd" in args.methods:
+            variants += [("local_sgd", n, h, "x1") for h in args.n_sync]
+        if "lr_only" in args.methods:  # the control: batch B at the scaled rate
+            variants += [("lr_only", n, 0, s) for s in args.scalings if s != "x1"]
     rows, curves, target, base_steps = [], [], None, None
     for method, n, h, scaling in variants:
         if method == "local_sgd":
             points = local_sgd(setup, data, n, h, seed, steps, every)
         else:
-            points = large_batch(setup, data, n, SCALINGS[scaling](n), seed, steps, every)
+            batches = 1 if method == "lr_only" else n
+            points = large_batch(setup, data, batches, SCALINGS[scaling](n), seed, steps, every)
         if target is None:
             target = points[-1][1] - 0.01
             base_steps = steps_to(points, target)
@@ -165,9 +172,11 @@ def summary(rows):
 
     table = []
     for (setup, method, h, scaling), by_n in sorted(cells.items()):
-        variant = (
-            f"local SGD, n_sync {h}" if method == "local_sgd" else f"batch N x B, lr {scaling}"
-        )
+        variant = {
+            "local_sgd": f"local SGD, n_sync {h}",
+            "large_batch": f"batch N x B, lr {scaling}",
+            "lr_only": f"batch B, lr {scaling} (control)",
+        }[method]
         table.append([setup, variant] + [cell(by_n.get(n, [])) for n in workers])
     plain = {(r["setup"], r["seed"]): r for r in rows if r["method"] == "plain"}
     lines = [
@@ -193,6 +202,12 @@ def main(argv=None):
     p.add_argument(
         "--scalings", type=_common.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
     )
+    p.add_argument(
+        "--methods",
+        type=_common.str_list,
+        default=list(METHODS),
+        help="large_batch, local_sgd, lr_only (batch B at the scaled rate: a control)",
+    )
     p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
@@ -206,6 +221,9 @@ def main(argv=None):
     for s in args.setups:
         if s not in tta.SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(tta.SETUPS)}")
+    for m in args.methods:
+        if m not in METHODS:
+            p.error(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")
     for s in args.scalings:
         if s not in SCALINGS:
             p.error(f"unknown scaling {s!r}; expected some of {', '.join(SCALINGS)}")

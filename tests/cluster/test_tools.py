@@ -565,6 +565,7 @@ def test_batch_scaling_tool(tmp_path):
         ("large_batch", "2", "0", "x1"),
         ("large_batch", "2", "0", "linear"),
         ("local_sgd", "2", "10", "x1"),
+        ("lr_only", "2", "0", "linear"),
     ]
     curves = _csv(tmp_path / "curves.csv", ["method", "lr_scaling", "step", "accuracy"])
     plain = [(int(r["step"]), float(r["accuracy"])) for r in curves if r["method"] == "plain"]
