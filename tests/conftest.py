@@ -23,10 +23,22 @@ import tf_asgd  # noqa: E402
 CLUSTER_TESTS = pathlib.Path(__file__).parent / "cluster"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist=loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if CLUSTER_TESTS in pathlib.Path(item.path).parents:
+        cluster = CLUSTER_TESTS in pathlib.Path(item.path).parents
+        if cluster:
             item.add_marker(pytest.mark.cluster)
+        # Under `-n N` a module's cluster, or any module-scoped fixture, is made once: its
+        # tests run in one process. Other tests go wherever a process is free.
+        if cluster or _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_a_module_fixture(item):
+    info = getattr(item, "_fixtureinfo", None)  # private: pytest has no public fixture scopes
+    defs = info.name2fixturedefs.values() if info else ()
+    return any(d[-1].scope in ("module", "class", "package") for d in defs)
 
 
 @pytest.fixture(autouse=True)
