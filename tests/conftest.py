@@ -15,10 +15,10 @@ import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import pathlib  # noqa: E402
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
 
-import tf_asgd  # noqa: E402
+# Keras and tf_asgd are imported where a fixture needs them, in the processes that run
+# tests: under `-n N` the controlling process only schedules, and need not load TF.
 
 CLUSTER_TESTS = pathlib.Path(__file__).parent / "cluster"
 
@@ -44,6 +44,8 @@ def _uses_a_module_fixture(item):
 @pytest.fixture(autouse=True)
 def _seed():
     """Same initial weights every run; what stays random is the cluster's timing."""
+    import keras
+
     keras.utils.set_random_seed(0)
 
 
@@ -69,6 +71,8 @@ def hang_guard():
 
 @pytest.fixture(scope="session")
 def digits():
+    import tf_asgd
+
     return tf_asgd.data.load_digits()
 
 
@@ -79,6 +83,8 @@ def local_cluster():
     process. `local_cluster(..., own=True)` is a new, unstarted `LocalCluster` for one test
     (`with local_cluster(1, own=True, shared_process=False) as c:`), for tests that kill,
     stop or restart tasks."""
+    import tf_asgd
+
     shared, stack = {}, contextlib.ExitStack()
 
     def make(num_workers, num_ps=1, shared_process=True, own=False):
