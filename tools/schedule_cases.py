@@ -5,8 +5,9 @@ Two recipes on digits (the 64-pixel MLP of tests/cluster/test_keras_surface.py, 
 `decay` (SGD(0.1, m 0.9), 12 epochs, 0.8x an epoch, ReduceLROnPlateau(min_lr=0) on
 val_loss, validated every 2 epochs) and `to_zero` (SGD(0.05), 6 epochs at the rates 0.05,
 0, 0.05, then 0.8x, until ReduceLROnPlateau(factor=0) sets 0 at the second validation).
-`--rates`: `default` (the strategy's) or a constant `OuterSGD(r)`. Writes `runs.jsonl` (a
-row per recipe and seed) and `summary.md` to `--out`.
+`--rates`: `default` (the strategy's), a constant `OuterSGD(r)`, or `sync` (no cluster: plain
+Keras on batches of 2 x 32, synchronous training of 2 workers at the user's rate). Writes
+`runs.jsonl` (a row per recipe and seed) and `summary.md` to `--out`.
 
     python tools/schedule_cases.py --recipes decay,to_zero --rates default,0.6667,1.0 --seeds 5
 """
@@ -20,7 +21,7 @@ import _common
 RECIPES = ("decay", "to_zero")
 
 
-def _fit(strategy, recipe, seed, data):
+def _fit(strategy, recipe, seed, data, batch_size=32):
     """Held-out accuracy of one run of `recipe` (plain Keras where `strategy` is None)."""
     import keras
 
@@ -53,7 +54,7 @@ def _fit(strategy, recipe, seed, data):
     model.fit(
         x,
         y,
-        batch_size=32,
+        batch_size=batch_size,
         epochs=epochs,
         validation_data=(xt, yt),
         validation_freq=2,
@@ -86,12 +87,19 @@ def main(argv=None):
     data = (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
     os.makedirs(args.out, exist_ok=True)
     runs_path = os.path.join(args.out, "runs.jsonl")
-    with _common.local_cluster(2) as cluster, open(runs_path, "a") as runs:
+    needs_cluster = any(rate != "sync" for rate in args.rates)
+    with (
+        _common.local_cluster(2) if needs_cluster else contextlib.nullcontext() as cluster,
+        open(runs_path, "a") as runs,
+    ):
         for recipe in args.recipes:
             for seed in range(args.seeds):
                 row = {"recipe": recipe, "seed": seed, "plain": _fit(None, recipe, seed, data)}
                 for rate in args.rates:
-                    row[rate] = _fit(_strategy(cluster, rate), recipe, seed, data)
+                    if rate == "sync":
+                        row[rate] = _fit(None, recipe, seed, data, batch_size=64)
+                    else:
+                        row[rate] = _fit(_strategy(cluster, rate), recipe, seed, data)
                 print(json.dumps(row), flush=True)
                 runs.write(json.dumps(row) + "\n")
     write_summary(runs_path, os.path.join(args.out, "summary.md"))

@@ -589,3 +589,16 @@ def test_batch_scaling_tool(tmp_path):
     )
     assert "| mnist1d_adam | local SGD, n_sync 10 |" in (tmp_path / "summary.md").read_text()
     assert "speed-up" in proc.stdout
+
+
+def test_schedule_cases_tool_synchronous_twin(tmp_path):
+    """`--rates sync` runs no cluster: plain Keras on batches of 64 beside plain Keras's 32."""
+    import json
+
+    _run("schedule_cases.py", "--recipes", "to_zero", "--rates", "sync", "--seeds", "1",
+         "--out", str(tmp_path))  # fmt: skip
+    (row,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert row["recipe"] == "to_zero" and row["seed"] == 0
+    assert 0 < row["sync"] < 1 and 0 < row["plain"] < 1 and row["sync"] != row["plain"]
+    gap = 100 * (row["sync"] - row["plain"])
+    assert f"| to_zero | sync | 1 | {gap:+.1f} |" in (tmp_path / "summary.md").read_text()
