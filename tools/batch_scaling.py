@@ -7,7 +7,7 @@ with the user's optimizer, averaged every `--n-sync` steps); neither has stale p
 `lr_only` (batch B at the scaled rate) is the control: what the rate alone buys.
 Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
 over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
-`curves.csv` and `summary.md` to `--out`; docs/defaults.md reads them.
+`curves.csv`, `summary.md` and `accuracy_vs_steps.png` to `--out`.
 
     python tools/batch_scaling.py --quick
     python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 2
@@ -193,6 +193,50 @@ def summary(rows):
     return lines
 
 
+def plot(path, curves):
+    """Held-out accuracy against steps, mean over seeds: a panel per setup and worker count,
+    plain Keras beside every variant, and the target as a dashed line."""
+    import plots
+
+    def mean_curve(runs):
+        by_step = {}
+        for r in runs:
+            by_step.setdefault(int(r["step"]), []).append(float(r["accuracy"]))
+        steps = sorted(by_step)
+        return steps, [float(np.mean(by_step[s])) for s in steps]
+
+    def label(r):
+        if r["method"] == "local_sgd":
+            return f"local SGD, n_sync {r['n_sync']}"
+        if r["method"] == "lr_only":
+            return f"batch B, lr {r['lr_scaling']} (control)"
+        return f"batch N x B, lr {r['lr_scaling']}"
+
+    panels = []
+    for setup in dict.fromkeys(r["setup"] for r in curves):
+        mine = [r for r in curves if r["setup"] == setup]
+        plain = [r for r in mine if r["method"] == "plain"]
+        target = float(np.mean([float(r["target"]) for r in plain]))
+        for n in sorted({int(r["workers"]) for r in mine if r["method"] != "plain"}):
+            series = [("plain Keras (batch B)", *mean_curve(plain))]
+            variants = {}
+            for r in mine:
+                if r["method"] != "plain" and int(r["workers"]) == n:
+                    variants.setdefault(label(r), []).append(r)
+            series += [(name, *mean_curve(runs)) for name, runs in variants.items()]
+            panels.append(
+                dict(
+                    title=f"{setup}, N = {n}",
+                    xlabel="steps (device times)",
+                    ylabel="held-out accuracy",
+                    series=series,
+                    hline=(target, "target"),
+                    ylim=(max(0.0, target - 0.25), min(1.0, target + 0.06)),
+                )
+            )
+    plots.plot_panels(path, panels, ncols=3, title="Synchronous ceiling (mean over seeds)")
+
+
 def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--out", default="results/batch_scaling")
@@ -211,6 +255,9 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
+    p.add_argument(
+        "--replot", action="store_true", help="redraw the plot from --out's curves.csv only"
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run")
     args = p.parse_args(argv)
     if args.quick:
@@ -230,6 +277,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     import plots
 
+    png = os.path.join(args.out, "accuracy_vs_steps.png")
+    if args.replot:
+        plot(png, plots.read_csv(os.path.join(args.out, "curves.csv")))
+        return 0
     rows, curves = [], []
     for setup in args.setups:
         data = tta.load_data(tta.SETUPS[setup][0])
@@ -241,6 +292,7 @@ def main(argv=None):
     plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
     lines = summary(rows)
     _common.write_lines(os.path.join(args.out, "summary.md"), lines)
+    plot(png, [{k: str(v) for k, v in c.items()} for c in curves])
     print("\n".join(lines))
     return 0
 

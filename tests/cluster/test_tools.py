@@ -589,6 +589,10 @@ def test_batch_scaling_tool(tmp_path):
     )
     assert "| mnist1d_adam | local SGD, n_sync 10 |" in (tmp_path / "summary.md").read_text()
     assert "speed-up" in proc.stdout
+    _png(tmp_path / "accuracy_vs_steps.png")
+    os.remove(tmp_path / "accuracy_vs_steps.png")
+    _run("batch_scaling.py", "--replot", "--out", str(tmp_path))  # from curves.csv alone
+    _png(tmp_path / "accuracy_vs_steps.png")
 
 
 def test_schedule_cases_tool_synchronous_twin(tmp_path):
