@@ -71,7 +71,7 @@ def local_cluster(workers, num_ps=1, bandwidth=None):
     return tf_asgd.LocalCluster(workers, num_ps, shared_process=True, bandwidth=bandwidth)
 
 
-def compile_classifier(model, optimizer, metrics=None, keras_module=None):
+def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_per_execution=1):
     """Compiles `model` (logits out) with `optimizer` and sparse categorical
     cross-entropy, the loss of every tool. Call it under `strategy.scope()`
     when the model is built there, with the optimizer created there too.
@@ -82,6 +82,7 @@ def compile_classifier(model, optimizer, metrics=None, keras_module=None):
         metrics: Keras `compile` metrics, e.g. `["accuracy"]` (None: none).
         keras_module: the Keras that built `model`; `tf_keras` for stock
             ParameterServerStrategy runs (default: Keras 3).
+        steps_per_execution: steps per call of the model's `train_function`.
 
     Returns:
         `model`.
@@ -93,6 +94,7 @@ def compile_classifier(model, optimizer, metrics=None, keras_module=None):
         optimizer,
         keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=metrics,
+        steps_per_execution=steps_per_execution,
     )
     return model
 

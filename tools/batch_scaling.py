@@ -47,20 +47,19 @@ def scaled_optimizer(name, scale):
 def _model(setup, data, scale, steps_per_execution):
     _, model_name, opt, _, _, _ = tta.SETUPS[setup]
     model = tta.build_model(model_name, data)
-    _common.compile_classifier(model, scaled_optimizer(opt, scale))
-    # One call of `train_function` runs this many steps, in one tf.function.
-    model.compile(
-        optimizer=model.optimizer, loss=model.loss, steps_per_execution=steps_per_execution
+    # One call of `train_function` runs `steps_per_execution` steps, in one tf.function.
+    _common.compile_classifier(
+        model, scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
     )
     model.make_train_function()
     return model
 
 
-def large_batch(setup, data, workers, scale, seed, steps, eval_every):
-    """Held-out points `(step, accuracy)` of batch `workers * B` at `scale` x the rate."""
+def large_batch(setup, data, multiple, scale, seed, steps, eval_every):
+    """Held-out points `(step, accuracy)` of batch `multiple * B` at `scale` x the rate."""
     import keras
 
-    batch = tta.SETUPS[setup][3] * max(1, workers)
+    batch = tta.SETUPS[setup][3] * multiple
     keras.utils.set_random_seed(seed)
     model = _model(setup, data, scale, eval_every)
     held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
@@ -120,8 +119,8 @@ def run_setup(setup, data, seed, args):
         if method == "local_sgd":
             points = local_sgd(setup, data, n, h, seed, steps, every)
         else:
-            batches = 1 if method == "lr_only" else n
-            points = large_batch(setup, data, batches, SCALINGS[scaling](n), seed, steps, every)
+            multiple = 1 if method == "lr_only" else n
+            points = large_batch(setup, data, multiple, SCALINGS[scaling](n), seed, steps, every)
         if target is None:
             target = points[-1][1] - 0.01
             base_steps = steps_to(points, target)
