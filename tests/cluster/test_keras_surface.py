@@ -182,8 +182,8 @@ def test_class_and_sample_weights_and_weighted_metrics(strategy, flat, weighting
         else {"sample_weight": _zero_for_low_digits(y)}
     )
     compile_kw = dict(weighted_metrics=["accuracy"])
-    # 10 epochs, not 6: at 2 workers each sample counts half (results/batch_scaling), and at
-    # 6 one fresh-clone run ended 3.2 points short on the 187 held-out digits 5-9.
+    # 10 epochs, not 6: at 2 workers the default averages the two pushes (docs/defaults.md),
+    # and at 6 one fresh-clone run ended 3.2 points short on the 187 held-out digits 5-9.
     runs = _both(strategy, (x, y), dict(epochs=10, **weights), compile_kw=compile_kw)
     (ours, h_ours), (plain, h_plain) = runs
     high = yt >= 5
