@@ -33,13 +33,25 @@ def available():
 
 
 _SHARED = {}  # (command, environment) -> [ForkServer, number of users]
+# Left out of the environment's key, so that a later cluster forks from a server an earlier
+# one started: variables no task reads. `ParameterServerStrategy` writes the TF two into
+# os.environ when it is made; they set the coordinator's own eager client (a task started
+# before the strategy, the usual order, runs without them). pytest rewrites the last at
+# each phase of each test.
+_VOLATILE = frozenset(
+    {
+        "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE",
+        "TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY",
+        "PYTEST_CURRENT_TEST",
+    }
+)
 _SHARED_LOCK = threading.Lock()
 
 
 def acquire(command, env):
     """The fork server for `command` and `env`, started if none runs; each
     call needs a `release`."""
-    key = (tuple(command), tuple(sorted(env.items())))
+    key = (tuple(command), tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE)))
     with _SHARED_LOCK:
         entry = _SHARED.get(key)
         if entry is None or entry[0].gone:
