@@ -79,12 +79,7 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     t_start = time.time()
     os.makedirs(workdir, exist_ok=True)
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
-    latest = tf.train.latest_checkpoint(ckpt_dir)
-    if latest and not resume:
-        raise ValueError(
-            f"{workdir!r} already holds checkpoints ({latest}); pass --resume to "
-            "continue from the newest one, or use a fresh --workdir."
-        )
+    latest = newest_checkpoint_unless_refused(workdir, resume)
     if os.path.exists(os.path.join(workdir, DONE_FILE)):
         os.remove(os.path.join(workdir, DONE_FILE))
     keras.utils.set_random_seed(config.seed)
@@ -212,6 +207,21 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     return results
 
 
+def newest_checkpoint_unless_refused(workdir, resume):
+    """The newest checkpoint in `workdir` (None: none).
+
+    Raises:
+        ValueError: `workdir` holds checkpoints and `resume` is False.
+    """
+    latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
+    if latest and not resume:
+        raise ValueError(
+            f"{workdir!r} already holds checkpoints ({latest}); pass --resume to "
+            "continue from the newest one, or use a fresh --workdir."
+        )
+    return latest
+
+
 def run_local(config, workdir, resume=False, stop=None):
     """No `TF_CONFIG`: trains on a `LocalCluster` of loopback tasks, then stops them all.
 
@@ -222,6 +232,7 @@ def run_local(config, workdir, resume=False, stop=None):
     freed on the chief is removed from every task by a synchronous RPC), then
     the tasks are stopped.
     """
+    newest_checkpoint_unless_refused(workdir, resume)  # before any task starts
     hide_gpus()  # the chief keeps off the GPUs; local workers get theirs below
     shared = config.shared_process and not config.gpus_per_worker
     if config.shared_process and config.gpus_per_worker:
