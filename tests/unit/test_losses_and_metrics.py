@@ -53,7 +53,9 @@ def _built(metrics, y, loss="sparse_categorical_crossentropy", units=10):
     )
     model.compile("sgd", loss, metrics=metrics)
     x = np.random.default_rng(0).random((32, 8, 8, 1), np.float32)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # builds the metrics
+    # Builds the optimizer and the metrics as a first training step does, without tracing one.
+    model.optimizer.build(model.trainable_variables)
+    model.compute_metrics(x, y, model(x))
     return model, x
 
 
