@@ -1,6 +1,7 @@
 """The codecs (tf_asgd.rules.compression): NumPy and TF agree, each codec's bounds, feedback."""
 
 import doctest
+import functools
 
 import numpy as np
 import pytest
@@ -53,19 +54,25 @@ def _tf_payload_as_numpy(payload):
     return out
 
 
+@functools.cache
+def _tf_codec(codec):
+    """`codec`'s TF ops on every shape of SHAPES, traced once (the kinds share the trace)."""
+
+    @tf.function(jit_compile=False)
+    def run(xs):
+        payloads = [codec.encode(x, xp=tnp) for x in xs]
+        return payloads, [codec.decode(p, x.shape, xp=tnp) for p, x in zip(payloads, xs)]
+
+    return run
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=repr)
 @pytest.mark.parametrize("kind", ["normal", "zeros", "large", "blocks"])
 def test_numpy_and_tf_agree_bit_for_bit(codec, kind):
-    for i, shape in enumerate(SHAPES):
-        x = _tensor(shape, kind, seed=i)
-
-        @tf.function(jit_compile=False)
-        def run(x):
-            payload = codec.encode(x, xp=tnp)
-            return payload, codec.decode(payload, x.shape, xp=tnp)
-
-        with tf.device("/CPU:0"):
-            tf_payload, tf_decoded = run(tf.constant(x))
+    xs = [_tensor(shape, kind, seed=i) for i, shape in enumerate(SHAPES)]
+    with tf.device("/CPU:0"):
+        tf_payloads, tf_decodeds = _tf_codec(codec)([tf.constant(x) for x in xs])
+    for x, shape, tf_payload, tf_decoded in zip(xs, SHAPES, tf_payloads, tf_decodeds):
         np_payload = codec.encode(x)
         np_decoded = codec.decode(np_payload, shape)
         got = _tf_payload_as_numpy(tf_payload)

@@ -1,5 +1,6 @@
 """Offline data sets (MNIST-1D generated here, digits upsampled) and the model builders."""
 
+import contextlib
 import random
 import socket
 import sys
@@ -11,9 +12,32 @@ import pytest
 from tf_asgd import data, models
 
 
+def _no_network(*args, **kwargs):
+    raise OSError("network disabled by the test")
+
+
+def _no_download(*args, **kwargs):
+    raise AssertionError("load_mnist1d called mnist1d's get_dataset (it downloads)")
+
+
+@contextlib.contextmanager
+def _offline():
+    """No socket may connect, and mnist1d's downloading `get_dataset` raises."""
+    import mnist1d.data
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket.socket, "connect", _no_network)
+        mp.setattr(socket, "create_connection", _no_network)
+        mp.setattr(mnist1d.data, "get_dataset", _no_download)
+        yield
+
+
 @pytest.fixture(scope="module")
 def mnist1d():
-    return data.load_mnist1d()
+    """The standard set, generated offline: every test that uses it also shows that
+    `load_mnist1d` needs no network (generating it takes about a second)."""
+    with _offline():
+        return data.load_mnist1d()
 
 
 def test_load_mnist1d_shapes_dtypes_and_classes(mnist1d):
@@ -39,25 +63,17 @@ def test_load_mnist1d_is_the_package_standard_set(mnist1d):
     np.testing.assert_array_equal(yt, d["y_test"])
 
 
-def test_load_mnist1d_needs_no_network_and_never_downloads(monkeypatch, mnist1d):
+def test_load_mnist1d_needs_no_network_and_never_downloads(mnist1d):
     import mnist1d.data as m
-
-    def no_network(*args, **kwargs):
-        raise OSError("network disabled by the test")
-
-    def no_download(*args, **kwargs):
-        raise AssertionError("load_mnist1d called mnist1d's get_dataset (it downloads)")
-
-    monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
-    monkeypatch.setattr(m, "get_dataset", no_download)
     import requests
 
-    with pytest.raises(requests.exceptions.ConnectionError):
-        requests.get("http://127.0.0.1:9/", timeout=1)  # the guard does hold
-    (x, y), (xt, yt) = data.load_mnist1d()
-    np.testing.assert_array_equal(x, mnist1d[0][0])
-    np.testing.assert_array_equal(yt, mnist1d[1][1])
+    (x, y), (xt, yt) = mnist1d  # generated under _offline()
+    assert x.shape == (4000, 40, 1) and yt.shape == (1000,)
+    with _offline():  # and that guard does hold
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get("http://127.0.0.1:9/", timeout=1)
+        with pytest.raises(AssertionError, match="downloads"):
+            m.get_dataset(m.get_dataset_args())
 
 
 def test_load_mnist1d_is_seeded_and_leaves_global_random_state_alone(mnist1d):
@@ -76,10 +92,10 @@ def test_load_mnist1d_is_seeded_and_leaves_global_random_state_alone(mnist1d):
 
 
 def test_load_mnist1d_larger_training_set():
-    (x, y), (xt, yt) = data.load_mnist1d(num_train=6000)
-    assert x.shape == (6000, 40, 1) and xt.shape == (1000, 40, 1)
+    (x, y), (xt, yt) = data.load_mnist1d(num_train=4500, num_test=500)
+    assert x.shape == (4500, 40, 1) and xt.shape == (500, 40, 1)
     counts = np.bincount(np.concatenate([y, yt]))
-    assert counts.tolist() == [700] * 10  # (6000 + 1000) / 10 per class
+    assert counts.tolist() == [500] * 10  # (4500 + 500) / 10 per class
 
 
 @pytest.mark.parametrize(
