@@ -5,6 +5,7 @@ a function-level import is an import that runs, only later.
 """
 
 import ast
+import functools
 import os
 
 from helpers import ROOT
@@ -30,12 +31,18 @@ def _modules():
 MODULES = _modules()
 
 
+@functools.cache
+def _parse(path):
+    """`path`'s syntax tree; each file is parsed once for all the checks."""
+    with open(path) as f:
+        return ast.parse(f.read(), path)
+
+
 def _imports(path):
     """Every module name imported anywhere in `path` (module level or inside
     functions), absolute. `from tf_asgd import x` names `tf_asgd.x` when `x`
     is a module, else `tf_asgd`."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
+    tree = _parse(path)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -154,8 +161,7 @@ def test_private_tf_and_keras_imports_stay_in_few_modules():
 
 def test_the_keras_version_check_runs_before_any_private_import():
     path = MODULES["tf_asgd.internals"]
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
+    tree = _parse(path)
     check = first_private = None
     for i, node in enumerate(tree.body):
         if (
@@ -189,8 +195,7 @@ MAX_MODULE_DOCSTRING_LINES = 15
 
 def _module_docstring_lines(path):
     """Source lines of `path`'s module docstring, quotes included (0 without one)."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
+    tree = _parse(path)
     first = tree.body[0] if tree.body else None
     if not (
         isinstance(first, ast.Expr)
@@ -226,8 +231,7 @@ def test_unit_tests_start_no_cluster():
     for name in sorted(os.listdir(unit)):
         if not name.endswith(".py"):
             continue
-        with open(os.path.join(unit, name)) as f:
-            tree = ast.parse(f.read())
+        tree = _parse(os.path.join(unit, name))
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and "LocalCluster" in ast.unparse(node.func):
                 found.append(f"{name}:{node.lineno}")

@@ -91,11 +91,11 @@ def test_load_mnist1d_is_seeded_and_leaves_global_random_state_alone(mnist1d):
     assert not np.array_equal(x, x3)
 
 
-def test_load_mnist1d_larger_training_set():
-    (x, y), (xt, yt) = data.load_mnist1d(num_train=4500, num_test=500)
-    assert x.shape == (4500, 40, 1) and xt.shape == (500, 40, 1)
+def test_load_mnist1d_other_sizes_split_by_count_with_equal_classes():
+    (x, y), (xt, yt) = data.load_mnist1d(num_train=930, num_test=70)
+    assert x.shape == (930, 40, 1) and xt.shape == (70, 40, 1)
     counts = np.bincount(np.concatenate([y, yt]))
-    assert counts.tolist() == [500] * 10  # (4500 + 500) / 10 per class
+    assert counts.tolist() == [100] * 10  # (930 + 70) / 10 per class
 
 
 @pytest.mark.parametrize(
