@@ -464,6 +464,9 @@ def main(argv=None):
         f.write(text)
     print(text)
     print(f"bench took {time.time() - t0:.0f} s", flush=True)
+    if not raw:
+        print("bench: every run failed (above); nothing was measured.", file=sys.stderr)
+        return 1
     return 0
 
 

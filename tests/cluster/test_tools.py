@@ -312,6 +312,20 @@ def test_bench_tool(tmp_path):
     assert "| asgd | 1 | 2 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_bench_tool_fails_when_every_run_failed(tmp_path):
+    """A bench whose every child fails (here each is stopped by --child-timeout before it
+    can measure) exits 1 and says so, instead of writing an empty table."""
+    module = _tool("bench.py")
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = module.main(
+            ["--out", str(tmp_path), "--modes", "keras", "--rounds", "1", "--child-timeout", "0.01"]
+        )
+    assert code == 1
+    assert "FAILED keras x0 one in round 0" in err.getvalue()
+    assert "every run failed" in err.getvalue()
+
+
 def test_experiments_tool(tmp_path):
     _run(
         "experiments.py",
