@@ -150,7 +150,7 @@ def test_the_layer_checker_sees_the_core_edges():
     assert _layer("tf_asgd.runtime.window") > _layer("tf_asgd.rules.outer")
 
 
-def test_private_tf_and_keras_imports_stay_in_few_modules():
+def test_private_tf_and_keras_imports_stay_in_one_module():
     users = {
         module: sorted(n for n in _imports(path) if n.startswith(PRIVATE_PREFIXES))
         for module, path in MODULES.items()
