@@ -56,7 +56,10 @@ def _free_what_the_test_left(request):
     costs a synchronous RPC per task of that cluster (`internals.mark_tasks_gone`).
 
     What survives is frozen (`gc.freeze`): the next collection then walks only what later
-    tests make, not TensorFlow's and Keras's modules again (about 0.2 s a test)."""
+    tests make, not TensorFlow's and Keras's modules again (about 0.2 s a test). A frozen
+    object that later becomes cyclic garbage is never collected: a module-scoped strategy
+    whose fits each leave a per-worker iterator therefore gets a cluster of the module's
+    own (`local_cluster(..., own=True)`), whose tasks exit with them at the module's end."""
     yield
     if CLUSTER_TESTS in pathlib.Path(request.node.path).parents:
         gc.collect()
