@@ -31,6 +31,19 @@ from tf_asgd.runtime.scheduling import WindowTrainer, validate_windows_per_closu
 # a dataset for its workers (values.serialize_dataset_to_graph).
 _EXTERNAL_STATE_WARN = 0
 
+# The strategies of this process whose coordinator runs. TF's eager context holds one
+# cluster connection per process, so a new strategy's connection ends the earlier ones';
+# their coordinators are stopped first, or a failure handler of theirs could reconnect
+# the process to an old cluster under the new strategy.
+_connected = weakref.WeakSet()
+
+
+def _stop_earlier_strategies():
+    for earlier in list(_connected):
+        _connected.discard(earlier)
+        earlier._replaced = True
+        internals.stop_coordinator(earlier.coordinator)
+
 
 class _WindowDataset:
     """What `experimental_distribute_dataset` hands to Keras.
@@ -147,6 +160,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     The strategy keeps each model's training state (its `WindowTrainer`,
     whether `fit` is running) by model, weakly: nothing is set on the model.
+    TensorFlow holds one cluster connection per process: a later strategy's
+    ends this one's (its coordinator stops; `fit` and `evaluate` then raise
+    `RuntimeError`).
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
@@ -310,6 +326,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
+        _stop_earlier_strategies()
         # Connecting starts this process's gRPC server and, on first use, TF's
         # devices: start-up lines (the server's address, a failed cuInit where
         # there is no CUDA driver) are dropped, anything else is shown.
@@ -332,6 +349,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        self._replaced = False
+        _connected.add(self)
         # TF waits for a lost worker without a bound; this bounds it by connect_timeout.
         self._reconnection_watch = lost_workers.ReconnectionWatch(
             self, self.coordinator, cluster_resolver.cluster_spec().as_dict()
@@ -503,6 +522,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         return state
 
     # ---- per-model state, for keras_hook and gem (not public) ----------------
+
+    def _check_connected(self):
+        """Raises `RuntimeError` once a later strategy of this process has connected."""
+        if self._replaced:
+            raise RuntimeError(
+                "This AsyncParameterServerStrategy no longer has a cluster connection: a "
+                "later strategy was created in this process, and TensorFlow holds one "
+                "connection per process. Build and compile the model under the newest "
+                "strategy's scope."
+            )
 
     def _trainer_of(self, model):
         """The model's `WindowTrainer`, or None if it has none yet."""

@@ -1,6 +1,7 @@
 """AsyncParameterServerStrategy on a real loopback cluster with model.fit."""
 
 import subprocess
+import threading
 import time
 
 import keras
@@ -229,6 +230,35 @@ def test_cluster_without_ps_or_worker(cluster, missing):
         tf_asgd.AsyncParameterServerStrategy(make_resolver(spec))
     with pytest.raises(ValueError, match="at least one worker and one ps"):
         tf_asgd.LocalCluster(num_workers=1, num_ps=0)
+
+
+def _coordinator_threads():
+    names = ("WorkerPreemptionHandler", "WorkerClosureProcessingLoop")
+    return [t for t in threading.enumerate() if t.name.startswith(names)]
+
+
+def test_a_later_strategy_stops_the_earlier_ones_coordinator(cluster, digits):
+    """TF holds one cluster connection per process: a new strategy's ends the earlier
+    one's. The earlier coordinator's threads stop (its failure handler could otherwise
+    reconnect the process to the old cluster), and its model's fit says why it cannot run."""
+    (x, y), _ = digits
+    first = _strategy(cluster, n_sync=2)
+    with first.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    running = _coordinator_threads()
+    assert running
+    second = _strategy(cluster, n_sync=2)
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in running)
+    assert _coordinator_threads()  # the later strategy's
+    for run in (model.fit, model.evaluate):
+        with pytest.raises(RuntimeError, match="a later strategy was created in this process"):
+            run(x[:64], y[:64], batch_size=32, verbose=0)
+    with second.scope():
+        again = compile_digits(tf_asgd.models.digits_convnet())
+    again.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0)
 
 
 def test_fit_on_model_built_outside_scope(cluster, digits):

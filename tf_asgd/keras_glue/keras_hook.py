@@ -94,6 +94,7 @@ def _wrap(name, ours_impl):
 
 def _fit(original, model, *args, **kwargs):
     strategy = _strategy_of(model)
+    strategy._check_connected()
     if strategy._is_fitting(model):
         raise RuntimeError("fit is already running on this model.")
     if not model.compiled:
@@ -419,6 +420,7 @@ def _evaluate(original, model, *args, **kwargs):
     Keras's own on the chief. (`fit` calls it for validation, with
     `_use_cached_eval_dataset=True`: the workers read the validation data
     given to `fit`, not Keras's cached chief iterator.)"""
+    _strategy_of(model)._check_connected()
     evaluator = _strategy_of(model)._evaluator_for(model)
     if evaluator is not None and model.compiled:
         bound = inspect.signature(original).bind(model, *args, **kwargs)
