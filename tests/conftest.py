@@ -57,23 +57,30 @@ def _free_what_the_test_left(request):
 
     What survives is frozen (`gc.freeze`): the next collection then walks only what later
     tests make, not TensorFlow's and Keras's modules again (about 0.2 s a test). A frozen
-    object that later becomes cyclic garbage is never collected: a module-scoped strategy
-    whose fits each leave a per-worker iterator therefore gets a cluster of the module's
-    own (`local_cluster(..., own=True)`), whose tasks exit with them at the module's end."""
+    object that later becomes cyclic garbage is never collected until the process exits;
+    what it holds on a cluster's tasks goes with the module's clusters (`local_cluster`)."""
     yield
     if CLUSTER_TESTS in pathlib.Path(request.node.path).parents:
         gc.collect()
         gc.freeze()
 
 
+@pytest.fixture(scope="session")
+def _fork_server_anchor():
+    """A one-worker cluster held open for the session: its fork server (`task_forks`)
+    then outlives every module's clusters, and each new cluster forks its tasks from it
+    instead of importing TensorFlow again (about 6 s of CPU and 4 s of waiting each)."""
+    import tf_asgd
+
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1, shared_process=True) as anchor:
+        yield anchor
+
+
 @pytest.fixture(autouse=True)
 def _one_fork_server(request):
-    """A cluster test's process holds the session's shared cluster open from its first
-    cluster test on, and with it one fork server (`task_forks`): a test's own cluster or a
-    tool's then forks its tasks from it instead of importing TensorFlow again (about 6 s of
-    CPU and 4 s of waiting each)."""
+    """A cluster test's process holds one fork server from its first cluster test on."""
     if CLUSTER_TESTS in pathlib.Path(request.node.path).parents:
-        request.getfixturevalue("cluster")
+        request.getfixturevalue("_fork_server_anchor")
 
 
 @pytest.fixture
@@ -93,13 +100,18 @@ def digits():
     return tf_asgd.data.load_digits()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_cluster():
     """The one cluster factory. `local_cluster(num_workers, num_ps=1)` is a cluster shared
-    by every test of the session that asks for that shape, all its tasks in one child
+    by every test of the module that asks for that shape, all its tasks in one child
     process. `local_cluster(..., own=True)` is a new, unstarted `LocalCluster` for one test
     (`with local_cluster(1, own=True, shared_process=False) as c:`), for tests that kill,
-    stop or restart tasks."""
+    stop or restart tasks.
+
+    Shared clusters close with their module: their tasks exit holding whatever the
+    module's fits left on the workers (per-worker iterators kept alive by `gc.freeze`),
+    which a later module's connection would otherwise wait for the workers to destroy one
+    by one (minutes, after a module of many fits on one strategy)."""
     import tf_asgd
 
     shared, stack = {}, contextlib.ExitStack()
@@ -119,7 +131,7 @@ def local_cluster():
         yield make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(local_cluster):
     """2 workers and 1 PS, shared: the shape most tests train on."""
     return local_cluster(2)

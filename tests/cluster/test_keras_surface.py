@@ -28,13 +28,8 @@ SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 @pytest.fixture(scope="module")
-def strategy(local_cluster):
-    """One strategy for the module, on a cluster of its own that closes with the module.
-    Its tasks then exit holding the per-worker iterators the module's fits left (kept by
-    conftest's `gc.freeze`); on the shared cluster, the next strategy's connection would
-    wait, for minutes, while the workers destroy them one by one."""
-    with local_cluster(2, own=True) as cluster:
-        yield tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=N_SYNC)
+def strategy(cluster):
+    return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=N_SYNC)
 
 
 @pytest.fixture(scope="module")
