@@ -161,8 +161,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     The strategy keeps each model's training state (its `WindowTrainer`,
     whether `fit` is running) by model, weakly: nothing is set on the model.
     TensorFlow holds one cluster connection per process: a later strategy's
-    ends this one's (its coordinator stops; `fit` and `evaluate` then raise
-    `RuntimeError`).
+    ends this one's (its coordinator stops; `fit`, `evaluate` and `predict`
+    then raise `RuntimeError`).
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`

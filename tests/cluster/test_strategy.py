@@ -240,7 +240,8 @@ def _coordinator_threads():
 def test_a_later_strategy_stops_the_earlier_ones_coordinator(cluster, digits):
     """TF holds one cluster connection per process: a new strategy's ends the earlier
     one's. The earlier coordinator's threads stop (its failure handler could otherwise
-    reconnect the process to the old cluster), and its model's fit says why it cannot run."""
+    reconnect the process to the old cluster), and its model's fit, evaluate and predict
+    say why they cannot run."""
     (x, y), _ = digits
     first = _strategy(cluster, n_sync=2)
     with first.scope():
@@ -253,9 +254,13 @@ def test_a_later_strategy_stops_the_earlier_ones_coordinator(cluster, digits):
         time.sleep(0.05)
     assert not any(t.is_alive() for t in running)
     assert _coordinator_threads()  # the later strategy's
-    for run in (model.fit, model.evaluate):
+    for run in (
+        lambda: model.fit(x[:64], y[:64], batch_size=32, verbose=0),
+        lambda: model.evaluate(x[:64], y[:64], batch_size=32, verbose=0),
+        lambda: model.predict(x[:64], batch_size=32, verbose=0),
+    ):
         with pytest.raises(RuntimeError, match="a later strategy was created in this process"):
-            run(x[:64], y[:64], batch_size=32, verbose=0)
+            run()
     with second.scope():
         again = compile_digits(tf_asgd.models.digits_convnet())
     again.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0)

@@ -77,12 +77,16 @@ def _check_outside_scope(model):
         )
 
 
-def _wrap(name, ours_impl):
+def _wrap(name, ours_impl, entry_point=False):
+    """Routes `TensorFlowTrainer.<name>` to `ours_impl` for our models. An entry point
+    (fit, evaluate, predict) first checks that the model's strategy is still connected."""
     original = getattr(internals.TensorFlowTrainer, name)
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         if _ours(self):
+            if entry_point:
+                _strategy_of(self)._check_connected()
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
             _check_outside_scope(self)
@@ -94,7 +98,6 @@ def _wrap(name, ours_impl):
 
 def _fit(original, model, *args, **kwargs):
     strategy = _strategy_of(model)
-    strategy._check_connected()
     if strategy._is_fitting(model):
         raise RuntimeError("fit is already running on this model.")
     if not model.compiled:
@@ -420,7 +423,6 @@ def _evaluate(original, model, *args, **kwargs):
     Keras's own on the chief. (`fit` calls it for validation, with
     `_use_cached_eval_dataset=True`: the workers read the validation data
     given to `fit`, not Keras's cached chief iterator.)"""
-    _strategy_of(model)._check_connected()
     evaluator = _strategy_of(model)._evaluator_for(model)
     if evaluator is not None and model.compiled:
         bound = inspect.signature(original).bind(model, *args, **kwargs)
@@ -507,12 +509,12 @@ def install():
     # Before the strategy connects: freed functions are then removed only
     # from the connection that has them (no error lines, see internals).
     internals.guard_function_removal()
-    _wrap("fit", _fit)
+    _wrap("fit", _fit, entry_point=True)
     _wrap("make_train_function", _make_train_function)
     _wrap("_get_metrics_result_or_logs", _get_metrics_result_or_logs)
     _wrap("reset_metrics", _reset_metrics)
-    _wrap("evaluate", _evaluate)
-    _wrap("predict", _on_chief)
+    _wrap("evaluate", _evaluate, entry_point=True)
+    _wrap("predict", _on_chief, entry_point=True)
     _wrap("_maybe_symbolic_build", _symbolic_build)
     _wrap("train_on_batch", _train_on_batch)
     _wrap_batch_ends()
