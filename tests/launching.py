@@ -82,3 +82,9 @@ def assert_all_stopped(pids, within=15.0):
     while any(alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in pids if alive(pid)]
+
+
+def before_module_list(err):
+    """`err` without the list of extension modules that Python's faulthandler prints
+    after the threads' stacks of a fatal error: the stacks then fit in a failure's tail."""
+    return err.split("\nExtension modules:")[0]

@@ -22,7 +22,7 @@ import tf_asgd
 from tf_asgd.rules import update_rules
 
 from helpers import ROOT, compile_digits
-from launching import alive, assert_all_stopped, launcher, local_cluster_pids
+from launching import alive, assert_all_stopped, before_module_list, launcher, local_cluster_pids
 
 # ---------------------------------------------------------------------------
 # Helpers
@@ -389,6 +389,7 @@ _NOISE = re.compile(
 def _tail(log, chars=3000):
     """The end of a launcher's log without TF's function-removal noise, for
     assertion messages (that noise can fill the whole tail)."""
+    log = before_module_list(log)  # a segfault's stacks, not faulthandler's module list
     return "\n".join(line for line in log.splitlines() if not _NOISE.search(line))[-chars:]
 
 

@@ -25,6 +25,7 @@ from launching import (
     SHORT,
     alive,
     assert_all_stopped,
+    before_module_list,
     launcher,
     local_cluster_pids,
     local_cluster_ports,
@@ -207,15 +208,9 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
     print(f"Ctrl-C ({isolate}): the launcher exited {proc.returncode} after {secs:.1f} s")
     # 130 = 128 + SIGINT: stopped cleanly (checkpoint, tasks stopped); 1 would
     # mean the --stop_timeout bound had to end it (stacks in the log).
-    assert proc.returncode == 130, _before_module_list(err)[-3000:]
+    assert proc.returncode == 130, before_module_list(err)[-3000:]
     assert "Rerun with --resume" in err and "Traceback" not in err, err[-3000:]
     assert_all_stopped(cluster_pids)
-
-
-def _before_module_list(err):
-    """`err` without the list of extension modules that Python's faulthandler prints
-    after the threads' stacks of a fatal error: the stacks then fit in a failure's tail."""
-    return err.split("\nExtension modules:")[0]
 
 
 # What a clean run must not print: TF's errors about removing functions from
@@ -264,26 +259,6 @@ def _clean_default_run(workdir):
     assert not re.search(r"^\s*10/10 ", out, re.MULTILINE), "Keras's progress line as well"
     assert not re.search(r"^W\d{4} .*keras_hook", out, re.MULTILINE), "a warning on a clean run"
     assert len(re.findall(r"saved checkpoint \S+ \(epoch \d\)", out)) == 6
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost raise
-def test_stop_signals_raise_again_after_a_lost_keyboard_interrupt():
-    """A KeyboardInterrupt raised inside a finalizer is printed and dropped by
-    Python; StopSignals remembers the signal and raises at the next check."""
-
-    class Finalizer:
-        def __del__(self):
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises in here: lost
-            time.sleep(0.05)
-
-    before = signal.getsignal(signal.SIGTERM)
-    with train_lib.StopSignals(timeout=0) as stop:
-        Finalizer()  # freed at once: "Exception ignored in ... Finalizer.__del__"
-        assert stop.requested.is_set()
-        with pytest.raises(KeyboardInterrupt):
-            train_lib.InterruptCallback(stop).on_train_batch_end(0)
-    assert stop.exit_code == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_isolate_network_yes_without_unshare_stops_with_a_clear_error(tmp_path):

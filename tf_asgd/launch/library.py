@@ -236,16 +236,19 @@ def save_checkpoint(manager, step, reason, log=logging.info):
 
 class StopSignals:
     """Ctrl-C (SIGINT) and SIGTERM as a KeyboardInterrupt that is never lost,
-    with a bound on how long stopping may take.
+    and never raised where it could corrupt TensorFlow, with a bound on how
+    long stopping may take.
 
     Python raises a signal's exception in whatever Python code the main
-    thread runs next. When that is a finalizer (`__del__`; TF frees a
-    tf.function with one synchronous RPC per task of the cluster, so the
-    chief spends real time in them) Python prints "Exception ignored in" and
-    drops it, and training goes on as if nothing happened (measured: 1 in 30
-    Ctrl-Cs sent while functions were being freed under a parameter-server
-    strategy). So a signal also sets `requested`, and `check()` (run by
-    `InterruptCallback` after every batch and epoch) raises again.
+    thread runs next. Inside TensorFlow or Keras that is unsafe: their C++
+    calls back into Python (tracing, `tf.cond`, `nest`), and an exception it
+    does not expect there leaves it with a NULL result (`SystemError`, a
+    strategy whose every later `fit` fails, or a segfault). In a finalizer
+    (`__del__`) the exception is dropped. So the handler raises only where
+    the main thread waits in Python's `threading` (the chief's waits for its
+    windows) or runs with no TensorFlow or Keras frame on its stack; anywhere
+    else it sets `requested`, and `check()` (run by `InterruptCallback` after
+    every batch and epoch) raises.
 
     The first signal also arms a hard deadline: if stopping (the last
     windows, the checkpoint, stopping the local cluster) has not ended the
@@ -287,10 +290,11 @@ class StopSignals:
         self.requested.set()
         if self.timeout:
             faulthandler.dump_traceback_later(self.timeout, exit=True)
-        raise KeyboardInterrupt(f"signal {signum}")
+        if safe_to_interrupt(frame):
+            raise KeyboardInterrupt(f"signal {signum}")
 
     def check(self):
-        """Raises KeyboardInterrupt if a signal came (its first raise may have been lost)."""
+        """Raises KeyboardInterrupt if a signal came (deferred, or its first raise lost)."""
         if self.requested.is_set():
             raise KeyboardInterrupt(f"signal {self.signum}")
 
@@ -299,9 +303,26 @@ class StopSignals:
         return 128 + (self.signum or signal.SIGINT)
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (tf, keras))
+
+
+def safe_to_interrupt(frame):
+    """Whether an exception may be raised in `frame`, the main thread's
+    innermost Python frame: a wait of Python's `threading` module, or code
+    with no TensorFlow or Keras frame below it (see `StopSignals`)."""
+    if frame is None or frame.f_code.co_filename == threading.__file__:
+        return True
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            return False
+        frame = frame.f_back
+    return True
+
+
 class InterruptCallback(keras.callbacks.Callback):
     """Raises KeyboardInterrupt after a batch or epoch once `stop` (a
-    `StopSignals`) got a signal whose own KeyboardInterrupt was lost."""
+    `StopSignals`) got a signal that was not raised where it came, or whose
+    KeyboardInterrupt was lost."""
 
     _tf_asgd_runs_per_window = True  # a check per window is often enough
 
