@@ -88,10 +88,15 @@ def test_default_run_prints_no_noise_then_resume_continues_version_and_epochs(tm
     assert rows[0].startswith("epoch") and "samples_per_sec" in rows[0] and "staleness" in rows[0]
     assert len(rows) == 7
 
-    # A second run without --resume refuses to clobber the checkpoints.
+    # A second run without --resume refuses to clobber the checkpoints, before it loads TF.
     resumed = [*SHORT, "--config.steps_per_epoch=10", "--config.epochs=7"]
-    again = run_launcher([*resumed, f"--workdir={workdir}"])
-    assert again.returncode != 0 and "--resume" in again.stderr
+    again = run_launcher(
+        [*resumed, f"--workdir={workdir}"], extra_env={"PYTHONPROFILEIMPORTTIME": "1"}
+    )
+    refusal = again.stderr.splitlines()[-1]
+    assert again.returncode == 1 and "already holds checkpoints" in refusal, again.stderr[-3000:]
+    assert "--resume" in refusal and "Traceback" not in again.stderr
+    assert not re.search(r"^import time: .*\| tensorflow$", again.stderr, re.MULTILINE)
 
     second = run_launcher([*resumed, "--resume", f"--workdir={workdir}"])
     assert second.returncode == 0, second.stderr[-3000:]

@@ -6,6 +6,7 @@ fields). Standard library only: the launcher reads this before it imports
 TensorFlow (see `tf_asgd.launch`).
 """
 
+CHECKPOINT_DIR = "checkpoints"  # under --workdir, with TF's `checkpoint` state file
 DATASETS = ("digits", "mnist", "cifar10", "imagenet")
 MODELS = (
     "digits_convnet",

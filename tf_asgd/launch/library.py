@@ -28,7 +28,6 @@ from tf_asgd import internals, models, optimizers
 from tf_asgd.launch.config_fields import MODELS
 from tf_asgd.rules import update_rules
 
-CHECKPOINT_DIR = "checkpoints"
 DONE_FILE = "DONE"
 
 

@@ -13,6 +13,7 @@ unless `--verbose_tf`.
 """
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -171,6 +172,24 @@ def limit_local_bandwidth(rate):
     )
 
 
+def refuse_a_used_workdir(workdir):
+    """Exits, saying why, if `workdir` holds a checkpoint: without `--resume` the run would
+    write over it. Read from TF's `checkpoint` state file before TensorFlow is loaded, so
+    the refusal is immediate (the chief checks again with TF)."""
+    ckpt_dir = os.path.join(workdir, config_fields.CHECKPOINT_DIR)
+    try:
+        with open(os.path.join(ckpt_dir, "checkpoint")) as f:
+            m = re.search(r'^model_checkpoint_path: "(.*)"$', f.read(), re.MULTILINE)
+    except OSError:
+        return
+    latest = m and os.path.join(ckpt_dir, m.group(1))
+    if latest and os.path.exists(latest + ".index"):
+        sys.exit(
+            f"tf_asgd.launch: {workdir!r} already holds checkpoints ({latest}); pass --resume "
+            "to continue from the newest one, or use a fresh --workdir."
+        )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -185,6 +204,8 @@ def main(argv):
         sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
         raise app.UsageError("--workdir is required for local runs, the chief and the evaluator.")
+    if not FLAGS.resume and (role is None or role[1] == "chief"):
+        refuse_a_used_workdir(FLAGS.workdir)
     rate = check_bandwidth_flag(FLAGS.bandwidth, role, FLAGS.isolate_network, config)
     if role is None:
         isolate_local_run("yes" if rate else FLAGS.isolate_network, config)

@@ -26,9 +26,9 @@ from absl import logging
 from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.cluster import task_server
 from tf_asgd.cluster.lost_tasks import task_lost_error
+from tf_asgd.launch.config_fields import CHECKPOINT_DIR
 from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
 from tf_asgd.launch.library import (
-    CHECKPOINT_DIR,
     DONE_FILE,
     InterruptCallback,
     StopSignals,
