@@ -29,9 +29,10 @@ def pytest_collection_modifyitems(config, items):
         cluster = CLUSTER_TESTS in pathlib.Path(item.path).parents
         if cluster:
             item.add_marker(pytest.mark.cluster)
-        # Under `-n N` a module's cluster, or any module-scoped fixture, is made once: its
-        # tests run in one process. Other tests go wherever a process is free.
-        if cluster or _uses_a_module_fixture(item):
+        # Under `-n N` a module's cluster, or any module-scoped fixture, is made once: the
+        # tests that use it run in one process. Other tests (the launcher's, the tools')
+        # go wherever a process is free, which keeps both cores busy to the end.
+        if _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
