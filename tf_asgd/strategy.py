@@ -41,7 +41,6 @@ _connected = weakref.WeakSet()
 def _stop_earlier_strategies():
     for earlier in list(_connected):
         _connected.discard(earlier)
-        earlier._replaced = True
         internals.stop_coordinator(earlier.coordinator)
 
 
@@ -349,7 +348,6 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
-        self._replaced = False
         _connected.add(self)
         # TF waits for a lost worker without a bound; this bounds it by connect_timeout.
         self._reconnection_watch = lost_workers.ReconnectionWatch(
@@ -525,7 +523,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     def _check_connected(self):
         """Raises `RuntimeError` once a later strategy of this process has connected."""
-        if self._replaced:
+        if self not in _connected:
             raise RuntimeError(
                 "This AsyncParameterServerStrategy no longer has a cluster connection: a "
                 "later strategy was created in this process, and TensorFlow holds one "

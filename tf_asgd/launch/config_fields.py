@@ -67,3 +67,11 @@ def config_help():
     lines = [f"{field}: {meaning};" for field, meaning in CONFIG_FIELDS.items()]
     lines[-1] = lines[-1][:-1] + "."
     return "Config fields (override with --config.<field>=<value>):\n" + "\n".join(lines) + "\n"
+
+
+def used_workdir_message(workdir, latest):
+    """Why a run without `--resume` refuses `workdir`, whose newest checkpoint is `latest`."""
+    return (
+        f"{workdir!r} already holds checkpoints ({latest}); pass --resume to continue from "
+        "the newest one, or use a fresh --workdir."
+    )

@@ -184,10 +184,7 @@ def refuse_a_used_workdir(workdir):
         return
     latest = m and os.path.join(ckpt_dir, m.group(1))
     if latest and os.path.exists(latest + ".index"):
-        sys.exit(
-            f"tf_asgd.launch: {workdir!r} already holds checkpoints ({latest}); pass --resume "
-            "to continue from the newest one, or use a fresh --workdir."
-        )
+        sys.exit(f"tf_asgd.launch: {config_fields.used_workdir_message(workdir, latest)}")
 
 
 def main(argv):

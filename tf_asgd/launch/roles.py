@@ -26,7 +26,7 @@ from absl import logging
 from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.cluster import task_server
 from tf_asgd.cluster.lost_tasks import task_lost_error
-from tf_asgd.launch.config_fields import CHECKPOINT_DIR
+from tf_asgd.launch.config_fields import CHECKPOINT_DIR, used_workdir_message
 from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
 from tf_asgd.launch.library import (
     DONE_FILE,
@@ -215,10 +215,7 @@ def newest_checkpoint_unless_refused(workdir, resume):
     """
     latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
     if latest and not resume:
-        raise ValueError(
-            f"{workdir!r} already holds checkpoints ({latest}); pass --resume to "
-            "continue from the newest one, or use a fresh --workdir."
-        )
+        raise ValueError(used_workdir_message(workdir, latest))
     return latest
 
 
