@@ -63,6 +63,12 @@ def local_cluster_pids(log):
     return pids + ([int(m.group(2))] if m.group(2) != "None" else [])
 
 
+def parent_pid(pid):
+    """The process id of `pid`'s parent process."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(")")[-1].split()[1])
+
+
 def alive(pid):
     """Whether process `pid` runs: False once it is gone or a zombie."""
     try:

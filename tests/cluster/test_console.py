@@ -3,6 +3,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -61,10 +62,10 @@ def test_progress_counts_the_epochs_steps_and_shows_no_placeholder(cluster, digi
     assert zeros <= set(REAL_ZEROS), out
 
 
-def _python(code, **env):
+def _python(code, *args, **env):
     environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *args],
         cwd=ROOT,
         env=dict(environ, **env),
         capture_output=True,
@@ -82,15 +83,19 @@ def test_importing_tf_asgd_first_loads_tensorflow_without_its_banners():
 
 
 def test_a_fatal_message_inside_the_filter_still_reaches_stderr():
+    # Started the way a LocalCluster starts a task server (`python -c "'MODULE';..."
+    # MODULE`), which tf_asgd imports without TensorFlow: the filter needs none.
+    server = "tf_asgd.cluster.task_server"
     code = (
-        "import os\n"
+        f"{server!r};import os,sys\n"
         "from tf_asgd.cluster.local_cluster import filtered_stderr\n"
+        "assert 'tensorflow' not in sys.modules\n"
         "with filtered_stderr():\n"
         "    os.write(2, b'F0000 fatal: this CPU lacks AVX\\n')\n"
         "    os.abort()\n"
     )
-    proc = _python(code)
-    assert proc.returncode != 0
+    proc = _python(code, server)
+    assert proc.returncode == -signal.SIGABRT, proc.stderr
     assert "F0000 fatal: this CPU lacks AVX" in proc.stderr
 
 

@@ -29,6 +29,7 @@ from launching import (
     launcher,
     local_cluster_pids,
     local_cluster_ports,
+    parent_pid,
     run_launcher,
     start_launcher,
 )
@@ -185,6 +186,8 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
         ports = local_cluster_ports("".join(log))
         cluster_pids = local_cluster_pids("".join(log))
         assert cluster_pids and all(alive(pid) for pid in cluster_pids)
+        # One TensorFlow import for the run: the tasks' fork server is a copy of the launcher.
+        assert parent_pid(cluster_pids[-1]) == proc.pid
         isolated = "Isolated: this run has its own network namespace" in "".join(log)
         assert isolated == (isolate == "auto" and _userns_available()), "".join(log)[-3000:]
         ours = os.readlink("/proc/self/ns/net")

@@ -10,14 +10,9 @@ import pytest
 import tf_asgd
 from tf_asgd.cluster import task_forks
 
-from launching import alive
+from launching import alive, parent_pid
 
 pytestmark = pytest.mark.skipif(not task_forks.available(), reason="needs pidfds (Linux 5.3)")
-
-
-def _parent(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().split(")")[-1].split()[1])
 
 
 @pytest.fixture
@@ -32,7 +27,7 @@ def test_forked_tasks_report_their_status_restart_and_all_stop(own_forks):
         forks = cluster.fork_server_pid
         first = cluster.pids()
         assert set(first) == {"ps:0", "worker:0"}
-        assert {_parent(pid) for pid in first.values()} == {forks}
+        assert {parent_pid(pid) for pid in first.values()} == {forks}
 
         cluster.kill_task("worker:0")
         assert "worker:0" not in cluster.pids()
@@ -49,7 +44,7 @@ def test_forked_tasks_report_their_status_restart_and_all_stop(own_forks):
         cluster.restart_task("worker:0")
         again = cluster.pids()
         assert again["ps:0"] == first["ps:0"] and again["worker:0"] != first["worker:0"]
-        assert _parent(again["worker:0"]) == forks
+        assert parent_pid(again["worker:0"]) == forks
     assert not any(alive(pid) for pid in [forks, *first.values(), *again.values()])
 
 
@@ -60,7 +55,7 @@ def test_open_clusters_share_one_fork_server_until_the_last_closes(own_forks):
             forks = one.fork_server_pid
             assert two.fork_server_pid == forks
             tasks = [*one.pids().values(), *two.pids().values()]
-            assert {_parent(pid) for pid in tasks} == {forks}
+            assert {parent_pid(pid) for pid in tasks} == {forks}
             one.close()
             assert alive(forks)
     finally:

@@ -406,6 +406,26 @@ def _release_bandwidth(cluster):
         network.clear_bandwidth_limit()
 
 
+def _task_env(tasks, gpus_per_worker):
+    """The environment of a process hosting `tasks` (none: a fork server's)."""
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    workers = [int(t.split(":")[1]) for t in tasks if t.startswith("worker")]
+    if gpus_per_worker and len(workers) == 1 and len(tasks) == 1:
+        first = workers[0] * gpus_per_worker
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(gpus_per_worker))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def fork_server_spec():
+    """The command line and environment of the fork server (`task_forks`) of
+    this process's clusters without GPUs."""
+    return python_command(_TASK_SERVER, [task_forks.FORKS]), _task_env([], 0)
+
+
 class LocalCluster:
     """N workers and M parameter servers on loopback, as child processes.
 
@@ -518,20 +538,6 @@ class LocalCluster:
             f"worker:{i}" for i in range(self.num_workers)
         ]
 
-    def _env_for(self, tasks):
-        env = dict(os.environ)
-        env.pop("TF_CONFIG", None)
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        workers = [int(t.split(":")[1]) for t in tasks if t.startswith("worker")]
-        if self.gpus_per_worker and len(workers) == 1 and len(tasks) == 1:
-            first = workers[0] * self.gpus_per_worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(first + i) for i in range(self.gpus_per_worker)
-            )
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        return env
-
     def _spawn(self, tasks, deadline):
         if self._forks is not None:
             return self._forks.spawn(self.cluster_spec, tasks, deadline)
@@ -539,7 +545,7 @@ class LocalCluster:
             python_command(_TASK_SERVER, [json.dumps(self.cluster_spec), ",".join(tasks)]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=self._env_for(tasks),
+            env=_task_env(tasks, self.gpus_per_worker),
             text=True,
         )
 
@@ -548,8 +554,7 @@ class LocalCluster:
         # One TF import for all the process's clusters, tasks and restarts;
         # tasks with GPUs start on their own (CUDA initialised under their devices).
         if not self.gpus_per_worker and task_forks.available():
-            command = python_command(_TASK_SERVER, [task_forks.FORKS])
-            self._forks = task_forks.acquire(command, self._env_for([]))
+            self._forks = task_forks.acquire(*fork_server_spec())
         groups = [self.tasks()] if self.shared_process else [[t] for t in self.tasks()]
         for group in groups:
             self._procs["all" if self.shared_process else group[0]] = self._spawn(group, deadline)

@@ -2,16 +2,14 @@
 
 Importing TensorFlow is most of a task process's start-up CPU, which every
 `LocalCluster` task and restart would pay. A `ForkServer` pays it once per
-process and environment: a child process (`task_server --forks FD`) imports
-TF, initialises no device, then forks a task process per request. The
-`LocalCluster`s of a process share it (`acquire`, `release`); it stops when
-the last of them closes. Each `ForkedTask` gets its own stdin lifeline and
-stdout pipe, passed over a Unix socket, so it starts, reports `READY` and
-stops as a task started with `subprocess.Popen` does.
-
-A forked process cannot be waited for by its grandparent, so a task's exit is
-watched through a pidfd (Linux 5.3), and its exit status is the one the fork
-server reports when it reaps it.
+process and environment: a child process (`task_server --forks FD`, or a
+copy of a process that imported TF, `fork_here`) initialises no device and
+forks a task process per request. The `LocalCluster`s of a process share it
+(`acquire`, `release`); it stops when the last of them closes. Each
+`ForkedTask` gets its own stdin lifeline and stdout pipe, passed over a Unix
+socket, so it starts, reports `READY` and stops as a task started with
+`subprocess.Popen` does. Its exit is watched through a pidfd (Linux 5.3), and
+its exit status is the one the fork server reports when it reaps it.
 """
 
 import json
@@ -20,8 +18,10 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+import traceback
 
 FORKS = "--forks"  # task_server's argument that makes it a fork server
 _NO_STATUS = 255  # a task's exit status where the fork server could not report it
@@ -48,14 +48,39 @@ _VOLATILE = frozenset(
 _SHARED_LOCK = threading.Lock()
 
 
+def _key(command, env):
+    return tuple(command), tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE))
+
+
 def acquire(command, env):
     """The fork server for `command` and `env`, started if none runs; each
     call needs a `release`."""
-    key = (tuple(command), tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE)))
     with _SHARED_LOCK:
-        entry = _SHARED.get(key)
+        entry = _SHARED.get(_key(command, env))
         if entry is None or entry[0].gone:
-            entry = _SHARED[key] = [ForkServer(command, env), 0]
+            entry = _SHARED[_key(command, env)] = [ForkServer.start(command, env), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def fork_here(command, env, serve):
+    """Forks the fork server for `command` and `env` from this process, now,
+    instead of starting it by `command` when `acquire` first asks for it.
+
+    Call it after TensorFlow is imported and before it starts its runtime
+    (lists devices, runs an op, starts a server): the fork server and each
+    task it forks are copies of this process, which must not hold threads or
+    devices of TensorFlow's. The environment of the tasks is `env`, as with
+    `acquire`; the copy runs `serve(socket)` (`task_server.serve_forks`).
+
+    Returns:
+        The `ForkServer`, held once, as after an `acquire`: `release` it when
+        no later cluster will need it.
+    """
+    with _SHARED_LOCK:
+        entry = _SHARED.get(_key(command, env))
+        if entry is None or entry[0].gone:
+            entry = _SHARED[_key(command, env)] = [ForkServer.forked_here(env, serve), 0]
         entry[1] += 1
         return entry[0]
 
@@ -75,22 +100,46 @@ def release(server):
 class ForkServer:
     """A process that forks task processes on request (the module docstring).
 
+    Made by `start` (a new process) or `forked_here` (a copy of this one).
+
     Args:
-        command: the fork server's command line, ending in `FORKS`; the socket's
-            descriptor number is appended.
-        env: its environment, which every task it forks inherits.
+        proc: the fork server's process: a `subprocess.Popen`, or a `_Child`.
+        sock: this side of the socket it reads requests from.
     """
 
-    def __init__(self, command, env):
+    @classmethod
+    def start(cls, command, env):
+        """Runs `command` (ending in `FORKS`; the socket's descriptor number is
+        appended) with `env`, which every task it forks inherits."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [*command, str(theirs.fileno())],
                 stdin=subprocess.PIPE,
                 env=env,
                 pass_fds=[theirs.fileno()],
             )
-        self._sock = ours
+        return cls(proc, ours)
+
+    @classmethod
+    def forked_here(cls, env, serve):
+        """Forks this process into a fork server whose tasks get `env` (`fork_here`)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        lifeline_r, lifeline_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            os.close(lifeline_w)
+            _serve_here(serve, theirs, lifeline_r, env)
+        theirs.close()
+        os.close(lifeline_r)
+        return cls(_Child(pid, os.fdopen(lifeline_w, "w")), ours)
+
+    def __init__(self, proc, sock):
+        self._proc = proc
+        self._sock = sock
         self._lock = threading.Lock()  # one request at a time
         self._cond = threading.Condition()
         self._requests = 0  # ids of the requests sent so far
@@ -185,6 +234,59 @@ class ForkServer:
             self._proc.wait()
         self._sock.close()
         self._reader.join(timeout=10)
+
+
+def _serve_here(serve, sock, lifeline, env):
+    """In the child `ForkServer.forked_here` forked: `serve(sock)`, the fork
+    server's loop, with `lifeline` as its stdin and `env` as its environment.
+    Never returns."""
+    code = 1
+    try:
+        # A Ctrl-C in the terminal reaches the whole process group: the tasks
+        # stop on it, this process on its lifeline (as `task_server --forks`).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.dup2(lifeline, 0)
+        os.close(lifeline)
+        sys.stdin = open(0, closefd=False)  # the lifeline, whatever this process's stdin was
+        os.environ.clear()
+        os.environ.update(env)
+        serve(sock)
+        code = 0
+    except BrokenPipeError:  # the parent is gone
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+class _Child:
+    """A child process this process forked, with the part of `subprocess.Popen`'s
+    interface a `ForkServer` uses: `pid`, `stdin`, `poll`, `wait`, `kill`."""
+
+    def __init__(self, pid, stdin):
+        self.pid, self.stdin = pid, stdin
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 class ForkedTask:

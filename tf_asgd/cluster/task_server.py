@@ -10,6 +10,7 @@ TensorFlow once, then forks one such process per request read from the
 socket `FD`.
 """
 
+import contextlib
 import json
 import os
 import select
@@ -18,7 +19,7 @@ import socket
 import sys
 import traceback
 
-from tf_asgd.cluster import local_cluster
+from tf_asgd.cluster import local_cluster, task_forks
 from tf_asgd.cluster.task_forks import FORKS
 
 
@@ -59,12 +60,12 @@ def _host(cluster, tasks):
     os._exit(0)  # the servers end with the process (TF cannot stop them)
 
 
-def _serve_forks(sock):
+def serve_forks(sock):
     """Forks a task process per request on `sock` until stdin (the lifeline)
     closes. Each request carries the task's stdin and stdout pipes; the reply
     is `started ID PID` (ID: the request's), and `exited PID CODE` follows when
     the task ends."""
-    local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
+    local_cluster.import_tensorflow("tf_asgd.cluster.task_server")  # a no-op if imported
     # A Ctrl-C in the terminal reaches the whole process group: the tasks
     # stop on it as before, this process on its lifeline.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -84,6 +85,35 @@ def _serve_forks(sock):
             for fd in fds:
                 os.close(fd)
             sock.send(f"started {request['id']} {pid}".encode())
+
+
+@contextlib.contextmanager
+def fork_server_from_here():
+    """While the block runs, this process's `LocalCluster`s without GPUs fork
+    their tasks from a copy of this process made now (`task_forks.fork_here`),
+    not from a new process that imports TensorFlow again.
+
+    Enter it after importing TensorFlow and before TF starts its runtime
+    (lists devices, runs an op); where pidfds are missing it does nothing.
+
+    Example:
+        import tensorflow as tf
+        with task_server.fork_server_from_here():
+            tf.config.list_physical_devices()
+            with LocalCluster(2, 1) as cluster:
+                ...
+
+    Yields:
+        The fork server's process id, or None.
+    """
+    if not task_forks.available():
+        yield None
+        return
+    server = task_forks.fork_here(*local_cluster.fork_server_spec(), serve_forks)
+    try:
+        yield server.pid
+    finally:
+        task_forks.release(server)
 
 
 def _report_exits(sock):
@@ -121,7 +151,7 @@ def _main(argv):
     if argv[1] == FORKS:
         with socket.socket(fileno=int(argv[2])) as sock:
             try:
-                _serve_forks(sock)
+                serve_forks(sock)
             except BrokenPipeError:  # the parent is gone
                 pass
         os._exit(0)

@@ -12,6 +12,7 @@ TensorFlow's start-up lines and INFO logs are off in the launcher and every task
 unless `--verbose_tf`.
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ from tf_asgd import data
 # network namespace: a process that has loaded TensorFlow (seconds on a
 # small machine) would load it again after the re-exec.
 from tf_asgd.cluster import local_cluster as cluster
-from tf_asgd.cluster import network
+from tf_asgd.cluster import network, task_server
 from tf_asgd.launch import config_fields
 
 config_flags.DEFINE_config_file(
@@ -208,7 +209,14 @@ def main(argv):
         isolate_local_run("yes" if rate else FLAGS.isolate_network, config)
         if rate:
             limit_local_bandwidth(rate)
-    import_tf_quietly(FLAGS.verbose_tf)
+    # A local cluster's tasks are forked from a copy of this process, made once TF is
+    # imported and before its runtime starts: one TensorFlow import for the whole run.
+    forks = role is None and not config.gpus_per_worker
+    with import_tf_quietly(FLAGS.verbose_tf, fork_server=forks):
+        _train(config, role)
+
+
+def _train(config, role):
     from tf_asgd import internals
     from tf_asgd.cluster import lost_tasks
     from tf_asgd.launch import library as train_lib
@@ -261,14 +269,18 @@ def set_tf_log_level(argv):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def import_tf_quietly(verbose):
+@contextlib.contextmanager
+def import_tf_quietly(verbose, fork_server=False):
     """Imports TensorFlow and lists its devices while native stderr is held
     back (`cluster.quiet_tf_startup`: drops the start-up lines, shows
-    anything else)."""
+    anything else). With `fork_server`, in between, forks the fork server of
+    the block's local clusters (`task_server.fork_server_from_here`)."""
     with cluster.quiet_tf_startup(not verbose):
         import tensorflow as tf
-
-        tf.config.list_physical_devices()
+    with task_server.fork_server_from_here() if fork_server else contextlib.nullcontext():
+        with cluster.quiet_tf_startup(not verbose):
+            tf.config.list_physical_devices()
+        yield
 
 
 def config_lines(config, prefix=""):
