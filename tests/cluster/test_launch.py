@@ -128,6 +128,11 @@ def test_default_run_prints_no_noise_then_resume_continues_version_and_epochs(tm
     assert os.path.exists(os.path.join(workdir, "eval_metrics.csv"))
 
 
+def _cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
 def _userns_available():
     from tf_asgd.cluster import network
 
@@ -186,8 +191,10 @@ def test_ctrl_c_stops_every_process_and_ports_stay_in_the_job(tmp_path, isolate)
         ports = local_cluster_ports("".join(log))
         cluster_pids = local_cluster_pids("".join(log))
         assert cluster_pids and all(alive(pid) for pid in cluster_pids)
-        # One TensorFlow import for the run: the tasks' fork server is a copy of the launcher.
-        assert parent_pid(cluster_pids[-1]) == proc.pid
+        # One TensorFlow import for the run: the tasks' fork server is a copy of the
+        # launcher (its child, on the same command line), not a `task_server --forks`.
+        forks = cluster_pids[-1]
+        assert parent_pid(forks) == proc.pid and _cmdline(forks) == _cmdline(proc.pid)
         isolated = "Isolated: this run has its own network namespace" in "".join(log)
         assert isolated == (isolate == "auto" and _userns_available()), "".join(log)[-3000:]
         ours = os.readlink("/proc/self/ns/net")

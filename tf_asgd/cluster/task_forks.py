@@ -271,7 +271,11 @@ class _Child:
 
     def poll(self):
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (a waitpid(-1) of someone's)
+                self.returncode = _NO_STATUS
+                return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
