@@ -7,7 +7,8 @@ be stopped in-process, so ending this process is how they stop.
 
 `task_server --forks FD` is a fork server instead (`task_forks`): it imports
 TensorFlow once, then forks one such process per request read from the
-socket `FD`.
+socket `FD`. `fork_server_from_here` makes one from a copy of the calling
+process (the launcher's), which has imported TensorFlow already.
 """
 
 import contextlib

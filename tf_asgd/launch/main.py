@@ -213,10 +213,11 @@ def main(argv):
     # imported and before its runtime starts: one TensorFlow import for the whole run.
     forks = role is None and not config.gpus_per_worker
     with import_tf_quietly(FLAGS.verbose_tf, fork_server=forks):
-        _train(config, role)
+        _train(config)
 
 
-def _train(config, role):
+def _train(config):
+    """Runs the role of this process (`roles.run`), or exits saying why it stopped."""
     from tf_asgd import internals
     from tf_asgd.cluster import lost_tasks
     from tf_asgd.launch import library as train_lib
