@@ -48,19 +48,10 @@ _VOLATILE = frozenset(
 _SHARED_LOCK = threading.Lock()
 
 
-def _key(command, env):
-    return tuple(command), tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE))
-
-
 def acquire(command, env):
     """The fork server for `command` and `env`, started if none runs; each
     call needs a `release`."""
-    with _SHARED_LOCK:
-        entry = _SHARED.get(_key(command, env))
-        if entry is None or entry[0].gone:
-            entry = _SHARED[_key(command, env)] = [ForkServer.start(command, env), 0]
-        entry[1] += 1
-        return entry[0]
+    return _hold(command, env, lambda: ForkServer.start(command, env))
 
 
 def fork_here(command, env, serve):
@@ -77,10 +68,17 @@ def fork_here(command, env, serve):
         The `ForkServer`, held once, as after an `acquire`: `release` it when
         no later cluster will need it.
     """
+    return _hold(command, env, lambda: ForkServer.forked_here(env, serve))
+
+
+def _hold(command, env, make):
+    """One more use of the fork server for `command` and `env`; `make()` makes
+    it where none runs."""
+    key = (tuple(command), tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE)))
     with _SHARED_LOCK:
-        entry = _SHARED.get(_key(command, env))
+        entry = _SHARED.get(key)
         if entry is None or entry[0].gone:
-            entry = _SHARED[_key(command, env)] = [ForkServer.forked_here(env, serve), 0]
+            entry = _SHARED[key] = [make(), 0]
         entry[1] += 1
         return entry[0]
 
