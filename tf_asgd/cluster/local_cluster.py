@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -265,18 +266,45 @@ def _mark_gone(addresses, gone=True):
 
 
 def _pick_ports(n):
-    """Returns `n` distinct free loopback ports."""
+    """Returns `n` distinct free ports, below the kernel's ephemeral range where it can.
+
+    Outgoing connections take their source ports from the ephemeral range. A task's
+    port there can be taken while the task is down, by another connection or by a
+    client's retries to that port connecting to themselves (TCP simultaneous open),
+    and the task then cannot restart on it.
+    """
+    low = _ephemeral_range_start()
+    first = max(1024, low // 2)
+    if low - first < 64 * n:  # no room below the range: any port the kernel gives
+        candidates = [0] * n
+    else:
+        candidates = random.SystemRandom().sample(range(first, low), min(low - first, 256 * n))
     socks, ports = [], []
     try:
-        for _ in range(n):
+        for candidate in candidates:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("", candidate))  # TF's servers listen on every address
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
             ports.append(s.getsockname()[1])
+            if len(ports) == n:
+                return ports
     finally:
         for s in socks:
             s.close()
-    return ports
+    raise RuntimeError(f"no {n} free ports between {first} and {low}.")
+
+
+def _ephemeral_range_start():
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def parse_tf_config(text):
