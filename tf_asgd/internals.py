@@ -382,31 +382,6 @@ def remote_value_failed(rv):
     return remote_value_ready(rv) and rv._error is not None
 
 
-class _StatusEventAlsoSetting(threading.Event):
-    """A `RemoteValue`'s status event that also sets another event when it is set
-    (`notify_when_ready`)."""
-
-    def set(self):
-        super().set()
-        also = getattr(self, "tf_asgd_also", None)
-        if also is not None:
-            also.set()
-
-
-def notify_when_ready(rv, event):
-    """Sets `event` too once `rv` has its result or error: a wait for any of several
-    `RemoteValue`s, which TF does not have. `rv` itself behaves as before. A result that
-    arrives while this runs may not set `event`: a waiter bounds its wait. A second call
-    for the same `rv` replaces the first one's event."""
-    status = getattr(rv, "_status_available_event", None)  # private: no public hook
-    if type(status) not in (threading.Event, _StatusEventAlsoSetting):
-        return
-    status.tf_asgd_also = event
-    status.__class__ = _StatusEventAlsoSetting  # the event TF's threads already hold
-    if status.is_set():
-        event.set()
-
-
 def wait_briefly(rv, timeout=0.001):
     """Waits until `rv` is ready or `timeout` seconds pass (polling for any of
     several: TF has no wait-for-any on `RemoteValue`s)."""

@@ -4,15 +4,12 @@ exact; a bad `windows_per_closure` is rejected; a worker killed in the middle
 of a closure leaves every window applied exactly once; a slow worker's closure
 hands back the windows it did not start."""
 
-import threading
 import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_asgd
-from tf_asgd import internals
 from tf_asgd.rules import update_rules
 from tf_asgd.runtime import scheduling
 
@@ -187,31 +184,3 @@ def test_worker_killed_mid_closure_every_window_applied_exactly_once(local_clust
         params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         assert stats.bytes_pushed_per_window >= 4 * params
         assert stats.bytes_pushed == steps * stats.bytes_pushed_per_window
-
-
-def test_the_chief_is_woken_by_any_closure_that_finishes(cluster):
-    """The chief waits for closures on one event that any of them sets as it finishes
-    (`internals.notify_when_ready`), not by polling; each closure's own result is
-    fetched as before, and one finished before it was hooked sets the event at once."""
-    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver)
-    slow = tf.data.Dataset.from_tensors(tf.constant(7)).repeat()
-    slow = slow.apply(tf_asgd.data.sleep_transformation(300_000))  # 0.3 s a batch
-    iterator = iter(strategy.coordinator.create_per_worker_dataset(slow))
-
-    @tf.function
-    def take(iterator):
-        return next(iterator)
-
-    finished = threading.Event()
-    values = [strategy.coordinator.schedule(take, args=(iterator,)) for _ in range(3)]
-    for rv in values:
-        internals.notify_when_ready(rv, finished)
-    assert finished.wait(60)
-    strategy.coordinator.join()
-    assert [int(rv.fetch()) for rv in values] == [7, 7, 7]
-
-    late = strategy.coordinator.schedule(take, args=(iterator,))
-    strategy.coordinator.join()
-    done = threading.Event()
-    internals.notify_when_ready(late, done)  # already finished
-    assert done.is_set() and int(late.fetch()) == 7

@@ -11,7 +11,6 @@ closures are sized and re-runs made safe: docs/architecture.md.
 
 import logging
 import statistics
-import threading
 import time
 import weakref
 
@@ -45,9 +44,6 @@ TARGET_CLOSURE_S = 0.2
 MAX_WINDOWS_PER_CLOSURE = 256
 MIN_BUDGET_S = 0.1  # a closure may always start windows for this long
 BUDGET_FACTOR = 4  # ... and for this many times what its windows should take
-# The chief waits for any closure to finish on an event each sets; this bounds a wait
-# whose wake-up was missed (a closure that finished while its event was being hooked).
-_WAIT_SECS = 0.05
 
 
 class WindowTrainer:
@@ -105,7 +101,6 @@ class WindowTrainer:
         self._epoch_windows = []
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
-        self._any_finished = threading.Event()  # set as any of them finishes
         self._iterator = None
         self._next_window_id = 0
         self._epoch_step = 0  # steps asked for this epoch
@@ -274,7 +269,6 @@ class WindowTrainer:
                 )
             function = self._concrete[1]
         rv = self.coordinator.schedule(function, args=args)
-        internals.notify_when_ready(rv, self._any_finished)
         self._pending.append((rv, windows, budget))
         if first:
             self.closure_sizes.append(len(windows))
@@ -315,7 +309,6 @@ class WindowTrainer:
         the oldest would hold every fast worker behind a straggler's closure.
         """
         while True:
-            self._any_finished.clear()  # before the scan: a closure finishing after it wakes us
             ready = [p for p in self._pending if internals.remote_value_ready(p[0])]
             for item in ready:
                 self._pending.remove(item)
@@ -336,7 +329,7 @@ class WindowTrainer:
                     self._schedule(windows[len(rows) :], first=False)
             if not block or len(self._pending) <= keep:
                 return
-            self._any_finished.wait(_WAIT_SECS)
+            internals.wait_briefly(self._pending[0][0])
 
     def _result_lost(self, windows):
         """A closure finished, but its result was lost with its worker before
