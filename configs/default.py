@@ -10,7 +10,7 @@ Every field can be overridden on the command line, e.g.
 
 What each field means is written once, in `tf_asgd.launch.config_fields.CONFIG_FIELDS`;
 `python -m tf_asgd.launch --help` prints it. A new field goes in both places
-(tests/test_configs.py checks that they name the same fields).
+(tests/unit/test_configs.py checks that they name the same fields).
 """
 
 from ml_collections import config_dict
