@@ -36,6 +36,8 @@ def get_config():
     c.seed = 0
     # Asynchrony (tf_asgd.AsyncParameterServerStrategy).
     c.n_sync = 10
+    # Not the strategy's default ("none", with its outer rate): GEM's pushes get no outer
+    # rate, and DynSGD scales the stale ones down (docs/launcher.md).
     c.staleness = "dynsgd"
     c.max_staleness = config_dict.placeholder(int)  # None: keep every push
     c.worker_state = "keep"
