@@ -10,7 +10,7 @@ Every field can be overridden on the command line, e.g.
 
 What each field means is written once, in `tf_asgd.launch.config_fields.CONFIG_FIELDS`;
 `python -m tf_asgd.launch --help` prints it. A new field goes in both places
-(tests/test_configs.py checks that they name the same fields).
+(tests/unit/test_configs.py checks that they name the same fields).
 """
 
 from ml_collections import config_dict
@@ -36,6 +36,8 @@ def get_config():
     c.seed = 0
     # Asynchrony (tf_asgd.AsyncParameterServerStrategy).
     c.n_sync = 10
+    # Not the strategy's default ("none", with its outer rate): GEM's pushes get no outer
+    # rate, and DynSGD scales the stale ones down (docs/launcher.md).
     c.staleness = "dynsgd"
     c.max_staleness = config_dict.placeholder(int)  # None: keep every push
     c.worker_state = "keep"

@@ -21,19 +21,21 @@ import sys
 _EXPORTS = {
     "AsyncParameterServerStrategy": "tf_asgd.strategy",
     "AsyncStats": "tf_asgd.runtime.counters",
-    "ClusterUnreachableError": "tf_asgd.cluster.connect",
+    "ClusterTaskLostError": "tf_asgd.errors",
+    "ClusterUnreachableError": "tf_asgd.errors",
     "Compression": "tf_asgd.rules.compression",
-    "DelayedNesterov": "tf_asgd.rules.update_rules",
+    "DelayedNesterov": "tf_asgd.optimizers",
     "LocalCluster": "tf_asgd.cluster.local_cluster",
-    "MetricStateError": "tf_asgd.runtime.metric_states",
-    "OuterSGD": "tf_asgd.rules.update_rules",
-    "TrainStepError": "tf_asgd.runtime.steps",
-    "UnsupportedFeatureError": "tf_asgd.runtime.optimizer_options",
+    "MetricStateError": "tf_asgd.errors",
+    "MissingDataError": "tf_asgd.errors",
+    "OuterSGD": "tf_asgd.optimizers",
+    "TrainStepError": "tf_asgd.errors",
+    "UnsupportedFeatureError": "tf_asgd.errors",
     "WindowRecord": "tf_asgd.runtime.records",
-    "WorkersLostError": "tf_asgd.cluster.connect",
+    "WorkersLostError": "tf_asgd.errors",
     "parse_tf_config": "tf_asgd.cluster.local_cluster",
 }
-_SUBMODULES = ("data", "models", "optimizers", "rules")
+_SUBMODULES = ("data", "errors", "models", "optimizers", "rules")
 
 
 def __getattr__(name):
@@ -83,17 +85,20 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncParameterServerStrategy",
     "AsyncStats",
+    "ClusterTaskLostError",
     "ClusterUnreachableError",
     "Compression",
     "DelayedNesterov",
     "LocalCluster",
     "MetricStateError",
+    "MissingDataError",
     "OuterSGD",
     "TrainStepError",
     "UnsupportedFeatureError",
     "WindowRecord",
     "WorkersLostError",
     "data",
+    "errors",
     "models",
     "optimizers",
     "parse_tf_config",

@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from tf_asgd.errors import MissingDataError
+
 
 def load_digits(test_fraction=0.2, seed=0):
     """scikit-learn's 8x8 handwritten digits, shuffled and split; works offline.
@@ -265,13 +267,6 @@ def emulated_device_time(step_ms, slowdown=None):
 # the ecosystem's readers (keras.datasets, keras.utils.image_dataset_from_directory,
 # tf.data TFRecords); a missing data set raises `MissingDataError` naming the
 # path tried and how to get the data.
-
-
-class MissingDataError(FileNotFoundError):
-    """A data set is not where the config says it is (and was not downloaded).
-
-    Its message names the path tried and how to get the data.
-    """
 
 
 def _keras_cache(name):

@@ -45,7 +45,7 @@ def test_every_public_name_has_a_directive():
     missing = []
     for name in names:
         if name in exports:
-            # The object where it is defined: `::: tf_asgd.strategy.AsyncParameterServerStrategy`.
+            # The object in the module `_EXPORTS` names: `::: tf_asgd.errors.TrainStepError`.
             covered = f"{exports[name]}.{name}" in directives
         else:
             # A public submodule: the module itself or something inside it.

@@ -7,6 +7,7 @@ a function-level import is an import that runs, only later.
 import ast
 import functools
 import os
+import sys
 
 from helpers import ROOT
 
@@ -109,7 +110,7 @@ def test_no_import_cycle_among_tf_asgd_modules():
 # The package's layers, lowest first. A module may import modules of its own
 # layer or a lower one, never a higher one (docs/architecture.md).
 LAYERS = (
-    ("internals", "rules"),
+    ("errors", "internals", "rules"),  # errors imports nothing of the package (checked below)
     ("optimizers", "data", "models"),
     ("cluster",),
     ("runtime",),
@@ -123,6 +124,15 @@ LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 def _layer(module):
     """`module`'s layer: that of its subpackage, or of the top-level module itself."""
     return LAYER_OF[module.split(".")[1]]
+
+
+def test_the_errors_module_imports_nothing_of_the_package():
+    """tf_asgd.errors is the bottom floor: any module may raise its errors, and importing it
+    loads neither the package's modules nor TensorFlow (the standard library only)."""
+    imported = _imports(MODULES["tf_asgd.errors"])
+    assert not {n for n in imported if n.split(".")[0] == "tf_asgd"}, imported
+    assert all(n.split(".")[0] in sys.stdlib_module_names for n in imported), imported
+    assert "tf_asgd.errors" in _graph()["tf_asgd.runtime.steps"]  # the checker sees its users
 
 
 def test_every_module_has_a_layer():

@@ -1,8 +1,11 @@
 """Configs: every config loads, overrides work, models build, missing data fails clearly."""
 
 import glob
+import inspect
+import math
 import os
 import pickle
+import re
 
 import keras
 import numpy as np
@@ -53,6 +56,56 @@ def test_every_field_is_documented_once():
         fields |= {f"{key}.{sub}" for sub in value} if isinstance(value, dict) else {key}
     assert fields == set(config_fields.CONFIG_FIELDS)
     assert all(config_fields.CONFIG_FIELDS.values())
+
+
+def _formula(text, n):
+    """`text`, a formula of N as the help writes it (`1/sqrt(2N)`, `2 sin(pi/(4N-2))`),
+    evaluated at N = `n`."""
+    python = re.sub(r"(\d)\s*([A-Za-z(])", r"\1*\2", text)  # 2N -> 2*N, 2 sin( -> 2*sin(
+    names = {"max": max, "min": min, "sqrt": math.sqrt, "sin": math.sin, "pi": math.pi, "N": n}
+    return eval(python, {"__builtins__": {}}, names)
+
+
+def test_the_help_states_the_default_outer_rate_the_code_computes():
+    from tf_asgd.rules import update_rules
+
+    formula = config_fields.OUTER_RATE_FORMULA
+    help_text = config_fields.CONFIG_FIELDS["outer.name"]
+    assert formula in help_text and f"{config_fields.OUTER_RATE_AT_8} at 8 workers" in help_text
+    for n in range(1, 65):
+        assert _formula(formula, n) == pytest.approx(
+            update_rules.default_outer_learning_rate(n), rel=1e-12
+        ), n
+    assert f"{update_rules.default_outer_learning_rate(8):.3f}" == config_fields.OUTER_RATE_AT_8
+    # The margin and the limit the help names are the code's.
+    assert "2/3 of the stability limit 2 sin(pi/(4N-2))" in help_text
+    assert update_rules.STABILITY_MARGIN == pytest.approx(2 / 3)
+    for n in (1, 2, 8, 64):
+        assert _formula("2 sin(pi/(4N-2))", n) == pytest.approx(update_rules.stability_limit(n))
+
+
+def test_the_help_states_both_staleness_defaults_and_why_they_differ():
+    """The strategy scales no push by its staleness (its default outer rate damps them);
+    configs/default.py trains with GEM, whose pushes the PS adds at rate 1, so it keeps DynSGD."""
+    from tf_asgd.strategy import AsyncParameterServerStrategy
+
+    strategy_default = inspect.signature(AsyncParameterServerStrategy).parameters["staleness"]
+    assert strategy_default.default == config_fields.STRATEGY_STALENESS == "none"
+    default = load("default")
+    assert default.staleness == config_fields.DEFAULT_CONFIG_STALENESS == "dynsgd"
+    assert default.gem.enabled and train_lib.make_outer_optimizer(default) is None
+    help_text = config_fields.CONFIG_FIELDS["staleness"]
+    assert "the strategy's default is none" in help_text
+    assert "configs/default.py sets dynsgd" in help_text and "GEM" in help_text
+
+
+def test_the_help_states_the_outer_optimizers_own_rates():
+    """`outer.learning_rate` 0 takes the optimizer's own rate; the help lists them."""
+    help_text = config_fields.CONFIG_FIELDS["outer.learning_rate"]
+    for name, rate in (("sgd", 1.0), ("nesterov", 0.7), ("delayed_nesterov", 0.7)):
+        c = load("default", f"--config.outer.name={name}", "--config.outer.learning_rate=0.0")
+        assert train_lib.make_outer_optimizer(c).learning_rate == rate, name
+    assert "sgd 1, nesterov and delayed_nesterov 0.7" in help_text
 
 
 def test_papers_settings():

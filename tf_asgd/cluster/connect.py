@@ -19,6 +19,9 @@ import numbers
 import socket
 import time
 
+from tf_asgd.errors import ClusterUnreachableError
+from tf_asgd.errors import WorkersLostError as WorkersLostError  # lost_workers raises it
+
 log = logging.getLogger("tf_asgd")
 
 DEFAULT_CONNECT_TIMEOUT = 30.0
@@ -31,87 +34,6 @@ _RETRY_SECS = 0.25
 # byte (the 4th of the 9-byte header) is SETTINGS (4).
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 _H2_SETTINGS = 4
-
-
-def _named(tasks):
-    """`"job:index at address (reason); ..."` for `(job, index, address, reason)` tuples."""
-    return "; ".join(f"{job}:{i} at {address} ({reason})" for job, i, address, reason in tasks)
-
-
-class ClusterUnreachableError(ConnectionError):
-    """Some cluster tasks did not answer within the strategy's `connect_timeout`.
-
-    Raised by `AsyncParameterServerStrategy(...)` before TF connects (nothing is
-    connected then); a `ConnectionError`. Its message names each task, its address
-    and why, and says what to check.
-
-    Args:
-        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
-            answer and why.
-        timeout: the seconds waited.
-
-    Attributes:
-        tasks: `[(job, index, address, reason), ...]`, the tasks that did not
-            answer and why (the last probe's error).
-        timeout: the seconds waited.
-
-    Example:
-
-    ```python
-    try:
-        strategy = tf_asgd.AsyncParameterServerStrategy(resolver, connect_timeout=30)
-    except tf_asgd.ClusterUnreachableError as e:
-        for job, index, address, reason in e.tasks:
-            print(f"{job}:{index} at {address}: {reason}")
-    ```
-    """
-
-    def __init__(self, tasks, timeout):
-        self.tasks, self.timeout = list(tasks), timeout
-        super().__init__(self._message(_named(self.tasks)))
-
-    def _message(self, named):
-        """The error's text, given `named`, the tasks as `_named` writes them."""
-        return (
-            f"Could not reach {len(self.tasks)} cluster task(s) within {self.timeout:g} s: "
-            f"{named}. Check that these tasks are running and that the cluster (TF_CONFIG, or "
-            "the resolver's cluster spec) names their hosts and ports; connect_timeout sets "
-            "how long to wait."
-        )
-
-
-class WorkersLostError(ClusterUnreachableError):
-    """No worker could run closures, and the lost tasks did not come back in time.
-
-    Raised by `fit` (or evaluation on the workers) once no worker could run
-    closures and the tasks TF waits for to reconnect did not all answer within
-    the strategy's `connect_timeout` (see `lost_workers`). A
-    `ClusterUnreachableError`. The pushes that finished stay on the parameter
-    servers; once every task answers again, the same strategy trains again.
-    Its arguments and attributes, `tasks` and `timeout`, are
-    `ClusterUnreachableError`'s; only the message differs.
-
-    Example:
-
-    ```python
-    try:
-        model.fit(x, y, epochs=3)
-    except tf_asgd.WorkersLostError as e:
-        print(e.tasks)  # start these again at the same addresses, then fit again
-    ```
-    """
-
-    def _message(self, named):
-        return (
-            f"Lost the workers: none could run for {self.timeout:g} s, and {len(self.tasks)} "
-            f"cluster task(s) did not answer: {named}. TensorFlow's coordinator runs "
-            "closures again only once every task answers. The windows (or evaluation "
-            "shards) not yet run were dropped; the pushes that finished are on the "
-            "parameter servers. Start these tasks again at the same addresses: this "
-            "strategy trains again once every task answers (until then each fit or "
-            "evaluate raises this after at most connect_timeout); or restart the job "
-            "from a checkpoint."
-        )
 
 
 def validate_connect_timeout(value):

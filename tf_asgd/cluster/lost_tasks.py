@@ -8,11 +8,7 @@ connection, with the checkpoint to `--resume` from.
 import socket
 import time
 
-
-class ClusterTaskLostError(RuntimeError):
-    """Training stopped because a cluster task (a parameter server, or every
-    worker) could not be reached. The message names the unreachable tasks and
-    the checkpoint to `--resume` from."""
+from tf_asgd.errors import ClusterTaskLostError
 
 
 def unreachable_tasks(cluster, timeout=2.0):

@@ -14,6 +14,13 @@ MODELS = (
     "cuda_convnet_cifar10",
     "paine2013_imagenet_convnet",
 )
+# The defaults the help states that the code computes; tests/unit/test_configs.py checks
+# each against the code (this module cannot import it: it loads NumPy and TensorFlow).
+# `update_rules.default_outer_learning_rate(N)`, written as its docstring writes it:
+OUTER_RATE_FORMULA = "max(1/N, min(1/4, 1/sqrt(2N), 2/3 * 2 sin(pi/(4N-2))))"
+OUTER_RATE_AT_8 = "0.139"  # the formula at N = 8
+STRATEGY_STALENESS = "none"  # `AsyncParameterServerStrategy(staleness=...)`'s default
+DEFAULT_CONFIG_STALENESS = "dynsgd"  # configs/default.py's
 # Every field of configs/default.py (tests/unit/test_configs.py checks the keys).
 CONFIG_FIELDS = {
     "model": f"a builder in tf_asgd.models: {' | '.join(MODELS)}",
@@ -32,14 +39,17 @@ CONFIG_FIELDS = {
     "validate_every_epoch": "evaluate the test split after each epoch",
     "seed": "random seed (weights, data order)",
     "n_sync": "local steps per window between pull and push",
-    "staleness": "none (Downpour) | dynsgd (push scaled by 1/(staleness+1))",
+    "staleness": "none (Downpour) | dynsgd (push scaled by 1/(staleness+1)); the strategy's "
+    f"default is {STRATEGY_STALENESS}, configs/default.py sets {DEFAULT_CONFIG_STALENESS}: it "
+    "trains with GEM, whose pushes get no outer rate, and DynSGD scales the stale ones down",
     "max_staleness": "drop pushes staler than this (unset = keep every push)",
     "optimizer.name": "sgd | adam",
     "optimizer.learning_rate": "learning rate of every worker's optimizer",
     "optimizer.momentum": "SGD momentum (sgd only)",
-    "outer.name": "the PS's outer optimizer: default (each push scaled by "
-    "max(1/N, min(1/4, 1/sqrt(2N))), after a schedule over the first pushes; "
-    "GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
+    "outer.name": "the PS's outer optimizer: default (each push of N workers scaled by "
+    f"{OUTER_RATE_FORMULA}: 2/3 of the stability limit 2 sin(pi/(4N-2)), at most 1/4 and "
+    f"1/sqrt(2N), at least 1/N ({OUTER_RATE_AT_8} at 8 workers), after a schedule over the "
+    "first pushes; GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
     "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
     "delayed_nesterov 0.7)",
     "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",

@@ -10,6 +10,8 @@ evaluation runs on the chief instead. Why the op type cannot decide: docs/archit
 
 import tensorflow as tf
 
+from tf_asgd.errors import MetricStateError
+
 SUM = "sum"
 # Ops through which a state passes on unchanged in value.
 _PASS = {"Identity", "Cast", "Reshape", "EnsureShape"}
@@ -22,28 +24,6 @@ FIX = (
     "each update as `v.assign_add(value)` or `v.assign(v + value)` with a value that "
     "reads no metric state, and keep the variable's `aggregation='sum'`."
 )
-
-
-class MetricStateError(ValueError):
-    """A compiled or model metric whose state cannot be merged over windows.
-
-    Raised by `fit`, before any window is scheduled, for a metric whose
-    variables do not merge by addition: an `aggregation` other than "sum", or
-    an update that is not `state + value` with a value that reads no metric
-    state (e.g. a running maximum). A `ValueError`; its message
-    names each such metric, its variable and why, and says how to compute it
-    on the chief instead. (`evaluate` runs such a metric on the chief, with a
-    log line, rather than raising.)
-
-    Example:
-
-    ```python
-    try:
-        model.fit(x, y)
-    except tf_asgd.MetricStateError as e:
-        print(e)  # "... metric 'running_max': the metric variable '...' ..."
-    ```
-    """
 
 
 def unmergeable(model, update, arg_specs):

@@ -12,28 +12,8 @@ import keras
 import tensorflow as tf
 
 from tf_asgd import internals
+from tf_asgd.errors import UnsupportedFeatureError
 from tf_asgd.runtime.push import device_of, raw, read, shards
-
-
-class UnsupportedFeatureError(ValueError):
-    """A Keras feature that windows cannot honour exactly, refused before any window is scheduled.
-
-    Raised by `fit` for an optimizer option that a window cannot honour as plain
-    Keras would: GEM under `mixed_float16` or with `use_ema`,
-    `gradient_accumulation_steps`, `loss_scale_factor` or `weight_decay`;
-    gradient accumulation under a `LossScaleOptimizer`, with a model's own
-    `train_step`, or with windows (`n_sync`, the epoch's steps) that are not
-    whole accumulation cycles; `use_ema` with a model's own `train_step` or on
-    variables that are not the model's. A
-    `ValueError`; its message names the feature, why, and what to do instead.
-
-    Example:
-
-    ```python
-    model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), loss)
-    model.fit(x, y)  # n_sync=10: UnsupportedFeatureError ("make `n_sync` ... multiples of 4")
-    ```
-    """
 
 
 def _refuse(feature, why, instead):

@@ -15,6 +15,7 @@ from keras import StatelessScope
 from keras.utils import unpack_x_y_sample_weight
 
 from tf_asgd import internals
+from tf_asgd.errors import TrainStepError
 from tf_asgd.runtime import optimizer_options
 
 # Ops that read a resource (a variable) without writing it.
@@ -41,28 +42,6 @@ FIX = (
     "only, with every variable it updates held by the model (its layers, its "
     "`metrics`, an optimizer attribute), and build the model before `fit`."
 )
-
-
-class TrainStepError(ValueError):
-    """A model's own `train_step` that cannot run inside a window.
-
-    Raised by `fit`, before any window is scheduled, for a model whose class
-    overrides `train_step` in a way a window cannot run exactly: compiled with
-    `run_eagerly=True` or with GEM, no compiled optimizer, variables created on
-    the first call, a `train_step` that fails to trace, calls Python
-    (`tf.py_function`), or assigns variables the model does not hold. A
-    `ValueError`; its message names the model, what was found and how to write
-    the step instead.
-
-    Example:
-
-    ```python
-    try:
-        model.fit(x, y)
-    except tf_asgd.TrainStepError as e:
-        print(e)  # "tf_asgd cannot run the `train_step` of MyModel (...) inside a window: ..."
-    ```
-    """
 
 
 def _refuse(model, why):
