@@ -86,7 +86,7 @@ def test_variables_sharded_over_two_ps(local_cluster, digits, partitioned):
         assert model.evaluate(xt, yt, verbose=0)[1] >= 0.9
 
 
-@pytest.mark.usefixtures("hang_guard")  # it kills a task: a hang fails it (conftest.py)
+@pytest.mark.usefixtures("hang_guard")  # a hang fails the test, not the suite (conftest.py)
 @pytest.mark.parametrize(
     "outer_opt",
     [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],

@@ -17,7 +17,9 @@ def _gem(lr=0.05):
     return tf_asgd.optimizers.GEM(keras.optimizers.SGD(lr, momentum=0.9), kappa=1.0)
 
 
-@pytest.mark.usefixtures("hang_guard")  # it kills a task: a hang fails it (conftest.py)
+# The docstring's "worker-kill test above" is tests/cluster/test_faults.py's
+# test_worker_killed_mid_fit_training_completes_and_worker_rejoins.
+@pytest.mark.usefixtures("hang_guard")  # a hang fails the test, not the suite (conftest.py)
 def test_a_result_lost_with_its_worker_runs_again_as_a_replay(cluster, digits, caplog):
     """A closure can finish (its window pushed) and its worker die before the chief
     fetches its rows; the fetch then raises UnavailableError. A SIGKILL makes that
@@ -55,7 +57,7 @@ def test_a_result_lost_with_its_worker_runs_again_as_a_replay(cluster, digits, c
     assert strategy.stats().windows == version + 1  # applied once
 
 
-@pytest.mark.usefixtures("hang_guard")  # it kills a task: a hang fails it (conftest.py)
+@pytest.mark.usefixtures("hang_guard")  # a hang fails the test, not the suite (conftest.py)
 def test_a_straggler_does_not_hold_back_the_others_and_its_stale_pushes_are_dropped(
     local_cluster, digits
 ):

@@ -20,7 +20,7 @@ def _gem(lr=0.05):
     return tf_asgd.optimizers.GEM(keras.optimizers.SGD(lr, momentum=0.9), kappa=1.0)
 
 
-@pytest.mark.usefixtures("hang_guard")  # it kills a task: a hang fails it (conftest.py)
+@pytest.mark.usefixtures("hang_guard")  # a hang fails the test, not the suite (conftest.py)
 def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     """TF re-runs the closure of a worker that died; if that worker had pushed
     before dying, the re-run must not push again. Re-running a window id that
