@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cluster)
         # Under `-n N` a module's cluster, or any module-scoped fixture, is made once: the
         # tests that use it run in one process. Other tests (the launcher's, the tools')
-        # go wherever a process is free, which keeps both cores busy to the end.
+        # go wherever a process is free, which keeps both cores busy to the end. A group is
+        # named by the module's dotted path from the rootdir (`tests.cluster.test_push`).
         if _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 

@@ -8,11 +8,11 @@ which epochs validate, frozen weights) or refused before any window is scheduled
 error that names it and the alternative. Exact checks at learning rate 0 use plain SGD.
 Covered elsewhere: `validation_split`'s metrics (tests/cluster/test_evaluation.py), a model's own
 `train_step` under `run_eagerly=True` (tests/cluster/test_train_step.py), errors raised by
-callbacks (tests/cluster/test_errors.py).
+callbacks (tests/cluster/test_errors.py), the compile options refused before any window
+(`run_eagerly=True`, `steps_per_execution`: tests/cluster/test_keras_hook.py).
 """
 
 import contextlib
-import logging
 import math
 
 import keras
@@ -235,83 +235,6 @@ def test_jit_compile_true_compiles_each_step_with_xla(strategy, flat):
     default.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert not default.jit_compile
     assert not _xla_compiled(strategy._trainer_of(default)._concrete[1])
-
-
-def _refused_before_any_window(strategy, model, x, y, match):
-    windows = strategy.stats().windows
-    before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match=match):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    assert strategy.stats().windows == windows
-    assert int(model.optimizer.iterations.numpy()) == 0
-    assert _same(model.get_weights(), before)
-    assert not strategy._is_fitting(model)
-
-
-def test_run_eagerly_is_refused(strategy, flat):
-    (x, y), _ = flat
-    model = _build(strategy, _mlp, dict(run_eagerly=True))
-    _refused_before_any_window(strategy, model, x, y, r"`run_eagerly=True`.*run_eagerly=False")
-
-
-class BatchEnds(keras.callbacks.Callback):
-    def __init__(self, stop_at=None):
-        super().__init__()
-        self.batches, self.logs, self.epoch_logs, self.stop_at = [], [], [], stop_at
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches.append(batch)
-        self.logs.append(dict(logs))
-        if self.stop_at is not None and batch >= self.stop_at:
-            self.model.stop_training = True
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_logs.append(dict(logs))
-
-
-def test_steps_per_execution(strategy, flat, caplog):
-    """One Keras execution is one window: batch callbacks run at the steps
-    Keras's do with `steps_per_execution=n_sync`; a user's other value is
-    refused; the user's value is the model's again after `fit`."""
-    (x, y), _ = flat
-    refused = _build(strategy, _mlp, dict(steps_per_execution=4))
-    _refused_before_any_window(
-        strategy, refused, x, y, r"`steps_per_execution=4`.*n_sync=10.*`n_sync=4`"
-    )
-
-    ours, plain = [], []
-    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
-        for s, spe, out in [(strategy, 1, ours), (None, N_SYNC, plain)]:
-            model = _build(s, _mlp, dict(steps_per_execution=spe))
-            ends, stops = BatchEnds(), BatchEnds(stop_at=15)
-            model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[ends])
-            assert model.steps_per_execution == spe
-            model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[stops])
-            out += [model, ends, stops, int(model.optimizer.iterations.numpy())]
-    assert "BatchEnds: batch-level callback methods run once per window of n_sync=10" in (
-        caplog.text
-    )
-    # Keras reports its last execution's end (49 of 45 steps); the strategy the last step.
-    assert plain[1].batches == [9, 19, 29, 39, 49] * 2
-    assert ours[1].batches == [9, 19, 29, 39, 44] * 2
-    # A stop set at batch 15 ends training after its window (steps 10 to 19).
-    assert ours[2].batches == plain[2].batches == [9, 19]
-    assert ours[3] == plain[3] == 90 + 20
-    # Batch logs hold the windows finished so far: no made-up values before
-    # the first, and the epoch's last batch sees the epoch's metrics.
-    for batch_logs, epoch_logs in [
-        (ours[1].logs[4], ours[1].epoch_logs[0]),
-        (ours[1].logs[9], ours[1].epoch_logs[1]),
-    ]:
-        for key in ("loss", "accuracy"):
-            assert batch_logs[key] == pytest.approx(epoch_logs[key], rel=1e-6)
-    assert all(logs.get("loss", 1.0) > 0 for logs in ours[1].logs)
-
-    same = _build(strategy, _mlp, dict(steps_per_execution=N_SYNC))
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
-        same.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[BatchEnds()])
-    assert same.steps_per_execution == N_SYNC and "once per window" not in caplog.text
 
 
 # ---- fit arguments ---------------------------------------------------------------------

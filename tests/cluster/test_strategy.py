@@ -11,8 +11,6 @@ import tensorflow as tf
 
 import tf_asgd
 from tf_asgd.cluster.local_cluster import make_resolver
-from tf_asgd.rules import update_rules
-from tf_asgd.runtime import scheduling
 
 from helpers import compile_digits
 
@@ -90,43 +88,6 @@ def test_n_sync_extremes_train_with_real_staleness(cluster, digits, n_sync):
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in results)
     np.testing.assert_allclose([r["loss"] for r in results], [r.loss for r in log], rtol=1e-5)
     assert all(abs(r.finished_at - time.time()) < 600 for r in log)
-
-
-@pytest.mark.parametrize("rule,max_staleness", [("dynsgd", None), ("none", None), ("dynsgd", 1)])
-def test_ps_rule_is_exact(cluster, rule, max_staleness):
-    """Known updates pushed with known pulled versions: the central variables
-    and counters follow update_rules.apply_push to float tolerance."""
-    strategy = _strategy(cluster, n_sync=1, staleness=rule, max_staleness=max_staleness)
-    init = np.arange(6, dtype="float32").reshape(2, 3)
-    with strategy.scope():
-        var = tf.Variable(init)
-    rng = np.random.default_rng(1)
-    updates = rng.normal(size=(5, 2, 3)).astype("float32")
-    pulled = [0, 0, 0, 1, 4]  # tickets are taken in order: tau = i - pulled
-
-    @tf.function
-    def push(update, pulled_version):
-        central = scheduling.CentralVariables([var], strategy.counters, rule, max_staleness)
-        ops, tau = central.push([update], pulled_version)
-        with tf.control_dependencies(ops):
-            return tf.identity(tau)
-
-    expected = init.copy()
-    for i, (u, p) in enumerate(zip(updates, pulled)):
-        tau = strategy.coordinator.schedule(push, args=(tf.constant(u), tf.constant(p, tf.int64)))
-        strategy.coordinator.join()  # one push at a time: a fixed ticket order
-        assert int(tau.fetch()) == i - p
-        expected = update_rules.apply_push(
-            expected, u, tau=i - p, rule=rule, max_staleness=max_staleness
-        )
-    np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6, atol=1e-6)
-
-    stats = strategy.stats()
-    taus = [i - p for i, p in enumerate(pulled)]
-    assert stats.windows == 5
-    assert stats.mean_staleness == pytest.approx(np.mean(taus))
-    assert stats.max_staleness == max(taus)
-    assert stats.dropped_stale == sum(update_rules.is_dropped(t, max_staleness) for t in taus)
 
 
 @pytest.mark.parametrize(
@@ -266,36 +227,6 @@ def test_a_later_strategy_stops_the_earlier_ones_coordinator(cluster, digits):
     again.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0)
 
 
-def test_fit_on_model_built_outside_scope(cluster, digits):
-    (x, y), _ = digits
-    strategy = _strategy(cluster, n_sync=10)
-    model = compile_digits(tf_asgd.models.digits_convnet())
-    with strategy.scope():
-        with pytest.raises(ValueError, match="created outside `AsyncParameterServerStrategy.scope"):
-            model.fit(x, y, epochs=1, verbose=0)
-
-
-def test_dataset_shape_mismatch(cluster, digits):
-    (x, y), _ = digits
-    strategy = _strategy(cluster, n_sync=10)
-    with strategy.scope():
-        model = compile_digits(tf_asgd.models.gem_mnist_convnet())  # expects 28x28x1
-    with pytest.raises(
-        ValueError, match=r"input shape \(None, 8, 8, 1\) does not match .*\(None, 28, 28, 1\)"
-    ):
-        model.fit(x, y, epochs=1, verbose=0)
-    assert strategy.stats().windows == 0  # nothing was pushed
-
-
-def test_train_on_batch_is_refused(cluster, digits):
-    (x, y), _ = digits
-    strategy = _strategy(cluster, n_sync=10)
-    with strategy.scope():
-        model = compile_digits(tf_asgd.models.digits_convnet())
-    with pytest.raises(NotImplementedError, match="use model.fit|Use model.fit"):
-        model.train_on_batch(x[:32], y[:32])
-
-
 def _task_servers():
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return {
@@ -310,35 +241,6 @@ def test_local_cluster_stops_every_process_also_on_error():
             assert len(pids) == 3 and pids <= _task_servers()
             raise RuntimeError("boom")
     assert not pids & _task_servers()
-
-
-@pytest.mark.parametrize("partitioned", [False, True])
-def test_variables_sharded_over_two_ps(local_cluster, digits, partitioned):
-    """Two PS: whole variables round-robin, or split by a partitioner; pushes
-    are scaled and applied on the PS that holds each shard."""
-    (x, y), (xt, yt) = digits
-    partitioner = (
-        tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=1024, max_shards=2
-        )
-        if partitioned
-        else None
-    )
-    with local_cluster(2, 2, own=True, shared_process=True) as cluster:
-        strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=10, variable_partitioner=partitioner
-        )
-        with strategy.scope():
-            model = compile_digits(tf_asgd.models.digits_convnet())
-        shards = [s for v in model.variables for s in getattr(v.value, "variables", [v.value])]
-        assert {s.device.split("/device")[0] for s in shards} == {
-            "/job:ps/replica:0/task:0",
-            "/job:ps/replica:0/task:1",
-        }
-        assert (len(shards) > len(model.variables)) == partitioned
-        model.fit(x, y, batch_size=32, epochs=8, verbose=0)
-        # Trains (the accuracy bar of record is the single-PS test's 0.95).
-        assert model.evaluate(xt, yt, verbose=0)[1] >= 0.9
 
 
 def test_defaults_keep_momentum_sgd_stable_on_4_workers(local_cluster, digits):
@@ -366,34 +268,6 @@ def test_defaults_keep_momentum_sgd_stable_on_4_workers(local_cluster, digits):
     val_loss = history.history["val_loss"]
     assert max(val_loss) <= 2 * val_loss[0], val_loss
     assert history.history["val_accuracy"][-1] >= 0.85, history.history["val_accuracy"]
-
-
-@pytest.mark.parametrize("worker_state,momentum_seen", [("keep", 0.9), ("reset", 0.0)])
-def test_one_worker_is_plain_keras_and_reset_restarts_the_momentum(
-    local_cluster, worker_state, momentum_seen
-):
-    """One worker, windows of 3 steps: with `worker_state="keep"` training is
-    exactly plain Keras `SGD(0.1, momentum=0.9)`; with `"reset"` each window
-    starts the momentum from zero, which for windows of 1 step is plain SGD
-    without momentum. The same batches in the same order, one pass per epoch."""
-    cluster1 = local_cluster(1)
-    rng = np.random.default_rng(3)
-    x, t = rng.normal(size=(24, 3)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
-    n_sync = 3 if worker_state == "keep" else 1
-    strategy = _strategy(cluster1, n_sync=n_sync, worker_state=worker_state)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
-    init = [v.numpy() for v in model.trainable_variables]
-    model.fit(x, t, batch_size=8, epochs=4, shuffle=False, verbose=0)
-
-    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    local.compile(keras.optimizers.SGD(0.1, momentum=momentum_seen), "mse")
-    local.set_weights(init)
-    local.fit(x, t, batch_size=8, epochs=4, shuffle=False, verbose=0)
-    for got, want in zip(model.trainable_variables, local.trainable_variables):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
-    assert int(model.optimizer.iterations.numpy()) == 4 * 3
 
 
 def test_a_later_fit_on_the_same_dataset_continues_the_workers_stream(local_cluster):

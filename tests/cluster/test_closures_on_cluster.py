@@ -177,7 +177,7 @@ def test_worker_killed_mid_closure_every_window_applied_exactly_once(local_clust
     then restarted: TF's coordinator runs the closure again, the windows that had
     pushed are replays (no steps, no push), the others run, and every window is
     applied once: tickets, steps and records agree. The fit and its checks are
-    `helpers.worker_killed_mid_closure`'s (test_compression runs it with int8)."""
+    `helpers.worker_killed_mid_closure`'s (test_compression_on_cluster runs it with int8)."""
     with worker_killed_mid_closure(local_cluster, digits) as (strategy, model, steps):
         # (The helper checks replays, tickets, steps and records.) Whole float32 pushes:
         stats = strategy.model_stats(model)
