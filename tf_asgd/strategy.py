@@ -215,7 +215,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             Also how long `fit` and `evaluate` wait, once no worker can run
             (every worker lost), for the lost tasks to come back; past it, a
             `tf_asgd.WorkersLostError` names each (see `lost_workers`).
-            30 s by default.
+            600 s (10 minutes, torchrun's default) by default: pods and
+            hand-started servers come up minutes apart. The wait logs the tasks
+            it still waits for at once, then at least every 30 s.
         compression: how each push's update travels to the PS: `None` or
             `"none"` (float32 as it is, the default), `"bf16"`, `"int8"`
             (per-block absmax scales), `"topk"` (the largest 1%), or a
@@ -237,7 +239,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
             `worker_state` or `evaluation`; `max_staleness` not an integer
             >= 0; `windows_per_closure` not `None` or an integer from 1 to 256;
-            `connect_timeout` not a positive number; an unknown `compression`
+            `connect_timeout` not a positive number; an address in the cluster
+            spec that cannot be right (no host, a port outside 1-65535); an unknown `compression`
             codec (or a bad block or fraction); a `pull_compression` other
             than `"none"` and `"bf16"`; a cluster without a `ps` or a
             `worker` task. Each is checked before connecting.

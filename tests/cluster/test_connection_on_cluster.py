@@ -70,7 +70,9 @@ def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
     waiting = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
     assert waiting and all("Waiting for 3 of 3 cluster task(s)" in m for m in waiting)
     assert f"ps:0 at localhost:{ps}" in waiting[0]
-    assert len(waiting) <= 1 + TIMEOUT // connect.LOG_EVERY_SECS  # at most one line per interval
+    assert (
+        len(waiting) <= 1 + TIMEOUT // connect.LOG_FIRST_EVERY_SECS
+    )  # at most one line per interval
 
 
 def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(local_cluster, caplog):
@@ -129,3 +131,61 @@ def test_a_worker_that_starts_late_is_waited_for_then_trains(local_cluster, digi
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
         assert np.isfinite(history.history["loss"][0])
         assert [r.worker for r in strategy.window_log(model)] == [0, 0]
+
+
+LATE_SECS = 75.0  # a slow cluster's start: pods pulling images, servers started over ssh
+
+
+def test_a_cluster_that_comes_up_slowly_is_waited_for_with_only_n_sync(
+    local_cluster, digits, caplog
+):
+    """Every ps and worker task starts listening 75 s after the chief begins building the
+    strategy with the default `connect_timeout`: it waits, names the missing tasks within
+    30 s and keeps saying so, then trains."""
+    (x, y), _ = digits
+    with local_cluster(2, 1, own=True, shared_process=False) as cluster:
+        tasks = ["ps:0", "worker:0", "worker:1"]
+        for task in tasks:
+            cluster.kill_task(task)
+        events = {}
+
+        def start_late():
+            time.sleep(LATE_SECS)
+            try:
+                for task in tasks:
+                    cluster.restart_task(task)
+                events["up"] = time.time()
+            except BaseException as e:  # reported by the main thread
+                events["error"] = e
+
+        helper = threading.Thread(target=start_late, daemon=True)
+        t0 = time.time()
+        helper.start()
+        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+            strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2)
+        helper.join(120)
+        assert "error" not in events, events.get("error")
+        assert time.time() - t0 >= LATE_SECS
+        lines = [(r.created - t0, r.getMessage()) for r in caplog.records if r.name == "tf_asgd"]
+        waiting = [(t, m) for t, m in lines if m.startswith("Waiting for")]
+        print(
+            f"slow cluster: up after {events['up'] - t0:.1f} s; waiting lines at",
+            [round(t, 1) for t, _ in waiting],
+        )
+        assert waiting[0][0] < 30
+        for task in tasks:
+            assert f"{task} at localhost:" in waiting[0][1]
+        times = [t for t, _ in waiting] + [events["up"] - t0]
+        assert max(b - a for a, b in zip(times, times[1:])) <= 30 + SLACK
+        assert lines[-1][1].startswith("All 3 cluster task(s) answer after")
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+            )
+            model.compile(
+                keras.optimizers.SGD(0.05),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=8, verbose=0)
+        assert np.isfinite(history.history["loss"][0])
+        assert strategy.model_stats(model).windows >= 1

@@ -112,7 +112,9 @@ def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_
         waiting = [m for m in lines if m.startswith("No worker can run")]
         assert waiting and f"waiting at most {TIMEOUT:g} s" in waiting[0]
         assert f"worker:0 at {address}" in waiting[0]
-        assert len(waiting) <= 1 + TIMEOUT // connect.LOG_EVERY_SECS  # at most one per interval
+        assert (
+            len(waiting) <= 1 + TIMEOUT // connect.LOG_FIRST_EVERY_SECS
+        )  # at most one per interval
 
         # While the worker stays away, the next fit and evaluate fail at once.
         t0 = time.perf_counter()

@@ -3,6 +3,7 @@
 nothing of the strategy is left behind; tasks that start a little later are
 waited for."""
 
+import inspect
 import socket
 import threading
 import time
@@ -55,3 +56,43 @@ def test_cluster_ports_lie_below_the_ephemeral_range():
     assert all(1024 <= p < low for p in ports), (ports, low)
     for port in ports:  # free: a server can listen on each, on every address
         socket.create_server(("", port)).close()
+
+
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("localhost", 'not of the form "host:port"'),
+        (":2222", 'not of the form "host:port"'),
+        ("localhost:0", "the port '0' is not an integer from 1 to 65535"),
+        ("localhost:70000", "the port '70000' is not an integer from 1 to 65535"),
+        ("localhost:http", "the port 'http' is not an integer from 1 to 65535"),
+    ],
+)
+def test_an_impossible_address_is_refused_at_once(address, why):
+    """No start-up can fix these: refused before any wait, the task and its address named."""
+    spec = {"chief": ["localhost:1"], "worker": [address], "ps": ["localhost:3"]}
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="impossible addresses") as info:
+        tf_asgd.AsyncParameterServerStrategy(make_resolver(spec))
+    assert time.perf_counter() - t0 < 1.0
+    assert f"worker:0 {address!r} ({why})" in str(info.value)
+    assert "ps:0" not in str(info.value)  # a possible address is not named
+
+
+def test_a_long_wait_says_soon_then_at_least_every_30_s():
+    """The waiting lines: one at once, then 5, 10, 20 s apart, then every 30 s."""
+    pace, due = connect.WaitLog(), []
+    for tenth in range(0, 1500):  # 150 s in steps of 0.1 s
+        if pace.due(tenth / 10):
+            due.append(tenth / 10)
+    assert due[:5] == [0.0, 5.0, 15.0, 35.0, 65.0]
+    gaps = [b - a for a, b in zip(due, due[1:])]
+    assert due[0] <= 15 and max(gaps) <= connect.LOG_EVERY_SECS == 30
+    assert pace.lines == len(due)
+
+
+def test_the_default_wait_is_long_enough_for_a_real_cluster():
+    """Pods start minutes apart: at least torchrun's 10-minute rendezvous."""
+    assert connect.DEFAULT_CONNECT_TIMEOUT >= 600
+    parameters = inspect.signature(tf_asgd.AsyncParameterServerStrategy).parameters
+    assert parameters["connect_timeout"].default == connect.DEFAULT_CONNECT_TIMEOUT

@@ -24,8 +24,12 @@ from tf_asgd.errors import WorkersLostError as WorkersLostError  # lost_workers 
 
 log = logging.getLogger("tf_asgd")
 
-DEFAULT_CONNECT_TIMEOUT = 30.0
-LOG_EVERY_SECS = 5.0  # while waiting: one line at first, then at most one per interval
+# A real cluster's tasks start minutes apart (pods wait for images and nodes; servers are
+# started by hand over ssh): wait as long as torchrun's rendezvous does by default.
+DEFAULT_CONNECT_TIMEOUT = 600.0
+# While waiting: one line at once, then the interval doubles from the first to the last.
+LOG_FIRST_EVERY_SECS = 5.0
+LOG_EVERY_SECS = 30.0
 _ATTEMPT_SECS = 1.0  # per probe: a dropped SYN (a wrong host) costs this, not the OS's minutes
 _RETRY_SECS = 0.25
 
@@ -36,6 +40,31 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x
 _H2_SETTINGS = 4
 
 
+class WaitLog:
+    """When a long wait logs its next line: at once, then after intervals that
+    double from `LOG_FIRST_EVERY_SECS` up to `LOG_EVERY_SECS`, so a short wait
+    says what it waits for soon and a long one is not a wall of lines.
+
+    Example:
+        pace = WaitLog()
+        while waiting:
+            if pace.due(time.monotonic()):
+                log.warning("still waiting for ...")
+    """
+
+    def __init__(self):
+        self._next, self._interval, self.lines = None, LOG_FIRST_EVERY_SECS, 0
+
+    def due(self, now):
+        """True if a line is due at `now` (monotonic seconds); counts it as logged."""
+        if self._next is not None and now < self._next:
+            return False
+        if self._next is not None:
+            self._interval = min(2 * self._interval, LOG_EVERY_SECS)
+        self._next, self.lines = now + self._interval, self.lines + 1
+        return True
+
+
 def validate_connect_timeout(value):
     """Raises unless `value` is a positive finite number of seconds."""
     if (
@@ -44,6 +73,34 @@ def validate_connect_timeout(value):
         or not 0 < value < float("inf")
     ):
         raise ValueError(f"connect_timeout must be a positive number of seconds, got {value!r}.")
+
+
+def address_problem(address):
+    """Why `address` cannot be a task's "host:port" (a string), or None if it can.
+
+    Only what no start-up can fix: a missing host, or a port that is not an
+    integer from 1 to 65535. A host that does not resolve yet is waited for.
+    """
+    if not isinstance(address, str):
+        return f"not a string but {type(address).__name__}"
+    host, colon, port = address.rpartition(":")
+    if not colon or not host.strip("[]"):
+        return 'not of the form "host:port"'
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"the port {port!r} is not an integer from 1 to 65535"
+    return None
+
+
+def validate_addresses(tasks):
+    """Raises `ValueError` naming every task (`(job, index, address)`) whose
+    address cannot be right (`address_problem`): refused at once, not waited for."""
+    bad = [(j, i, a, why) for j, i, a in tasks if (why := address_problem(a)) is not None]
+    if bad:
+        raise ValueError(
+            "The cluster spec names impossible addresses: "
+            + "; ".join(f"{j}:{i} {a!r} ({why})" for j, i, a, why in bad)
+            + "."
+        )
 
 
 def tasks_to_reach(cluster):
@@ -117,12 +174,15 @@ def wait_for_cluster(cluster_resolver, timeout=DEFAULT_CONNECT_TIMEOUT):
         timeout: seconds to wait at most (see `validate_connect_timeout`).
 
     Raises:
-        ValueError: `timeout` is not a positive number.
+        ValueError: `timeout` is not a positive number, or an address cannot be
+            right (`address_problem`); at once, before any wait.
         ClusterUnreachableError: tasks still did not answer after `timeout`
             seconds; it names each (job, index, address, why).
     """
     validate_connect_timeout(timeout)
-    wait_for_tasks(tasks_to_reach(cluster_resolver.cluster_spec().as_dict()), timeout)
+    tasks = tasks_to_reach(cluster_resolver.cluster_spec().as_dict())
+    validate_addresses(tasks)
+    wait_for_tasks(tasks, timeout)
 
 
 def wait_for_tasks(tasks, timeout):
@@ -141,7 +201,7 @@ def wait_for_tasks(tasks, timeout):
     deadline = start + timeout
     reasons = {task: f"no answer in {timeout:g} s" for task in tasks}  # the unanswered
     running = {}  # task -> the future of its probe
-    next_log = start
+    pace = WaitLog()
     pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=min(32, len(tasks) or 1), thread_name_prefix="tf_asgd_probe"
     )
@@ -164,7 +224,7 @@ def wait_for_tasks(tasks, timeout):
                 raise ClusterUnreachableError(
                     [(*task, reason) for task, reason in reasons.items()], timeout
                 )
-            if reasons and now >= next_log:
+            if reasons and pace.due(now):
                 log.warning(
                     "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %g s): %s",
                     len(reasons),
@@ -173,12 +233,11 @@ def wait_for_tasks(tasks, timeout):
                     timeout,
                     ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in reasons.items()),
                 )
-                next_log = now + LOG_EVERY_SECS
             if reasons:
                 time.sleep(min(_RETRY_SECS, max(0.0, deadline - now)))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    if next_log > start:  # a waiting line was logged: say that the wait ended
+    if pace.lines:  # a waiting line was logged: say that the wait ended
         log.warning(
             "All %d cluster task(s) answer after %.1f s.", len(tasks), time.monotonic() - start
         )

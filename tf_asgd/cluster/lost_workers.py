@@ -112,7 +112,7 @@ class ReconnectionWatch:
     def _wait_for_tasks(self, pool):
         start = time.monotonic()
         stalled_since = None  # since when no worker can run
-        next_log, last_down = start, None
+        pace, last_down = None, None  # pace: when the stall logs (connect.WaitLog)
         while True:
             if self._stopping():
                 return False
@@ -132,7 +132,7 @@ class ReconnectionWatch:
             waiting = internals.workers_awaiting_reconnection(cluster)
             named = ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in down.items())
             if len(waiting) < self.num_workers:  # a worker still runs closures
-                stalled_since = None
+                stalled_since, pace = None, None
                 if set(down) != last_down:
                     log.warning(
                         "Lost %d cluster task(s): %s. Training goes on on the other "
@@ -142,10 +142,11 @@ class ReconnectionWatch:
                     )
             else:
                 stalled_since = stalled_since or now
+                pace = pace or connect.WaitLog()
                 timeout = self._current_timeout()
                 if now - stalled_since >= timeout:
                     self._give_up(cluster, down, timeout)
-                elif now >= next_log:
+                elif pace.due(now):
                     log.warning(
                         "No worker can run: waiting at most %g s (%.0f s so far) for "
                         "%d cluster task(s) to answer: %s",
@@ -154,7 +155,6 @@ class ReconnectionWatch:
                         len(down),
                         named,
                     )
-                    next_log = now + connect.LOG_EVERY_SECS
             last_down = set(down)
             del cluster
             self._releasing.wait(_POLL_SECS)
