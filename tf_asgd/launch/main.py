@@ -25,8 +25,7 @@ from tf_asgd import data
 # Standard library and numpy only until `main` has moved the run into its
 # network namespace: a process that has loaded TensorFlow (seconds on a
 # small machine) would load it again after the re-exec.
-from tf_asgd.cluster import local_cluster as cluster
-from tf_asgd.cluster import network, task_server
+from tf_asgd.cluster import network, task_server, tf_config, tf_startup
 from tf_asgd.launch import config_fields
 
 config_flags.DEFINE_config_file(
@@ -110,7 +109,9 @@ def isolate_local_run(mode, config):
         return
     try:
         # Outside: does not return. Inside, TF starts quietly (see quiet_tf_startup).
-        network.reexec_in_loopback_namespace(cluster.python_command("tf_asgd.launch", sys.argv[1:]))
+        network.reexec_in_loopback_namespace(
+            tf_startup.python_command("tf_asgd.launch", sys.argv[1:])
+        )
     except OSError as e:
         if mode == "yes":
             sys.exit(f"tf_asgd.launch: --isolate_network=yes, but {e}.")
@@ -197,7 +198,7 @@ def main(argv):
     if FLAGS.gpus_per_worker is not None:
         config.gpus_per_worker = FLAGS.gpus_per_worker
     try:
-        role = cluster.tf_config_role()  # fails at once on a malformed TF_CONFIG
+        role = tf_config.tf_config_role()  # fails at once on a malformed TF_CONFIG
     except ValueError as e:
         sys.exit(f"tf_asgd.launch: bad TF_CONFIG: {e}")
     if FLAGS.workdir is None and (role is None or role[1] in ("chief", "evaluator")):
@@ -247,9 +248,9 @@ def _train(config):
 
 def verbose_tf_requested(argv, environ=None):
     """`--verbose_tf` as absl would read it from `argv` (the last one wins), or
-    the environment's `cluster.VERBOSE_TF_ENV`, before flags are parsed."""
+    the environment's `tf_startup.VERBOSE_TF_ENV`, before flags are parsed."""
     environ = os.environ if environ is None else environ
-    verbose = environ.get(cluster.VERBOSE_TF_ENV) == "1"
+    verbose = environ.get(tf_startup.VERBOSE_TF_ENV) == "1"
     for arg in argv[1:]:
         if arg == "--":
             break
@@ -262,9 +263,9 @@ def verbose_tf_requested(argv, environ=None):
 
 def set_tf_log_level(argv):
     """Before absl starts: TF's log level for this process and every process
-    it starts (`TF_CPP_MIN_LOG_LEVEL`, `cluster.VERBOSE_TF_ENV`)."""
+    it starts (`TF_CPP_MIN_LOG_LEVEL`, `tf_startup.VERBOSE_TF_ENV`)."""
     if verbose_tf_requested(argv):
-        os.environ[cluster.VERBOSE_TF_ENV] = "1"
+        os.environ[tf_startup.VERBOSE_TF_ENV] = "1"
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     else:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -273,13 +274,13 @@ def set_tf_log_level(argv):
 @contextlib.contextmanager
 def import_tf_quietly(verbose, fork_server=False):
     """Imports TensorFlow and lists its devices while native stderr is held
-    back (`cluster.quiet_tf_startup`: drops the start-up lines, shows
+    back (`tf_startup.quiet_tf_startup`: drops the start-up lines, shows
     anything else). With `fork_server`, in between, forks the fork server of
     the block's local clusters (`task_server.fork_server_from_here`)."""
-    with cluster.quiet_tf_startup(not verbose):
+    with tf_startup.quiet_tf_startup(not verbose):
         import tensorflow as tf
     with task_server.fork_server_from_here() if fork_server else contextlib.nullcontext():
-        with cluster.quiet_tf_startup(not verbose):
+        with tf_startup.quiet_tf_startup(not verbose):
             tf.config.list_physical_devices()
         yield
 

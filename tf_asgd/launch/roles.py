@@ -23,9 +23,10 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.cluster import task_server
+from tf_asgd.cluster.local_cluster import LocalCluster
 from tf_asgd.cluster.lost_tasks import task_lost_error
+from tf_asgd.cluster.tf_config import make_resolver, tf_config_role
 from tf_asgd.launch.config_fields import CHECKPOINT_DIR, used_workdir_message
 from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
 from tf_asgd.launch.library import (
@@ -240,7 +241,7 @@ def run_local(config, workdir, resume=False, stop=None):
         config.num_ps,
         f", {config.gpus_per_worker} GPU(s) per worker" if config.gpus_per_worker else "",
     )
-    with cluster_lib.LocalCluster(
+    with LocalCluster(
         config.num_workers,
         config.num_ps,
         shared_process=shared,
@@ -368,7 +369,7 @@ def run_task(config, workdir, cluster, task_type, task_index, resume=False, stop
     Ctrl-C / SIGTERM (`stop`, a `StopSignals`) after a checkpoint."""
     if task_type == "chief":
         hide_gpus()
-        resolver = cluster_lib.make_resolver(cluster, "chief", task_index)
+        resolver = make_resolver(cluster, "chief", task_index)
         stop = stop or StopSignals()
         with stop:
             return train_and_evaluate(config, workdir, resolver, resume=resume, stop=stop)
@@ -387,7 +388,7 @@ def run(config, workdir, resume=False, environ=None, stop=None):
     SIGTERM into a KeyboardInterrupt for a local run and the chief: a
     checkpoint, every local task stopped, then the KeyboardInterrupt.
     """
-    role = cluster_lib.tf_config_role(environ)
+    role = tf_config_role(environ)
     if role is None:
         stop = stop or StopSignals()
         with stop:
