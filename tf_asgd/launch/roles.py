@@ -29,7 +29,7 @@ from tf_asgd.cluster.lost_tasks import task_lost_error
 from tf_asgd.cluster.tf_config import make_resolver, tf_config_role
 from tf_asgd.launch.config_fields import CHECKPOINT_DIR, used_workdir_message
 from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
-from tf_asgd.launch.library import (
+from tf_asgd.launch.run_parts import (
     DONE_FILE,
     InterruptCallback,
     StopSignals,
