@@ -33,7 +33,7 @@ _EXPORTS = {
     "UnsupportedFeatureError": "tf_asgd.errors",
     "WindowRecord": "tf_asgd.runtime.records",
     "WorkersLostError": "tf_asgd.errors",
-    "parse_tf_config": "tf_asgd.cluster.local_cluster",
+    "parse_tf_config": "tf_asgd.cluster.tf_config",
 }
 _SUBMODULES = ("data", "errors", "models", "optimizers", "rules")
 
@@ -73,7 +73,7 @@ if _started_module() not in ("tf_asgd.launch", "tf_asgd.cluster.task_server"):
     # Imported before TensorFlow, tf_asgd loads it without its start-up banners
     # (every other line it prints is shown; TF_ASGD_VERBOSE_TF=1 shows them all).
     if "tensorflow" not in sys.modules and os.environ.get("TF_ASGD_VERBOSE_TF") != "1":
-        from tf_asgd.cluster.local_cluster import filtered_stderr
+        from tf_asgd.cluster.tf_startup import filtered_stderr
 
         with filtered_stderr():
             import tensorflow  # noqa: F401 (loaded here, used by every module below)

@@ -17,7 +17,7 @@ import weakref
 import tensorflow as tf
 
 from tf_asgd import internals
-from tf_asgd.cluster import connect, lost_workers
+from tf_asgd.cluster import connect, lost_workers, tf_config, tf_startup
 from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.keras_glue import keras_hook
 from tf_asgd.keras_glue.evaluation import Evaluator, validate_evaluation
@@ -325,14 +325,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         validate_evaluation(evaluation)
         compression = as_compression(compression)
         pull_compression = as_pull_compression(pull_compression)
-        cluster_lib.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
+        tf_config.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
         _stop_earlier_strategies()
         # Connecting starts this process's gRPC server and, on first use, TF's
         # devices: start-up lines (the server's address, a failed cuInit where
         # there is no CUDA driver) are dropped, anything else is shown.
-        with cluster_lib.quiet_tf_startup(not cluster_lib.verbose_tf()):
+        with tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()):
             super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
         self.n_sync = n_sync
         self.staleness = staleness

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 import tf_asgd
 from tf_asgd.cluster import connect
-from tf_asgd.cluster.local_cluster import _pick_ports, make_resolver
+from tf_asgd.cluster.ports import pick_ports
+from tf_asgd.cluster.tf_config import make_resolver
 
 TIMEOUT = 3.0
 SLACK = 10.0  # what the bound may be overrun by: one probe round, a loaded machine
@@ -48,7 +49,7 @@ def _connect_fails(resolver, caplog):
 
 
 def test_a_cluster_that_never_started_raises_within_the_bound(caplog):
-    chief, ps, w0, w1 = _pick_ports(4)  # nothing listens on them
+    chief, ps, w0, w1 = pick_ports(4)  # nothing listens on them
     spec = {
         "chief": [f"localhost:{chief}"],
         "ps": [f"localhost:{ps}"],

@@ -88,7 +88,7 @@ def test_a_fatal_message_inside_the_filter_still_reaches_stderr():
     server = "tf_asgd.cluster.task_server"
     code = (
         f"{server!r};import os,sys\n"
-        "from tf_asgd.cluster.local_cluster import filtered_stderr\n"
+        "from tf_asgd.cluster.tf_startup import filtered_stderr\n"
         "assert 'tensorflow' not in sys.modules\n"
         "with filtered_stderr():\n"
         "    os.write(2, b'F0000 fatal: this CPU lacks AVX\\n')\n"
@@ -104,10 +104,10 @@ def test_a_task_server_starts_quietly_and_without_keras():
     alone: Keras, which TF would import for SavedModel registrations, is a third of a
     task's start-up CPU, and a server runs only graphs. It still starts without TF's
     banners."""
-    from tf_asgd.cluster import local_cluster
+    from tf_asgd.cluster import tf_startup
 
     module = "tf_asgd.cluster.task_server"
-    cmd = local_cluster.python_command(module)
+    cmd = tf_startup.python_command(module)
     # The quiet start, with the module's run replaced by a report of what it loaded.
     boot = cmd[2].replace(
         "runpy.run_module(sys.argv[0],run_name='__main__',alter_sys=True)",

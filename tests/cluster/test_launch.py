@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from tf_asgd.launch import library as train_lib
 from tf_asgd.launch import roles as training
+from tf_asgd.launch import run_parts
 
 from helpers import ROOT
 from launching import (
@@ -350,15 +350,15 @@ def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog)
     manager = tf.train.CheckpointManager(
         tf.train.Checkpoint(step=step), str(tmp_path), max_to_keep=3
     )
-    first = train_lib.save_checkpoint(manager, 5, "epoch 1")
+    first = run_parts.save_checkpoint(manager, 5, "epoch 1")
     with caplog.at_level(py_logging.INFO):
-        train_lib.checkpoint_on_interrupt(manager, lambda: 5)
+        run_parts.checkpoint_on_interrupt(manager, lambda: 5)
     assert manager.checkpoints == [first]
     assert (
         f"interrupted: the newest checkpoint {first} already holds every pushed window"
         in caplog.text
     )
-    train_lib.checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
+    run_parts.checkpoint_on_interrupt(manager, lambda: 7)  # a window was pushed: a new one
     assert manager.latest_checkpoint.endswith("-7")
 
 

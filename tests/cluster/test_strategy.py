@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd.cluster.local_cluster import make_resolver
+from tf_asgd.cluster.tf_config import make_resolver
 
 from helpers import compile_digits
 

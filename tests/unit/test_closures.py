@@ -7,7 +7,7 @@ hands back the windows it did not start."""
 import pytest
 
 import tf_asgd
-from tf_asgd.cluster.local_cluster import make_resolver
+from tf_asgd.cluster.tf_config import make_resolver
 from tf_asgd.runtime import scheduling
 
 

@@ -15,8 +15,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tf_asgd import data, models
-from tf_asgd.launch import config_fields, input_pipeline
-from tf_asgd.launch import library as train_lib
+from tf_asgd.launch import config_fields, input_pipeline, run_parts
 
 from helpers import ROOT
 
@@ -93,7 +92,7 @@ def test_the_help_states_both_staleness_defaults_and_why_they_differ():
     assert strategy_default.default == config_fields.STRATEGY_STALENESS == "none"
     default = load("default")
     assert default.staleness == config_fields.DEFAULT_CONFIG_STALENESS == "dynsgd"
-    assert default.gem.enabled and train_lib.make_outer_optimizer(default) is None
+    assert default.gem.enabled and run_parts.make_outer_optimizer(default) is None
     help_text = config_fields.CONFIG_FIELDS["staleness"]
     assert "the strategy's default is none" in help_text
     assert "configs/default.py sets dynsgd" in help_text and "GEM" in help_text
@@ -104,7 +103,7 @@ def test_the_help_states_the_outer_optimizers_own_rates():
     help_text = config_fields.CONFIG_FIELDS["outer.learning_rate"]
     for name, rate in (("sgd", 1.0), ("nesterov", 0.7), ("delayed_nesterov", 0.7)):
         c = load("default", f"--config.outer.name={name}", "--config.outer.learning_rate=0.0")
-        assert train_lib.make_outer_optimizer(c).learning_rate == rate, name
+        assert run_parts.make_outer_optimizer(c).learning_rate == rate, name
     assert "sgd 1, nesterov and delayed_nesterov 0.7" in help_text
 
 
@@ -147,10 +146,10 @@ def test_make_optimizer_wraps_gem_when_enabled():
     from tf_asgd import optimizers
 
     c = load("default", "--config.gem.kappa=2.0")
-    opt = train_lib.make_optimizer(c)
+    opt = run_parts.make_optimizer(c)
     assert isinstance(opt, optimizers.GEM)
     c = load("default", "--config.gem.enabled=False", "--config.optimizer.learning_rate=0.2")
-    opt = train_lib.make_optimizer(c)
+    opt = run_parts.make_optimizer(c)
     assert isinstance(opt, keras.optimizers.SGD)
     assert float(opt.learning_rate) == pytest.approx(0.2) and opt.momentum == 0.9
 
@@ -158,20 +157,20 @@ def test_make_optimizer_wraps_gem_when_enabled():
 def test_outer_optimizer_fields_build_the_strategys_outer_optimizer():
     from tf_asgd.rules import update_rules
 
-    assert train_lib.make_outer_optimizer(load("default")) is None  # the strategy's default
+    assert run_parts.make_outer_optimizer(load("default")) is None  # the strategy's default
     c = load("default", "--config.outer.name=nesterov")
-    assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD(
+    assert run_parts.make_outer_optimizer(c) == update_rules.OuterSGD(
         0.7, momentum=0.9, nesterov=True
     )
     c = load("default", "--config.outer.name=sgd", "--config.outer.momentum=0.0")
-    assert train_lib.make_outer_optimizer(c) == update_rules.OuterSGD()
+    assert run_parts.make_outer_optimizer(c) == update_rules.OuterSGD()
     c = load("default", "--config.outer.name=delayed_nesterov", "--config.outer.learning_rate=0.5")
-    assert train_lib.make_outer_optimizer(c) == update_rules.DelayedNesterov(0.5, momentum=0.9)
+    assert run_parts.make_outer_optimizer(c) == update_rules.DelayedNesterov(0.5, momentum=0.9)
     c = load("default", "--config.outer.name=adamw")
     with pytest.raises(
         ValueError, match="Unknown outer optimizer 'adamw'; expected one of default, sgd"
     ):
-        train_lib.make_outer_optimizer(c)
+        run_parts.make_outer_optimizer(c)
 
 
 def test_gem_convnet_on_digits_is_refused_with_the_fix():
@@ -179,13 +178,13 @@ def test_gem_convnet_on_digits_is_refused_with_the_fix():
     with pytest.raises(
         ValueError, match="needs MNIST's 28x28 images; dataset 'digits'.*digits_convnet"
     ):
-        train_lib.make_model(c)
+        run_parts.make_model(c)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_model_matches_its_data(name):
     c = load(name)
-    model = train_lib.make_model(c)
+    model = run_parts.make_model(c)
     shape = {
         "digits": (8, 8, 1),
         "mnist": (28, 28, 1),
@@ -246,7 +245,7 @@ def test_cifar10_from_local_python_batches_with_augmentation(tmp_path):
     xb, _ = next(iter(d.train))
     xt_b, _ = next(iter(d.test))
     assert xb.shape == (4, 24, 24, 3) and xt_b.shape == (4, 24, 24, 3)
-    model = train_lib.make_model(c)
+    model = run_parts.make_model(c)
     assert model(xb).shape == (4, 10)
 
 

@@ -11,8 +11,9 @@ import time
 import pytest
 
 import tf_asgd
-from tf_asgd.cluster import connect, local_cluster
-from tf_asgd.cluster.local_cluster import _pick_ports, make_resolver
+from tf_asgd.cluster import connect
+from tf_asgd.cluster.ports import ephemeral_range_start, pick_ports
+from tf_asgd.cluster.tf_config import make_resolver
 
 TIMEOUT = 3.0
 SLACK = 10.0  # what the bound may be overrun by: one probe round, a loaded machine
@@ -43,15 +44,15 @@ def test_a_port_that_is_no_grpc_server_is_named_so():
         reason = connect.probe(f"127.0.0.1:{server.getsockname()[1]}")
     helper.join(5)
     assert reason == "it accepts connections but does not answer as a gRPC server"
-    assert connect.probe(f"127.0.0.1:{_pick_ports(1)[0]}") == "Connection refused"
+    assert connect.probe(f"127.0.0.1:{pick_ports(1)[0]}") == "Connection refused"
 
 
 def test_cluster_ports_lie_below_the_ephemeral_range():
     """Outgoing connections take their source ports from the ephemeral range: a task's
     port below it cannot be taken while the task is down (by another connection, or by
     a client retrying it and connecting to itself), and the task restarts on it."""
-    low = local_cluster._ephemeral_range_start()  # private: the range the kernel uses
-    ports = _pick_ports(8)
+    low = ephemeral_range_start()  # the range the kernel uses
+    ports = pick_ports(8)
     assert len(set(ports)) == 8
     assert all(1024 <= p < low for p in ports), (ports, low)
     for port in ports:  # free: a server can listen on each, on every address

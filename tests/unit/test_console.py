@@ -24,7 +24,7 @@ def test_async_stats_repr_is_a_short_summary():
 
 
 def test_filtered_stderr_drops_tf_start_up_lines_and_shows_the_rest(capfd):
-    from tf_asgd.cluster.local_cluster import filtered_stderr
+    from tf_asgd.cluster.tf_startup import filtered_stderr
 
     with filtered_stderr():
         os.write(2, b"I0000 00:00 1 port.cc:153] oneDNN custom operations are on. You may\n")

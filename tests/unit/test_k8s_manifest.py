@@ -15,7 +15,7 @@ import re
 import pytest
 import yaml
 
-from tf_asgd.cluster import local_cluster as cluster_lib
+from tf_asgd.cluster.tf_config import parse_tf_config
 
 from helpers import ROOT
 
@@ -79,7 +79,7 @@ def _role_jobs(manifest):
         parsed = {}
         for index in range(job["spec"]["completions"]):
             env = _expand(container["env"], config_maps, index)
-            parsed[index] = cluster_lib.parse_tf_config(env["TF_CONFIG"])
+            parsed[index] = parse_tf_config(env["TF_CONFIG"])
         roles = {task_type for _, task_type, _ in parsed.values()}
         assert len(roles) == 1, (job["metadata"]["name"], roles)
         jobs[roles.pop()] = (job, container, parsed)

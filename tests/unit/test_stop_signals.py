@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from tf_asgd.launch import library as train_lib
+from tf_asgd.launch import run_parts
 
 
 def _model(layer=None):
@@ -52,9 +52,9 @@ def test_a_signal_inside_tensorflow_is_raised_at_the_next_batch_not_where_it_cam
     x, y = _data()
     model = _model(SignalInCall())
     SignalInCall.armed = True
-    with train_lib.StopSignals(timeout=0) as stop:
+    with run_parts.StopSignals(timeout=0) as stop:
         with pytest.raises(KeyboardInterrupt) as raised:
-            model.fit(x, y, epochs=2, verbose=0, callbacks=[train_lib.InterruptCallback(stop)])
+            model.fit(x, y, epochs=2, verbose=0, callbacks=[run_parts.InterruptCallback(stop)])
     assert SignalInCall.sent and stop.signum == signal.SIGTERM
     assert _raised_in(raised.value) == "check"
     assert int(model.optimizer.iterations.numpy()) == 1  # the batch in flight finished
@@ -73,7 +73,7 @@ class WaitOnBatchEnd(keras.callbacks.Callback):
 
 def test_a_signal_while_the_main_thread_waits_in_fit_is_raised_at_once():
     x, y = _data()
-    with train_lib.StopSignals(timeout=0) as stop:
+    with run_parts.StopSignals(timeout=0) as stop:
         t0 = time.time()
         with pytest.raises(KeyboardInterrupt) as raised:
             _model().fit(x, y, epochs=1, verbose=0, callbacks=[WaitOnBatchEnd()])
@@ -93,10 +93,10 @@ def test_stop_signals_raise_again_after_a_lost_keyboard_interrupt():
             time.sleep(0.05)
 
     before = signal.getsignal(signal.SIGTERM)
-    with train_lib.StopSignals(timeout=0) as stop:
+    with run_parts.StopSignals(timeout=0) as stop:
         Finalizer()  # freed at once: "Exception ignored in ... Finalizer.__del__"
         assert stop.requested.is_set()
         with pytest.raises(KeyboardInterrupt):
-            train_lib.InterruptCallback(stop).on_train_batch_end(0)
+            run_parts.InterruptCallback(stop).on_train_batch_end(0)
     assert stop.exit_code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before

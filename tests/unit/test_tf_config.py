@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tf_asgd.cluster import local_cluster as cluster_lib
+from tf_asgd.cluster.tf_config import tf_config_role
 
 from helpers import ROOT
 
@@ -25,17 +25,15 @@ def tf_config(cluster=CLUSTER, task_type="worker", index=0):
 
 
 def test_unset_or_empty_means_local():
-    assert cluster_lib.tf_config_role({}) is None
-    assert cluster_lib.tf_config_role({"TF_CONFIG": "  "}) is None
+    assert tf_config_role({}) is None
+    assert tf_config_role({"TF_CONFIG": "  "}) is None
 
 
 @pytest.mark.parametrize(
     "task_type,index", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]
 )
 def test_good_roles(task_type, index):
-    cluster, got_type, got_index = cluster_lib.tf_config_role(
-        tf_config(task_type=task_type, index=index)
-    )
+    cluster, got_type, got_index = tf_config_role(tf_config(task_type=task_type, index=index))
     assert cluster == CLUSTER
     assert (got_type, got_index) == (task_type, index)
 
@@ -69,7 +67,7 @@ def test_good_roles(task_type, index):
 )
 def test_bad_tf_config_quotes_the_problem(environ, quoted):
     with pytest.raises(ValueError, match=None) as err:
-        cluster_lib.tf_config_role(environ)
+        tf_config_role(environ)
     assert quoted in str(err.value)
 
 

@@ -1,2 +1,2 @@
-"""Cluster plumbing: TF_CONFIG, LocalCluster, task servers, network namespaces,
-connecting with a bound, and lost tasks."""
+"""Cluster plumbing: TF_CONFIG, LocalCluster, TF's quiet start-up, task servers, ports,
+network namespaces, connecting with a bound, and lost tasks."""

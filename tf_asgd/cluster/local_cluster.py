@@ -1,4 +1,4 @@
-"""Clusters: `TF_CONFIG` parsing and local loopback clusters of TF servers.
+"""`LocalCluster`: a cluster of TF servers on loopback, as child processes.
 
 A `LocalCluster` starts parameter-server and worker tasks as child processes bound to
 loopback ports, and always stops them: on `close()`, on leaving its `with` block (also on
@@ -11,32 +11,21 @@ Example:
 """
 
 import atexit
-import contextlib
-import ctypes
 import gc
-import importlib.abc
-import importlib.machinery
 import json
 import os
-import random
-import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 from tf_asgd.cluster import network, task_forks
+from tf_asgd.cluster.ports import pick_ports
+from tf_asgd.cluster.tf_config import make_resolver
+from tf_asgd.cluster.tf_startup import TASK_SERVER, python_command
 
 READY = "TF_ASGD_READY"  # printed by tf_asgd.cluster.task_server once it listens
-
-ROLES = ("chief", "worker", "ps", "evaluator")
-
-# "1": processes started by tf_asgd show TensorFlow's start-up logs (the
-# launcher's --verbose_tf sets it); otherwise they start quietly.
-VERBOSE_TF_ENV = "TF_ASGD_VERBOSE_TF"
 
 # Per cluster (its worker and ps addresses): what to stop before its tasks stop.
 _BEFORE_STOP = {}
@@ -60,199 +49,6 @@ def _tasks_key(cluster_spec):
     return frozenset(a for job in ("worker", "ps") for a in cluster_spec.get(job, []))
 
 
-# What every TF 2.21 process writes to stderr while it starts (absl's
-# pre-initialisation notice, the oneDNN and CPU-feature notes: written before
-# absl's log is set up, so TF_CPP_MIN_LOG_LEVEL does not hide them), the
-# chief's own gRPC server's address when it connects, and, on a machine
-# without a CUDA driver, the failed GPU probe. Nothing else is dropped.
-_STARTUP_NOISE = re.compile(
-    r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
-    r"port\.cc:\d+\] oneDNN custom operations are on|"
-    r"grpc_server_lib\.cc:\d+\] Started server with target: |"
-    r"cudart_stub\.cc:\d+\] Could not find cuda drivers|"
-    r"cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized|"
-    r"^To enable the following instructions: .* rebuild TensorFlow"
-)
-_FAILED_CUINIT = re.compile(r"cuda_platform\.cc:\d+\] failed call to cuInit")
-
-# Runs a module (argv[1]) with TensorFlow imported and its devices listed
-# while native stderr goes to a file, then shows that output without the
-# start-up noise (`startup_log_to_show`); on a failure, all of it.
-_QUIET_BOOT = "exec(%r)" % (  # one line (`ps` shows lines)
-    "import os,sys,tempfile,runpy\n"
-    "f=tempfile.TemporaryFile();e=os.dup(2);os.dup2(f.fileno(),2);ok=False\n"
-    "try:\n"
-    " import tf_asgd.cluster.local_cluster as c\n"
-    " c.boot_tensorflow(sys.argv[1:]);ok=True\n"
-    "finally:\n"
-    " os.dup2(e,2);os.close(e);f.seek(0);t=f.read().decode(errors='replace');f.close()\n"
-    " sys.stderr.write(c.startup_log_to_show(t) if ok else t);sys.stderr.flush()\n"
-    "sys.argv=sys.argv[1:];runpy.run_module(sys.argv[0],run_name='__main__',alter_sys=True)\n"
-)
-
-
-_TASK_SERVER = "tf_asgd.cluster.task_server"
-
-# Processes that only serve TF graphs: TensorFlow starts there without Keras.
-SERVER_MODULES = (_TASK_SERVER,)
-
-
-class _NoKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds `keras` where it is installed (TF looks up its directory) but
-    refuses to load it (TF then skips its eager import of Keras)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "keras":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None:
-            spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        raise ImportError("Keras is not loaded in a process that only serves TF graphs")
-
-    def exec_module(self, module):
-        raise ImportError("Keras is not loaded in a process that only serves TF graphs")
-
-
-def import_tensorflow(module=None):
-    """Imports and returns TensorFlow for a process that runs `module`.
-
-    For a task server (`SERVER_MODULES`), without Keras: TF imports Keras's
-    optimizers eagerly, to register them for SavedModel loading, which a
-    server never does; that import is about a third of a task's start-up CPU.
-    Where Keras or TF is loaded already, this only imports TF.
-    """
-    if module not in SERVER_MODULES or "keras" in sys.modules or "tensorflow" in sys.modules:
-        import tensorflow
-
-        return tensorflow
-    blocker = _NoKeras()
-    sys.meta_path.insert(0, blocker)
-    try:
-        import tensorflow
-    finally:
-        sys.meta_path.remove(blocker)
-    return tensorflow
-
-
-def boot_tensorflow(argv):
-    """What a quiet start runs before the module `argv[0]`: imports TensorFlow
-    and lists its devices (which loads the GPU libraries) while stderr is muted.
-    A fork server (`task_forks`) lists none: CUDA is not fork-safe once
-    initialised, and each task it forks lists its own."""
-    tf = import_tensorflow(argv[0])
-    if task_forks.FORKS not in argv:
-        tf.config.list_physical_devices()
-
-
-def verbose_tf():
-    """Whether TF's start-up logs are wanted (`VERBOSE_TF_ENV` is "1")."""
-    return os.environ.get(VERBOSE_TF_ENV) == "1"
-
-
-def python_command(module, args=()):
-    """`python -m module args`, started quietly unless `verbose_tf()`: TF's
-    start-up lines are dropped (`startup_log_to_show`), all else is shown."""
-    if verbose_tf():
-        return [sys.executable, "-m", module, *args]
-    # The module's name first, so that a narrow `ps` shows it, as with `-m`.
-    return [sys.executable, "-c", f"{module!r};{_QUIET_BOOT}", module, *args]
-
-
-def startup_log_to_show(text):
-    """`text` (what native code wrote to stderr while TF started) without the
-    start-up noise. A failed cuInit is noise only where there is no CUDA
-    driver (no GPU could be used anyway); with a driver it is shown."""
-    no_driver = not _cuda_driver_present()
-    kept = [
-        line
-        for line in text.splitlines(keepends=True)
-        if not _STARTUP_NOISE.search(line) and not (no_driver and _FAILED_CUINIT.search(line))
-    ]
-    return "".join(kept)
-
-
-def _cuda_driver_present():
-    """Whether the CUDA driver library (libcuda) can be loaded."""
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def quiet_tf_startup(enabled=True):
-    """While the block runs (import TensorFlow, list its devices), what native
-    code writes to stderr (fd 2) goes to a file; afterwards it is written to
-    stderr without the start-up noise (everything, if the block raised)."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    ok = False
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-            ok = True
-        finally:
-            sys.stderr.flush()  # what Python wrote meanwhile goes to the file too
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            text = captured.read().decode(errors="replace")
-            sys.stderr.write(startup_log_to_show(text) if ok else text)
-            sys.stderr.flush()
-
-
-# Copies stdin to stderr line by line, without the lines matching argv[1].
-_FILTER = (
-    "import re,sys\n"
-    "p=re.compile(sys.argv[1],re.M)\n"
-    "for line in sys.stdin.buffer:\n"
-    " t=line.decode(errors='replace')\n"
-    " if not p.search(t):sys.stderr.write(t);sys.stderr.flush()\n"
-)
-
-
-@contextlib.contextmanager
-def filtered_stderr():
-    """While the block runs, native stderr (fd 2) passes through a filter process that
-    drops TF's start-up lines (`_STARTUP_NOISE`) and shows every other line as it comes.
-
-    The filter is a separate process, so a fatal message (TF aborting at import on a CPU
-    it was not built for) still reaches the terminal: the filter reads to the end of the
-    pipe even after this process is gone. Where the filter cannot start, nothing is
-    filtered.
-    """
-    sys.stderr.flush()
-    try:
-        filt = subprocess.Popen(
-            [sys.executable, "-S", "-c", _FILTER, _STARTUP_NOISE.pattern], stdin=subprocess.PIPE
-        )
-    except OSError:
-        yield
-        return
-    saved = os.dup(2)
-    os.dup2(filt.stdin.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        filt.stdin.close()
-        try:
-            filt.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            filt.kill()
-            filt.wait()
-
-
 def _mark_gone(addresses, gone=True):
     """Tells this process's TF client that the tasks at `addresses` stopped
     (or, `gone=False`, are back): a tf.function freed while it is connected
@@ -263,153 +59,6 @@ def _mark_gone(addresses, gone=True):
         from tf_asgd import internals
 
         internals.mark_tasks_gone(addresses, gone)
-
-
-def _pick_ports(n):
-    """Returns `n` distinct free ports, below the kernel's ephemeral range where it can.
-
-    Outgoing connections take their source ports from the ephemeral range. A task's
-    port there can be taken while the task is down, by another connection or by a
-    client's retries to that port connecting to themselves (TCP simultaneous open),
-    and the task then cannot restart on it.
-    """
-    low = _ephemeral_range_start()
-    first = max(1024, low // 2)
-    if low - first < 64 * n:  # no room below the range: any port the kernel gives
-        candidates = [0] * n
-    else:
-        candidates = random.SystemRandom().sample(range(first, low), min(low - first, 256 * n))
-    socks, ports = [], []
-    try:
-        for candidate in candidates:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.bind(("", candidate))  # TF's servers listen on every address
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-            if len(ports) == n:
-                return ports
-    finally:
-        for s in socks:
-            s.close()
-    raise RuntimeError(f"no {n} free ports between {first} and {low}.")
-
-
-def _ephemeral_range_start():
-    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def parse_tf_config(text):
-    """Parses and validates a `TF_CONFIG` JSON string.
-
-    Args:
-        text: the JSON text, `{"cluster": {job: ["host:port", ...]}, "task":
-            {"type": job, "index": i}}`, with jobs among "chief", "worker",
-            "ps" and "evaluator". A missing task index means 0; the
-            evaluator's is not checked (it is no task of the cluster).
-
-    Returns:
-        `(cluster, task_type, task_index)`: the cluster dict as given, the
-        task's job and its index.
-
-    Raises:
-        ValueError: quoting what is wrong: bad JSON, no "cluster" or "task"
-            object, an unknown job, addresses that are not "host:port"
-            strings, an index out of range, or a cluster with no `ps` or no
-            `worker` task.
-
-    Examples:
-        >>> cluster, task_type, index = parse_tf_config(
-        ...     '{"cluster": {"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]},'
-        ...     ' "task": {"type": "worker", "index": 1}}'
-        ... )
-        >>> task_type, index, cluster["ps"]
-        ('worker', 1, ['p0:2222'])
-    """
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
-        raise ValueError(f'TF_CONFIG needs a "cluster" object: {text!r}')
-    cluster = config["cluster"]
-    for job, addresses in cluster.items():
-        if job not in ROLES:
-            raise ValueError(
-                f"TF_CONFIG cluster has unknown job {job!r}; expected some of {ROLES}."
-            )
-        if not isinstance(addresses, list) or not all(
-            isinstance(a, str) and ":" in a for a in addresses
-        ):
-            raise ValueError(
-                f"TF_CONFIG cluster job {job!r} must be a list of 'host:port' "
-                f"strings, got {addresses!r}."
-            )
-    validate_cluster_spec(cluster)
-    task = config.get("task")
-    if not isinstance(task, dict):
-        raise ValueError(f'TF_CONFIG needs a "task" object: {text!r}')
-    task_type, task_index = task.get("type"), task.get("index", 0)
-    if task_type not in ROLES:
-        raise ValueError(f"TF_CONFIG task type {task_type!r} is not one of {ROLES}.")
-    if task_type != "evaluator":
-        n = len(cluster.get(task_type, []))
-        if not isinstance(task_index, int) or not 0 <= task_index < n:
-            raise ValueError(
-                f"TF_CONFIG task index {task_index!r} is out of range for job "
-                f"{task_type!r}, which has {n} task(s)."
-            )
-    return cluster, task_type, task_index
-
-
-def tf_config_role(environ=None):
-    """`(cluster, task_type, task_index)` from `TF_CONFIG`, or `None` when unset.
-
-    Raises `ValueError` quoting what is wrong with a malformed `TF_CONFIG`
-    (bad JSON, unknown role, index out of range, no ps or worker, no chief).
-    """
-    environ = os.environ if environ is None else environ
-    text = environ.get("TF_CONFIG", "")
-    if not text.strip():
-        return None
-    cluster, task_type, task_index = parse_tf_config(text)
-    chiefs = cluster.get("chief", [])
-    if len(chiefs) != 1:
-        raise ValueError(
-            "TF_CONFIG cluster needs exactly one 'chief' task (it runs the "
-            f"coordinator and the training loop), got {chiefs!r} in: {text!r}"
-        )
-    return cluster, task_type, task_index
-
-
-def validate_cluster_spec(cluster):
-    """Raises `ValueError` unless `cluster` has at least one ps and one worker."""
-    for job in ("ps", "worker"):
-        if not cluster.get(job):
-            raise ValueError(
-                f"The cluster has no {job!r} task; asynchronous parameter-server "
-                f"training needs at least one ps and one worker. Cluster: {cluster}"
-            )
-
-
-def make_resolver(cluster, task_type="chief", task_index=0):
-    """A `SimpleClusterResolver` for a cluster dict, from the chief's view."""
-    import tensorflow as tf
-
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster),
-        task_type=task_type,
-        task_id=task_index,
-        rpc_layer="grpc",
-    )
 
 
 _LIMITING = {}  # id(LocalCluster) -> bits/s, for the open clusters with a bandwidth
@@ -451,7 +100,7 @@ def _task_env(tasks, gpus_per_worker):
 def fork_server_spec():
     """The command line and environment of the fork server (`task_forks`) of
     this process's clusters without GPUs."""
-    return python_command(_TASK_SERVER, [task_forks.FORKS]), _task_env([], 0)
+    return python_command(TASK_SERVER, [task_forks.FORKS]), _task_env([], 0)
 
 
 class LocalCluster:
@@ -526,7 +175,7 @@ class LocalCluster:
         self._procs = {}  # "job:index" -> Popen or ForkedTask; a shared host is "all"
         self._forks = None  # the task_forks.ForkServer its tasks come from (None: own starts)
         self._lock = threading.Lock()
-        ports = _pick_ports(num_workers + num_ps + 1)
+        ports = pick_ports(num_workers + num_ps + 1)
         self.cluster_spec = {
             "chief": [f"localhost:{ports[0]}"],
             "worker": [f"localhost:{p}" for p in ports[1 : 1 + num_workers]],
@@ -553,7 +202,7 @@ class LocalCluster:
             A `tf.distribute.cluster_resolver.SimpleClusterResolver` (task
             "chief", index 0, gRPC) for `AsyncParameterServerStrategy`.
         """
-        return make_resolver(dict(self.cluster_spec, chief=[f"localhost:{_pick_ports(1)[0]}"]))
+        return make_resolver(dict(self.cluster_spec, chief=[f"localhost:{pick_ports(1)[0]}"]))
 
     def tasks(self):
         """The cluster's ps and worker task names.
@@ -570,7 +219,7 @@ class LocalCluster:
         if self._forks is not None:
             return self._forks.spawn(self.cluster_spec, tasks, deadline)
         return subprocess.Popen(
-            python_command(_TASK_SERVER, [json.dumps(self.cluster_spec), ",".join(tasks)]),
+            python_command(TASK_SERVER, [json.dumps(self.cluster_spec), ",".join(tasks)]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=_task_env(tasks, self.gpus_per_worker),

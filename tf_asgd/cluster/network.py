@@ -3,8 +3,9 @@
 TF's gRPC server listens on every interface and has no authentication, so
 `reexec_in_loopback_namespace()` starts the current program again inside a new user and
 network namespace whose only interface is `lo` (docs/architecture.md says why). The
-launcher does this by default for local runs (`--isolate_network`). Inside such a namespace,
-`limit_bandwidth` puts a token bucket on `lo`: one shared link for the whole job.
+launcher does this by default for local runs (`--isolate_network`: `isolate_local_run`). Inside
+such a namespace, `limit_bandwidth` puts a token bucket on `lo`: one shared link for the whole
+job (`--bandwidth`: `check_bandwidth_request`, `limit_local_bandwidth`).
 
 Example:
     tf_asgd.cluster.network.reexec_in_loopback_namespace()  # returns inside the namespace
@@ -234,3 +235,119 @@ def _tc(*args):
             " (the kernel may lack the tbf qdisc: sch_tbf)"
         )
     return proc.stdout
+
+
+def isolate_local_run(mode, argv, must_download=None):
+    """Moves a local run into a loopback-only network namespace, or logs why not.
+
+    Returns only inside the namespace, or when the run stays outside it
+    (`reexec_in_loopback_namespace`).
+
+    Args:
+        mode: the launcher's `--isolate_network`: "yes" (or raise), "auto" (or a
+            warning), "no" (stay outside).
+        argv: the program to run again inside the namespace.
+        must_download: the data set the run must download first, or `None`; with
+            "auto", the run then stays outside (a loopback-only namespace has no network).
+
+    Raises:
+        OSError: `mode` "yes", and no such namespace can be made here (it says why).
+    """
+    from absl import logging  # here: the module itself needs only the standard library
+
+    if mode == "no":
+        return
+    if mode == "auto" and not in_loopback_namespace() and must_download:
+        logging.warning(
+            "Not isolating the local cluster to loopback: %s must be downloaded first "
+            "(a loopback-only namespace has no network). Its ports listen on every "
+            "interface; once the data is here, runs are isolated.",
+            must_download,
+        )
+        return
+    try:
+        # Outside: does not return. Inside, TF starts quietly (see quiet_tf_startup).
+        reexec_in_loopback_namespace(argv)
+    except OSError as e:
+        if mode == "yes":
+            raise
+        logging.warning(
+            "The local cluster's ports listen on every interface (TF 2.21 binds 0.0.0.0; "
+            "its gRPC has no authentication) because %s. Firewall this machine, or "
+            "pass --isolate_network=no to accept this.",
+            e,
+        )
+        return
+    logging.info(
+        "Isolated: this run has its own network namespace with only loopback; "
+        "no one outside can reach the cluster's ports."
+    )
+
+
+def check_bandwidth_request(value, isolate, local=True, must_download=None):
+    """The launcher's `--bandwidth`, checked before the run moves to its namespace.
+
+    Args:
+        value: the rate (`parse_bandwidth`), or `None`.
+        isolate: the launcher's `--isolate_network` ("auto", "yes" or "no").
+        local: whether the run is local (no `TF_CONFIG`).
+        must_download: the data set the run must download first, or `None`.
+
+    Returns:
+        The rate in bits/s, or `None` without `value`.
+
+    Raises:
+        ValueError: a bad rate, a run that is not local, or `isolate` "no" (the
+            message names the conflict: a usage error).
+        OSError: no namespace of its own can be made here, or `must_download`
+            must be downloaded first (the message says why).
+    """
+    if value is None:
+        return None
+    try:
+        rate = parse_bandwidth(value)
+    except ValueError as e:
+        raise ValueError(f"--bandwidth: {e}") from None
+    if not local:
+        raise ValueError(
+            "--bandwidth limits a local run's own network namespace; under TF_CONFIG the "
+            "tasks run on their machines' network (limit it there)."
+        )
+    if isolate == "no":
+        raise ValueError(
+            "--bandwidth needs the run in its own network namespace: it cannot be combined "
+            "with --isolate_network=no."
+        )
+    if not in_loopback_namespace():
+        try:
+            check_available()
+        except OSError as e:
+            raise OSError(f"--bandwidth needs a network namespace of its own, but {e}.") from None
+        if must_download:
+            raise OSError(
+                f"--bandwidth runs in a network namespace without a network, "
+                f"but {must_download} must be downloaded first: run once without --bandwidth."
+            )
+    return rate
+
+
+def limit_local_bandwidth(rate):
+    """Limits this run's namespace loopback to `rate` bits/s (`limit_bandwidth`), and logs it.
+
+    Raises:
+        OSError: `limit_bandwidth` or `bandwidth_limit` failed (the message names
+            the rate and why).
+    """
+    from absl import logging
+
+    try:
+        limit_bandwidth(rate)
+        limit, burst = bandwidth_limit()
+    except (OSError, RuntimeError) as e:
+        raise OSError(f"--bandwidth={rate}bit, but {e}.") from None
+    logging.info(
+        "Bandwidth: this run's loopback is limited to %d bits/s (tbf, burst %d bytes), "
+        "one link for the chief and every task.",
+        limit,
+        burst,
+    )

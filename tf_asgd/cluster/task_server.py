@@ -20,7 +20,7 @@ import socket
 import sys
 import traceback
 
-from tf_asgd.cluster import local_cluster, task_forks
+from tf_asgd.cluster import local_cluster, task_forks, tf_startup
 from tf_asgd.cluster.task_forks import FORKS
 
 
@@ -29,7 +29,7 @@ def serve(cluster, tasks):
 
     The caller keeps the process alive.
     """
-    tf = local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
+    tf = tf_startup.import_tensorflow("tf_asgd.cluster.task_server")
 
     # Tasks that share a process share its inter-op thread pool; a pool no
     # larger than the core count deadlocks when every thread blocks on a
@@ -66,7 +66,7 @@ def serve_forks(sock):
     closes. Each request carries the task's stdin and stdout pipes; the reply
     is `started ID PID` (ID: the request's), and `exited PID CODE` follows when
     the task ends."""
-    local_cluster.import_tensorflow("tf_asgd.cluster.task_server")  # a no-op if imported
+    tf_startup.import_tensorflow("tf_asgd.cluster.task_server")  # a no-op if imported
     # A Ctrl-C in the terminal reaches the whole process group: the tasks
     # stop on it as before, this process on its lifeline.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -137,8 +137,8 @@ def _run_forked(sock, request, fds):
         for fd in fds:
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        tf = local_cluster.import_tensorflow("tf_asgd.cluster.task_server")
-        with local_cluster.quiet_tf_startup(not local_cluster.verbose_tf()):
+        tf = tf_startup.import_tensorflow("tf_asgd.cluster.task_server")
+        with tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()):
             tf.config.list_physical_devices()
         _host(request["cluster"], request["tasks"])
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ Example:
     results = roles.run(config, workdir="/tmp/asgd")  # TF_CONFIG decides the role
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -23,12 +24,13 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.cluster import task_server
+from tf_asgd.cluster.local_cluster import LocalCluster
 from tf_asgd.cluster.lost_tasks import task_lost_error
+from tf_asgd.cluster.tf_config import make_resolver, tf_config_role
 from tf_asgd.launch.config_fields import CHECKPOINT_DIR, used_workdir_message
 from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
-from tf_asgd.launch.library import (
+from tf_asgd.launch.run_parts import (
     DONE_FILE,
     InterruptCallback,
     StopSignals,
@@ -77,25 +79,10 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     after a batch if Python lost it) saves a checkpoint and re-raises.
     """
     t_start = time.time()
-    os.makedirs(workdir, exist_ok=True)
-    ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
-    latest = newest_checkpoint_unless_refused(workdir, resume)
-    if os.path.exists(os.path.join(workdir, DONE_FILE)):
-        os.remove(os.path.join(workdir, DONE_FILE))
+    latest = prepare_workdir(workdir, resume)
     keras.utils.set_random_seed(config.seed)
     arrays = load_data_arrays(config)  # fails fast on missing data, before connecting
-
-    strategy = AsyncParameterServerStrategy(
-        resolver,
-        n_sync=config.n_sync,
-        staleness=config.staleness,
-        max_staleness=config.max_staleness,
-        outer_optimizer=make_outer_optimizer(config),
-        worker_state=config.worker_state,
-        windows_per_closure=config.windows_per_closure or None,
-        compression=config.compression,
-        pull_compression=config.pull_compression,
-    )
+    strategy = make_strategy(config, resolver)
     with strategy.scope():
         model = make_model(config)
         compile_model(model, config)
@@ -103,44 +90,18 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
     data = make_data(config, arrays)  # after connecting: datasets live on the chief's new device
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     checkpoint = make_checkpoint(model, strategy, epoch_var)
+    ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
     manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=config.max_checkpoints)
     initial_epoch = 0
-    if resume and latest:
-        checkpoint.restore(latest).assert_existing_objects_matched()
-        initial_epoch = int(epoch_var.numpy())
-        logging.info(
-            "resumed from %s: epoch %d, version %d",
-            latest,
-            initial_epoch,
-            int(strategy.counters.version.numpy()),
-        )
-    elif resume:
-        logging.info("--resume: no checkpoint in %s, starting from scratch", ckpt_dir)
+    if resume:
+        initial_epoch = resume_from(checkpoint, latest, ckpt_dir, epoch_var, strategy)
 
     def step_fn():
         return int(model.optimizer.iterations.numpy())
 
-    callbacks = [
-        *([InterruptCallback(stop)] if stop is not None else []),
-        make_progress_callback(config, config.batch_size),
-        make_checkpoint_callback(manager, epoch_var, step_fn),
-        keras.callbacks.CSVLogger(os.path.join(workdir, "metrics.csv"), append=initial_epoch > 0),
-    ]
-    if tensorboard_available():
-        callbacks.append(
-            keras.callbacks.TensorBoard(
-                os.path.join(workdir, "tensorboard"),
-                write_graph=False,
-                update_freq="epoch",
-                profile_batch=0,
-            )
-        )
-    else:
-        logging.warning(
-            "TensorBoard is not installed (pip install tensorboard): no TensorBoard logs."
-        )
+    callbacks = chief_callbacks(config, workdir, stop, manager, epoch_var, step_fn, initial_epoch)
     cluster = resolver.cluster_spec().as_dict()
-    try:
+    with checkpoint_on_stop(manager, step_fn, stop, cluster, epoch_var):
         history = model.fit(
             data.train,
             epochs=config.epochs,
@@ -154,21 +115,6 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         if stop is not None:
             stop.check()
         test = model.evaluate(data.test, steps=data.test_steps, return_dict=True, verbose=0)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see StopSignals)
-        checkpoint_on_interrupt(manager, step_fn)
-        raise
-    except Exception as e:
-        if stop is not None and stop.requested.is_set():
-            # The signal's KeyboardInterrupt, raised inside TF's C++ bindings,
-            # can come out as another error (pybind11: "ORIGINAL
-            # InvalidArgumentError REPLACED BY KeyboardInterrupt").
-            checkpoint_on_interrupt(manager, step_fn)
-            raise KeyboardInterrupt(f"signal {stop.signum}") from e
-        if isinstance(
-            e, tf.errors.UnavailableError
-        ):  # includes the coordinator's PSUnavailableError
-            raise task_lost_error(e, cluster, manager, epoch_var) from e
-        raise
     results = {f"test_{k}": float(v) for k, v in test.items()}
     if data.test_images is not None:
         results.update(
@@ -189,11 +135,7 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         wall_seconds=time.time() - t_start,
         history={k: [float(x) for x in v] for k, v in history.history.items()},
     )
-    model.save(os.path.join(workdir, "model.keras"))
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(workdir, DONE_FILE), "w") as f:
-        f.write(str(results["epochs"]))
+    write_outputs(workdir, model, results)
     logging.info(
         "done: test accuracy %.4f, loss %.4f, %d windows, mean staleness %.2f, %.1f s; "
         "checkpoint %s",
@@ -205,6 +147,110 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         manager.latest_checkpoint,
     )
     return results
+
+
+def prepare_workdir(workdir, resume):
+    """Makes `workdir` and removes its `DONE`; returns its newest checkpoint (None: none).
+
+    Raises:
+        ValueError: `workdir` holds checkpoints and `resume` is False.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    latest = newest_checkpoint_unless_refused(workdir, resume)
+    if os.path.exists(os.path.join(workdir, DONE_FILE)):
+        os.remove(os.path.join(workdir, DONE_FILE))
+    return latest
+
+
+def make_strategy(config, resolver):
+    """The chief's `AsyncParameterServerStrategy` on `resolver`'s cluster, as `config` says."""
+    return AsyncParameterServerStrategy(
+        resolver,
+        n_sync=config.n_sync,
+        staleness=config.staleness,
+        max_staleness=config.max_staleness,
+        outer_optimizer=make_outer_optimizer(config),
+        worker_state=config.worker_state,
+        windows_per_closure=config.windows_per_closure or None,
+        compression=config.compression,
+        pull_compression=config.pull_compression,
+    )
+
+
+def resume_from(checkpoint, latest, ckpt_dir, epoch_var, strategy):
+    """Restores `checkpoint` from `latest` (None: starts from scratch) and returns the
+    epochs it had done."""
+    if not latest:
+        logging.info("--resume: no checkpoint in %s, starting from scratch", ckpt_dir)
+        return 0
+    checkpoint.restore(latest).assert_existing_objects_matched()
+    initial_epoch = int(epoch_var.numpy())
+    logging.info(
+        "resumed from %s: epoch %d, version %d",
+        latest,
+        initial_epoch,
+        int(strategy.counters.version.numpy()),
+    )
+    return initial_epoch
+
+
+def chief_callbacks(config, workdir, stop, manager, epoch_var, step_fn, initial_epoch):
+    """The chief's `fit` callbacks: interrupts (`stop`, a `StopSignals`, or None),
+    progress, a checkpoint per epoch, `metrics.csv` (appended to after `initial_epoch`
+    0) and TensorBoard logs where TensorBoard is installed."""
+    callbacks = [
+        *([InterruptCallback(stop)] if stop is not None else []),
+        make_progress_callback(config, config.batch_size),
+        make_checkpoint_callback(manager, epoch_var, step_fn),
+        keras.callbacks.CSVLogger(os.path.join(workdir, "metrics.csv"), append=initial_epoch > 0),
+    ]
+    if tensorboard_available():
+        callbacks.append(
+            keras.callbacks.TensorBoard(
+                os.path.join(workdir, "tensorboard"),
+                write_graph=False,
+                update_freq="epoch",
+                profile_batch=0,
+            )
+        )
+    else:
+        logging.warning(
+            "TensorBoard is not installed (pip install tensorboard): no TensorBoard logs."
+        )
+    return callbacks
+
+
+@contextlib.contextmanager
+def checkpoint_on_stop(manager, step_fn, stop, cluster, epoch_var):
+    """Around the chief's `fit` and `evaluate`: Ctrl-C or SIGTERM (a KeyboardInterrupt,
+    or `stop` requested) saves a checkpoint and raises KeyboardInterrupt; a lost task
+    (`tf.errors.UnavailableError`) raises `ClusterTaskLostError` naming it."""
+    try:
+        yield
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see StopSignals)
+        checkpoint_on_interrupt(manager, step_fn)
+        raise
+    except Exception as e:
+        if stop is not None and stop.requested.is_set():
+            # The signal's KeyboardInterrupt, raised inside TF's C++ bindings,
+            # can come out as another error (pybind11: "ORIGINAL
+            # InvalidArgumentError REPLACED BY KeyboardInterrupt").
+            checkpoint_on_interrupt(manager, step_fn)
+            raise KeyboardInterrupt(f"signal {stop.signum}") from e
+        if isinstance(
+            e, tf.errors.UnavailableError
+        ):  # includes the coordinator's PSUnavailableError
+            raise task_lost_error(e, cluster, manager, epoch_var) from e
+        raise
+
+
+def write_outputs(workdir, model, results):
+    """Writes `model.keras`, `results.json` and, last, `DONE` (the epochs done) to `workdir`."""
+    model.save(os.path.join(workdir, "model.keras"))
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(workdir, DONE_FILE), "w") as f:
+        f.write(str(results["epochs"]))
 
 
 def newest_checkpoint_unless_refused(workdir, resume):
@@ -240,7 +286,7 @@ def run_local(config, workdir, resume=False, stop=None):
         config.num_ps,
         f", {config.gpus_per_worker} GPU(s) per worker" if config.gpus_per_worker else "",
     )
-    with cluster_lib.LocalCluster(
+    with LocalCluster(
         config.num_workers,
         config.num_ps,
         shared_process=shared,
@@ -368,7 +414,7 @@ def run_task(config, workdir, cluster, task_type, task_index, resume=False, stop
     Ctrl-C / SIGTERM (`stop`, a `StopSignals`) after a checkpoint."""
     if task_type == "chief":
         hide_gpus()
-        resolver = cluster_lib.make_resolver(cluster, "chief", task_index)
+        resolver = make_resolver(cluster, "chief", task_index)
         stop = stop or StopSignals()
         with stop:
             return train_and_evaluate(config, workdir, resolver, resume=resume, stop=stop)
@@ -387,7 +433,7 @@ def run(config, workdir, resume=False, environ=None, stop=None):
     SIGTERM into a KeyboardInterrupt for a local run and the chief: a
     checkpoint, every local task stopped, then the KeyboardInterrupt.
     """
-    role = cluster_lib.tf_config_role(environ)
+    role = tf_config_role(environ)
     if role is None:
         stop = stop or StopSignals()
         with stop:

@@ -1,4 +1,4 @@
-"""The launcher's library: what the task roles (`tf_asgd.launch.roles`) build from a config.
+"""The parts of a run the task roles (`tf_asgd.launch.roles`) build from a config.
 
 - builders: `make_model`, `make_optimizer`, `make_outer_optimizer`, `compile_model`;
 - callbacks: `make_progress_callback` (throughput log lines),
