@@ -106,7 +106,8 @@ def worker_killed_mid_closure(local_cluster, digits, **strategy_options):
         events = {}
 
         def partly_applied():
-            trainer = strategy._trainer_of(model)
+            state = strategy.model_states.get(model)
+            trainer = None if state is None else state.trainer
             if trainer is None:
                 return None
             applied = trainer.window.applied_windows.numpy()
@@ -140,7 +141,7 @@ def worker_killed_mid_closure(local_cluster, digits, **strategy_options):
         assert "error" not in events, events.get("error")
         assert "killed" in events and events.get("restarted"), events
         ids, pushed_before_kill = events["killed"]
-        trainer = strategy._trainer_of(model)
+        trainer = strategy.model_states.get(model).trainer
         log = strategy.window_log(model)
         stats = strategy.model_stats(model)
         replays = [r for r in log if r.replayed]

@@ -20,12 +20,13 @@ from tf_asgd import internals
 from tf_asgd.cluster import connect, lost_workers, tf_config, tf_startup
 from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.keras_glue import keras_hook
-from tf_asgd.keras_glue.evaluation import Evaluator, validate_evaluation
+from tf_asgd.keras_glue.evaluation import validate_evaluation
+from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
 from tf_asgd.rules import update_rules
 from tf_asgd.rules.compression import as_compression, as_pull_compression
 from tf_asgd.runtime import python_inputs
 from tf_asgd.runtime.counters import PushCounters
-from tf_asgd.runtime.scheduling import WindowTrainer, validate_windows_per_closure
+from tf_asgd.runtime.scheduling import validate_windows_per_closure
 
 # ExternalStatePolicy.WARN of DatasetToGraphV2, as TF's coordinator serializes
 # a dataset for its workers (values.serialize_dataset_to_graph).
@@ -52,7 +53,7 @@ class _WindowDataset:
     own batches; Keras's `steps_per_epoch` ends an epoch) and in a later
     `fit` on the same dataset object with the same `per_worker_dataset_fn`:
     each worker's stream continues there as it does from one epoch to the
-    next (`AsyncParameterServerStrategy._training_iterator`). Iterated by
+    next (`model_state.TrainingData.iterator`). Iterated by
     evaluate, predict or the model's symbolic build
     (`keras_hook.local_mode`), it yields a plain iterator on the chief. For
     Python-side training data (a PyDataset, a generator, a pipeline that
@@ -85,12 +86,14 @@ class _WindowDataset:
         if feed is not None:
             return feed
         if self._iterator is None:
-            self._iterator = self._strategy._training_iterator(self._dataset, self._new_iterator)
+            self._iterator = self._strategy.training_data.iterator(
+                self._dataset, self._strategy.per_worker_dataset_fn, self._new_iterator
+            )
         return self._iterator
 
     def _new_iterator(self):
         transform = self._strategy.per_worker_dataset_fn
-        if transform is None and self._dataset in self._strategy._batch_sharded:
+        if transform is None and self._strategy.training_data.is_sharded_by_batch(self._dataset):
             n = self._strategy.num_workers
 
             def transform(dataset, index):
@@ -157,8 +160,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     optimizer stays unchanged and stable. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
 
-    The strategy keeps each model's training state (its `WindowTrainer`,
-    whether `fit` is running) by model, weakly: nothing is set on the model.
+    The strategy keeps each model's state (its `WindowTrainer` and
+    `Evaluator`, whether `fit` is running: `model_states`) by model, weakly:
+    nothing is set on the model.
     TensorFlow holds one cluster connection per process: a later strategy's
     ends this one's (its coordinator stops; `fit`, `evaluate` and `predict`
     then raise `RuntimeError`).
@@ -267,6 +271,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
+        model_states: the `model_state.ModelStates` of the models under this
+            strategy (for the Keras hook, the tools and the tests).
+        training_data: the `model_state.TrainingData` of the datasets `fit`
+            trained on (for the Keras hook).
 
     Example:
 
@@ -363,13 +371,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         )
         with self.scope():
             self.counters = PushCounters()
-        self._trainers = weakref.WeakKeyDictionary()  # model -> its WindowTrainer
-        self._fitting = weakref.WeakKeyDictionary()  # model -> its fit's steps per epoch
-        self._batch_sharded = weakref.WeakSet()  # datasets sharded by batch over the workers
-        self._last_training_iterator = None  # (dataset, per_worker_dataset_fn, iterator)
-        self._last_repeated = None  # (a fit's dataset, its repeat())
-        self._evaluators = weakref.WeakKeyDictionary()  # model -> its Evaluator
-        self._outer_states = weakref.WeakKeyDictionary()  # model -> its outer_state
+        self.model_states = ModelStates(self, self._outer_optimizer_for)
+        self.training_data = TrainingData()
 
     @property
     def connect_timeout(self):
@@ -413,22 +416,25 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """
         return _WindowDataset(dataset, self)
 
-    def stats(self, trainer=None):
+    def stats(self, model=None):
         """The run's push counters (a few reads from the PS).
 
+        The counters are the strategy's (every push under it); the bytes
+        pulled and pushed are counted at `model`'s size per window, and per
+        sample over the mean samples of `model`'s windows so far.
+
         Args:
-            trainer: a model's `scheduling.WindowTrainer`, which gives the
-                byte counts their per-window size; None reports them as 0
-                (`model_stats` passes the model's).
+            model: a Keras model trained under this strategy, which gives the
+                byte counts their size; None (or a model not trained under
+                this strategy) reports them as 0.
 
         Returns:
             An `AsyncStats`.
         """
+        trainer = self._trainer(model)
         if trainer is None:
             return self.counters.stats(0, 0)
-        return self.counters.stats(
-            trainer.bytes_per_pull, trainer.bytes_per_push, trainer.samples_per_window
-        )
+        return trainer.stats()
 
     def window_log(self, model):
         """Every finished window of `model`'s training so far.
@@ -449,7 +455,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         print(len(log), sum(r.staleness for r in log if r.pushed) / len(log))
         ```
         """
-        trainer = self._trainer_of(model)
+        trainer = self._trainer(model)
         return list(trainer.window_log) if trainer else []
 
     def window_results(self, model, record):
@@ -465,13 +471,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         Raises:
             ValueError: `model` has not been trained under this strategy.
         """
-        trainer = self._trainer_of(model)
+        trainer = self._trainer(model)
         if trainer is None:
             raise ValueError(f"Model {model.name!r} has not been trained under this strategy.")
         return trainer.window_results(record)
 
     def model_stats(self, model):
-        """`stats()` with byte counts for `model`.
+        """`stats(model)`: the push counters, with byte counts for `model`.
 
         The counters are the strategy's (every push under it); the bytes pulled
         and pushed are counted at `model`'s size per window, and per sample
@@ -492,7 +498,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         print(stats.windows, stats.mean_staleness, stats.bytes_pushed / 1e6, "MB")
         ```
         """
-        return self.stats(self._trainer_of(model))
+        return self.stats(model)
 
     def outer_state(self, model):
         """The PS's outer-optimizer state of `model`, to checkpoint.
@@ -517,15 +523,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         model.fit(...)
         ```
         """
-        state = self._outer_states.get(model)
-        if state is None:
-            state = self._outer_states[model] = tf.Module(name="outer_state")
-        return state
+        state = self.model_states.get_or_create(model)
+        if state.outer_state is None:
+            state.outer_state = tf.Module(name="outer_state")
+        return state.outer_state
 
-    # ---- per-model state, for keras_hook and gem (not public) ----------------
-
-    def _check_connected(self):
-        """Raises `RuntimeError` once a later strategy of this process has connected."""
+    def check_connected(self):
+        """Raises `RuntimeError` once a later strategy of this process has
+        connected (TensorFlow holds one cluster connection per process)."""
         if self not in _connected:
             raise RuntimeError(
                 "This AsyncParameterServerStrategy no longer has a cluster connection: a "
@@ -534,73 +539,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
                 "strategy's scope."
             )
 
-    def _trainer_of(self, model):
-        """The model's `WindowTrainer`, or None if it has none yet."""
-        return self._trainers.get(model)
-
-    def _trainer_for(self, model):
-        """The model's `WindowTrainer`, built on first use and again after the
-        model was compiled with another optimizer."""
-        trainer = self._trainers.get(model)
-        if trainer is None or trainer.optimizer is not model.optimizer:
-            trainer = WindowTrainer(model, self)
-            self._trainers[model] = trainer
-        return trainer
-
-    def _evaluator_for(self, model):
-        """The model's `evaluation.Evaluator` (built on first use), or None
-        when evaluation runs on the chief."""
-        if self.evaluation != "workers":
-            return None
-        evaluator = self._evaluators.get(model)
-        if evaluator is None:
-            evaluator = self._evaluators[model] = Evaluator(model, self)
-        return evaluator
-
-    def _is_fitting(self, model):
-        """Whether `model.fit` is running."""
-        return model in self._fitting
-
-    def _set_fitting(self, model, fitting, steps_per_epoch=None):
-        """Records that `model.fit` started (`fitting=True`, with its steps
-        per epoch) or ended."""
-        if fitting:
-            self._fitting[model] = steps_per_epoch
-        else:
-            self._fitting.pop(model, None)
-
-    def _training_iterator(self, dataset, make):
-        """The workers' iterator for training on `dataset`: the last `fit`'s
-        when it trained on the same dataset object with the same
-        `per_worker_dataset_fn`, else a new one, `make()`, which replaces it.
-
-        Kept because deleting a per-worker iterator holds the workers for up
-        to seconds at the next `fit`'s start (results/throughput/README.md),
-        and because each worker skips its offset of batches only once per
-        model (`window.WindowFunction._shift_data_once`): fresh iterators
-        would start every worker at the same batch again.
-        """
-        last = self._last_training_iterator
-        if last is None or last[0] is not dataset or last[1] is not self.per_worker_dataset_fn:
-            last = self._last_training_iterator = (dataset, self.per_worker_dataset_fn, make())
-        return last[2]
-
-    def _repeated(self, dataset):
-        """`dataset.repeat()`, the last call's object again for the same
-        `dataset` (what `fit` trains on: the same object lets a later `fit`
-        keep the workers' iterators, `_training_iterator`)."""
-        if self._last_repeated is None or self._last_repeated[0] is not dataset:
-            self._last_repeated = (dataset, dataset.repeat())
-        return self._last_repeated[1]
-
-    def _shard_by_batch(self, dataset):
-        """Marks a dataset built from arrays (by `keras_hook`) to be sharded by
-        batch over the workers (see `_WindowDataset`)."""
-        self._batch_sharded.add(dataset)
-
-    def _steps_per_epoch(self, model):
-        """The running fit's steps per epoch."""
-        return self._fitting.get(model)
+    def _trainer(self, model):
+        """`model`'s `WindowTrainer`, or None if it has none (or `model` is None)."""
+        state = None if model is None else self.model_states.get(model)
+        return None if state is None else state.trainer
 
     def _outer_optimizer_for(self, push_rule):
         """The outer optimizer a model's pushes get (see `outer_optimizer`)."""

@@ -63,7 +63,7 @@ def measure(workers, n_syncs, args):
                 # Warm-up: one window per worker (traces the window once), then
                 # a short fit that measures the pace (and sizes closures).
                 model.fit(ds, steps_per_epoch=n * workers, epochs=1, verbose=0)
-                trainer = strategy._trainer_of(model)
+                trainer = strategy.model_states.get(model).trainer
                 window_s = max(n * step_ms / 1000.0, 1e-3)
                 probe = max(2 * workers, min(workers * int(round(0.5 / window_s)), 200)) * n
                 t0 = time.perf_counter()

@@ -25,7 +25,7 @@ def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluste
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
     history = model.fit(x, y, batch_size=32, epochs=epochs, steps_per_epoch=steps, verbose=0)
-    trainer = strategy._trainer_of(model)
+    trainer = strategy.model_states.get(model).trainer
     log = strategy.window_log(model)
     stats = strategy.model_stats(model)
     windows = epochs * -(-steps // n_sync)
@@ -56,7 +56,7 @@ def test_windows_per_closure_is_automatic_by_default(cluster, digits):
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet())
     model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=200, verbose=0)
-    trainer = strategy._trainer_of(model)
+    trainer = strategy.model_states.get(model).trainer
     pace = trainer._pace()
     # About TARGET_CLOSURE_S of windows per closure, from the measured pace.
     assert trainer.windows_per_closure() == min(
@@ -94,7 +94,7 @@ def test_gem_is_exact_with_several_windows_per_closure(local_cluster, outer):
     ref = gem.ReferenceGEM([v.numpy() for v in model.trainable_variables], outer)
     epochs = 3
     per_epoch = gem.fit_recording_weights(model, x, t, epochs, steps_per_epoch=4 * gem.N_SYNC)
-    trainer = strategy._trainer_of(model)
+    trainer = strategy.model_states.get(model).trainer
     assert trainer.closure_sizes == [4] * epochs
     assert [run for _, _, run, _ in trainer.closure_log] == [4] * epochs
     log = strategy.window_log(model)
@@ -143,7 +143,7 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
         model = compile_digits(tf_asgd.models.digits_convnet())
     # A first fit measures the workers' paces (until then closures have no budget).
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4 * k, verbose=0)
-    trainer = strategy._trainer_of(model)
+    trainer = strategy.model_states.get(model).trainer
     seen, windows_before = len(trainer.closure_log), len(strategy.window_log(model))
     t0 = time.perf_counter()
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=steps, verbose=0)

@@ -115,7 +115,7 @@ def test_error_in_a_callback_reaches_the_user(cluster, digits):
     )
     print(f"callback error reached the user after {secs:.1f} s")
     assert isinstance(error, RuntimeError) and "injected in on_epoch_end" in str(error)
-    assert not strategy._is_fitting(model)
+    assert not strategy.model_states.get_or_create(model).fitting
     assert_next_fit_works(strategy, digits)
 
 
@@ -136,7 +136,7 @@ def test_keyboard_interrupt_from_a_callback_reaches_the_user(cluster, digits):
     )
     print(f"KeyboardInterrupt reached the user after {secs:.1f} s")
     assert isinstance(error, KeyboardInterrupt), repr(error)
-    assert not strategy._is_fitting(model)
+    assert not strategy.model_states.get_or_create(model).fitting
     assert_next_fit_works(strategy, digits)
 
 
@@ -178,7 +178,9 @@ def _refused(strategy, digits, make_input, steps_per_epoch=None):
     message = str(error)
     assert "runs Python" in message and "TFRecord" in message, message
     # Nothing ran: no window was scheduled for the refused model.
-    assert strategy.window_log(model) == [] and not strategy._is_fitting(model)
+    assert (
+        strategy.window_log(model) == [] and not strategy.model_states.get_or_create(model).fitting
+    )
     return message, secs
 
 

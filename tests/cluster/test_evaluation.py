@@ -31,7 +31,7 @@ def _model(strategy, digits, epochs=1):
 def _both(strategy, model, *args, **kwargs):
     """`model.evaluate(...)` as a dict, on the workers and on the chief."""
     strategy.evaluation = "workers"
-    evaluator = strategy._evaluator_for(model)
+    evaluator = strategy.model_states.ensure_evaluator(model)
     evaluator.last_shards = []
     on_workers = model.evaluate(*args, verbose=0, return_dict=True, **kwargs)
     shards = evaluator.last_shards
@@ -86,7 +86,7 @@ def test_arrays_on_the_workers_equal_the_chief(cluster, digits, caplog):
 
     # One trace per batch size serves every shard, the last partial batch
     # included, and every later evaluate (fit's validation each epoch).
-    functions = strategy._evaluator_for(model)._functions
+    functions = strategy.model_states.ensure_evaluator(model)._functions
     assert len(functions) == 2  # batch sizes 32 and 50
     assert all(f.experimental_get_tracing_count() == 1 for f in functions.values())
 
@@ -135,7 +135,7 @@ def test_fit_validation_on_the_workers_equals_chief_evaluation(cluster, digits):
         verbose=0,
         validation_data=(xt[:357], yt[:357]),
     )
-    assert len(strategy._evaluator_for(model).last_shards) > strategy.num_workers
+    assert len(strategy.model_states.ensure_evaluator(model).last_shards) > strategy.num_workers
     strategy.evaluation = "chief"
     on_chief = model.evaluate(xt[:357], yt[:357], batch_size=32, verbose=0, return_dict=True)
     assert abs(history.history["val_loss"][-1] - on_chief["loss"]) <= TOL
@@ -257,7 +257,7 @@ def test_a_worker_killed_during_evaluation_changes_nothing(local_cluster, digits
         events["done"] = time.perf_counter()
         killer.join(10)
         assert events["killed"] < events["done"], "the worker was killed after evaluate returned"
-        _assert_exact_cover(strategy._evaluator_for(model).last_shards, 23, 2)
+        _assert_exact_cover(strategy.model_states.ensure_evaluator(model).last_shards, 23, 2)
         cluster.restart_task("worker:1")
         strategy.evaluation = "chief"
         on_chief = model.evaluate(fast, verbose=0, return_dict=True)

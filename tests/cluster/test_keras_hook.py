@@ -114,7 +114,7 @@ def _refused_before_any_window(strategy, model, x, y, match):
     assert strategy.stats().windows == windows
     assert int(model.optimizer.iterations.numpy()) == 0
     assert _same(model.get_weights(), before)
-    assert not strategy._is_fitting(model)
+    assert not strategy.model_states.get_or_create(model).fitting
 
 
 def test_run_eagerly_is_refused(strategy, flat):

@@ -229,12 +229,12 @@ def test_jit_compile_true_compiles_each_step_with_xla(strategy, flat):
     (x, y), (xt, yt) = flat
     runs = _both(strategy, (x, y), dict(epochs=6), compile_kw=dict(jit_compile=True))
     (ours, _), (plain, _) = runs
-    assert ours.jit_compile and _xla_compiled(strategy._trainer_of(ours)._concrete[1])
+    assert ours.jit_compile and _xla_compiled(strategy.model_states.get(ours).trainer._concrete[1])
     _assert_close_to_keras(_accuracy(ours, xt, yt), _accuracy(plain, xt, yt), "held-out")
     default = _build(strategy, _mlp, {})  # jit_compile="auto": off under a strategy, as in Keras
     default.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert not default.jit_compile
-    assert not _xla_compiled(strategy._trainer_of(default)._concrete[1])
+    assert not _xla_compiled(strategy.model_states.get(default).trainer._concrete[1])
 
 
 # ---- fit arguments ---------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_add_loss_counted_in_evaluation_on_the_workers(cluster, digits, caplog):
     with caplog.at_level(logging.WARNING, logger="tf_asgd"):
         on_workers = model.evaluate(xt, yt, batch_size=32, verbose=0, return_dict=True)
     assert "evaluating on the chief" not in caplog.text
-    assert strategy._evaluator_for(model).last_shards  # sharded over the workers
+    assert strategy.model_states.ensure_evaluator(model).last_shards  # sharded over the workers
     strategy.evaluation = "chief"
     on_chief = model.evaluate(xt, yt, batch_size=32, verbose=0, return_dict=True)
     plain = _compile(penalised_mlp(rate=5.0))

@@ -125,7 +125,8 @@ def test_gradient_accumulation_refuses_partial_cycles(cluster, digits, n_sync, b
     with pytest.raises(UnsupportedFeatureError, match="gradient_accumulation_steps=2"):
         model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
     assert strategy.stats().windows == before
-    trainer = strategy._trainer_of(model)  # refused before the trainer is even built
+    state = strategy.model_states.get(model)  # refused before the trainer is even built
+    trainer = None if state is None else state.trainer
     assert trainer is None or not trainer.closure_sizes
 
 

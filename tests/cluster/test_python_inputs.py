@@ -119,7 +119,7 @@ def test_py_dataset_trains_like_plain_keras(strategy, digits, monkeypatch):
     assert [sorted(e) for e in _epochs(data.events)] == [list(range(len(data)))] * EPOCHS
     # Memory: the batches of the closures in flight and of the one being filled, at most.
     closures = scheduling.MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers + 1
-    largest = max(strategy._trainer_of(model).closure_sizes) * strategy.n_sync
+    largest = max(strategy.model_states.get(model).trainer.closure_sizes) * strategy.n_sync
     print(f"the chief held at most {max(held)} batches (bound {closures * largest})")
     assert 0 < max(held) <= closures * largest
 
@@ -265,7 +265,7 @@ def test_error_in_a_py_dataset_reaches_the_user(strategy, digits, readers):
     print(f"PyDataset error reached the user after {secs:.1f} s")
     assert isinstance(error, ValueError), repr(error)
     assert "injected failure in batch 2 of the PyDataset" in str(error)
-    assert not strategy._is_fitting(model)
+    assert not strategy.model_states.get_or_create(model).fitting
     assert _left_running(before) == []
 
     history, error, _ = bounded(

@@ -32,7 +32,7 @@ def test_a_result_lost_with_its_worker_runs_again_as_a_replay(cluster, digits, c
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet(), _gem())
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
-    trainer = strategy._trainer_for(model)  # private: drives one closure by hand
+    trainer = strategy.model_states.ensure_trainer(model)  # drives one closure by hand
     iterator = iter(
         strategy.coordinator.create_per_worker_dataset(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()

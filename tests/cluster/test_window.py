@@ -30,7 +30,7 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     with strategy.scope():
         model = compile_digits(tf_asgd.models.digits_convnet(), _gem())
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=20, verbose=0)
-    trainer = strategy._trainer_for(model)
+    trainer = strategy.model_states.ensure_trainer(model)
     version = strategy.stats().windows
     before = [v.numpy() for v in model.trainable_variables]
     steps = int(model.optimizer.iterations.numpy())

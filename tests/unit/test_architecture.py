@@ -248,3 +248,67 @@ def test_unit_tests_start_no_cluster():
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
                 found += [f"{name}:{node.name}" for a in node.args.args if a.arg in fixtures]
     assert not found
+
+
+# The layers below the strategy talk to it through its public interface only (its
+# options, `model_states`, `training_data`, `outer_state`, `check_connected`) or get what
+# they need as arguments; its one private name they may read is the marker by which
+# they recognise it without importing it.
+BELOW_THE_STRATEGY = ("runtime", "optimizers", "keras_glue")
+STRATEGY_MARKER = "_is_tf_asgd_strategy"
+
+
+def _is_private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_strategy_uses(tree):
+    """`(line, source)` of each private attribute read or called on an expression
+    that is a strategy (its source names one: `strategy`, `self.strategy`,
+    `_strategy_of(model)`), directly or through `getattr` with a constant name."""
+    found = []
+    for node in ast.walk(tree):
+        target = name = None
+        if isinstance(node, ast.Attribute):
+            target, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            target, name = node.args[0], node.args[1].value
+        if (
+            target is not None
+            and _is_private(name)
+            and name != STRATEGY_MARKER
+            and "strategy" in ast.unparse(target).lower()
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_strategy_checker_sees_private_uses():
+    source = (
+        "strategy._trainer_of(model)\n"
+        "self.strategy._steps_per_epoch\n"
+        "_strategy_of(model)._set_fitting(model, True)\n"
+        "getattr(trainer.strategy, '_fitting')\n"
+        "getattr(strategy, '_is_tf_asgd_strategy', False)\n"
+        "strategy.model_states.get(model).trainer\n"
+        "self._trainer.strategy.counters\n"
+        "type(strategy).__name__\n"
+    )
+    found = sorted(line for line, _ in _private_strategy_uses(ast.parse(source)))
+    assert found == [1, 2, 3, 4], found
+
+
+def test_the_layers_below_the_strategy_use_only_its_public_interface():
+    found = [
+        f"{module}:{line}: {text}"
+        for module, path in MODULES.items()
+        if module.split(".")[1:2] and module.split(".")[1] in BELOW_THE_STRATEGY
+        for line, text in _private_strategy_uses(_parse(path))
+    ]
+    assert not found, "private strategy names used below it: " + "; ".join(found)

@@ -117,7 +117,7 @@ class Evaluator:
             if count:  # (0: a shard past the end of a dataset of unknown length)
                 callbacks.on_test_batch_begin(done)
                 done += count
-                callbacks.on_test_batch_end(done - 1, self._results(model, init, total))
+                callbacks.on_test_batch_end(done - 1, _results(model, init, total))
         for var, value, t in zip(model.metrics_variables, init, total):
             var.assign((value + t).astype(var.dtype))
         logs = internals.pythonify_logs(model.get_metrics_result())
@@ -240,15 +240,6 @@ class Evaluator:
             model.reset_metrics()
         return [np.asarray(v.numpy(), np.float64) for v in model.metrics_variables]
 
-    @staticmethod
-    def _results(model, init, total):
-        values = [i + t for i, t in zip(init, total)]
-        mapping = [
-            (v, tf.constant(x.astype(v.dtype))) for v, x in zip(model.metrics_variables, values)
-        ]
-        with StatelessScope(state_mapping=mapping):
-            return internals.pythonify_logs(model.get_metrics_result())
-
     def _shards(self, plan):
         """`(first batch, batches)` of each shard: fixed-size runs of batches."""
         per_worker = DATASET_SHARDS_PER_WORKER if plan["kind"] == "dataset" else SHARDS_PER_WORKER
@@ -290,23 +281,13 @@ class Evaluator:
                         value = coordinator.schedule(function, args=args)
                         pending.append((value, args, retries + 1))
                         continue
-                    yield self._unpack(flat, init)
+                    yield _unpack(flat, init)
         finally:
             if pending:  # an error: nothing may be left running
                 try:
                     coordinator.join()
                 except Exception:  # the first error is on its way
                     pass
-
-    @staticmethod
-    def _unpack(flat, init):
-        """`(state deltas, batches read)` of a shard's result."""
-        flat, out, at = np.asarray(flat), [], 0
-        for value in init:
-            size = int(np.prod(np.shape(value)))
-            out.append(flat[at : at + size].reshape(np.shape(value)))
-            at += size
-        return out, int(flat[at])
 
     # ---- the worker's side --------------------------------------------------
 
@@ -317,7 +298,7 @@ class Evaluator:
             dataset = plan["dataset"]
             if self._dataset is not None and self._dataset[0]() is dataset:
                 return self._dataset[1]
-            function = self._dataset_function(dataset, init)
+            function = _dataset_function(self._model, dataset, init)
             self._dataset = (weakref.ref(dataset), function)
             return function
         specs = tuple(
@@ -325,88 +306,115 @@ class Evaluator:
         )
         key = (repr(tf.nest.map_structure(lambda _: 0, plan["data"])), specs, plan["batch_size"])
         if key not in self._functions:
-            self._functions[key] = self._array_function(plan, specs, init)
+            self._functions[key] = _array_function(self._model, plan, specs, init)
         return self._functions[key]
 
-    def _array_function(self, plan, specs, init):
-        structure, b = plan["data"], plan["batch_size"]
 
-        def shard(flat):
-            data = tf.nest.pack_sequence_as(structure, list(flat))
-            rows = tf.shape(flat[0])[0]
-            batches = (rows + b - 1) // b
+def _array_function(model_ref, plan, specs, init):
+    """The traced shard function of array data shaped as `plan`'s: it takes
+    the shard's rows (`specs`) and runs its batches of `plan['batch_size']`."""
+    structure, b = plan["data"], plan["batch_size"]
 
-            def batch(i):
-                lo = i * b
-                part = tf.nest.map_structure(lambda t: t[lo : tf.minimum(lo + b, rows)], data)
-                return part if len(part) > 1 else part[0]
+    def shard(flat):
+        data = tf.nest.pack_sequence_as(structure, list(flat))
+        rows = tf.shape(flat[0])[0]
+        batches = (rows + b - 1) // b
 
-            return self._states(batches, batch, init)
+        def batch(i):
+            lo = i * b
+            part = tf.nest.map_structure(lambda t: t[lo : tf.minimum(lo + b, rows)], data)
+            return part if len(part) > 1 else part[0]
 
-        return tf.function(shard, input_signature=[specs], autograph=False)
+        return _states(model_ref, batches, batch, init)
 
-    def _dataset_function(self, dataset, init):
-        graph = tf.raw_ops.DatasetToGraphV2(
-            input_dataset=tf.data.experimental.to_variant(dataset),
-            external_state_policy=_EXTERNAL_STATE_WARN,
-            strip_device_assignment=True,
-        ).numpy()
-        spec = dataset.element_spec
+    return tf.function(shard, input_signature=[specs], autograph=False)
 
-        def shard(start, count):
-            # The graph is a constant of the function (sent to a worker once),
-            # joined with an empty string made from `start`: a dataset built
-            # from a constant alone is constant-folded into a variant tensor,
-            # which cannot travel to the worker ("Cannot parse tensor from proto").
-            empty = tf.strings.substr(tf.strings.as_string(start), 0, 0)
-            graph_def = tf.strings.join([empty, tf.constant(graph)])
-            source = tf.data.experimental.from_variant(
-                tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec
-            )
-            iterator = iter(source.skip(start).take(count))
-            return self._states(
-                tf.cast(count, tf.int32),
-                lambda i: iterator.get_next_as_optional(),
-                init,
-                optional=True,
-            )
 
-        return tf.function(shard, autograph=False)
+def _dataset_function(model_ref, dataset, init):
+    """The traced shard function of `dataset`: it takes `(start, count)` and
+    runs the dataset's batches `start` to `start + count` (its graph travels
+    to the worker with the function)."""
+    graph = tf.raw_ops.DatasetToGraphV2(
+        input_dataset=tf.data.experimental.to_variant(dataset),
+        external_state_policy=_EXTERNAL_STATE_WARN,
+        strip_device_assignment=True,
+    ).numpy()
+    spec = dataset.element_spec
 
-    def _states(self, num_batches, batch, init, optional=False):
-        """On the worker: the model's `test_step` over `num_batches` batches
-        (`batch(i)`; with `optional`, a `tf.experimental.Optional` of one,
-        and the loop stops early at the data's end), from the central
-        variables read once. Returns the metric-variable states minus
-        `init`, flat, float64, then the number of batches read."""
-        model = self.model
-        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
-        weights = [read(raw(v)) for v in variables]
-        metric_vars = model.metrics_variables
-        states = [tf.constant(v.astype(m.dtype)) for v, m in zip(init, metric_vars)]
-
-        def step(data, states):
-            return _test_step_states(model, variables, weights, data, states)
-
-        def body(i, more, *states):
-            if not optional:
-                return (i + 1, more, *step(batch(i), states))
-            value = batch(i)
-            more = value.has_value()
-            states = tf.cond(more, lambda: step(value.get_value(), states), lambda: list(states))
-            return (i + tf.cast(more, i.dtype), more, *states)
-
-        out = tf.while_loop(
-            lambda i, more, *_: tf.logical_and(more, i < num_batches),
-            body,
-            (tf.constant(0), tf.constant(True), *states),
-            parallel_iterations=1,
+    def shard(start, count):
+        # The graph is a constant of the function (sent to a worker once),
+        # joined with an empty string made from `start`: a dataset built
+        # from a constant alone is constant-folded into a variant tensor,
+        # which cannot travel to the worker ("Cannot parse tensor from proto").
+        empty = tf.strings.substr(tf.strings.as_string(start), 0, 0)
+        graph_def = tf.strings.join([empty, tf.constant(graph)])
+        source = tf.data.experimental.from_variant(
+            tf.raw_ops.DatasetFromGraph(graph_def=graph_def), spec
         )
-        return tf.concat(
-            [tf.reshape(tf.cast(s, tf.float64) - v, [-1]) for s, v in zip(out[2:], init)]
-            + [tf.cast(out[:1], tf.float64)],
-            axis=0,
+        iterator = iter(source.skip(start).take(count))
+        return _states(
+            model_ref,
+            tf.cast(count, tf.int32),
+            lambda i: iterator.get_next_as_optional(),
+            init,
+            optional=True,
         )
+
+    return tf.function(shard, autograph=False)
+
+
+def _states(model_ref, num_batches, batch, init, optional=False):
+    """On the worker: the model's (`model_ref()`) `test_step` over
+    `num_batches` batches (`batch(i)`; with `optional`, a
+    `tf.experimental.Optional` of one, and the loop stops early at the data's
+    end), from the central variables read once. Returns the metric-variable
+    states minus `init`, flat, float64, then the number of batches read."""
+    model = model_ref()  # at trace time: the traced function holds no model
+    variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+    weights = [read(raw(v)) for v in variables]
+    metric_vars = model.metrics_variables
+    states = [tf.constant(v.astype(m.dtype)) for v, m in zip(init, metric_vars)]
+
+    def step(data, states):
+        return _test_step_states(model, variables, weights, data, states)
+
+    def body(i, more, *states):
+        if not optional:
+            return (i + 1, more, *step(batch(i), states))
+        value = batch(i)
+        more = value.has_value()
+        states = tf.cond(more, lambda: step(value.get_value(), states), lambda: list(states))
+        return (i + tf.cast(more, i.dtype), more, *states)
+
+    out = tf.while_loop(
+        lambda i, more, *_: tf.logical_and(more, i < num_batches),
+        body,
+        (tf.constant(0), tf.constant(True), *states),
+        parallel_iterations=1,
+    )
+    return tf.concat(
+        [tf.reshape(tf.cast(s, tf.float64) - v, [-1]) for s, v in zip(out[2:], init)]
+        + [tf.cast(out[:1], tf.float64)],
+        axis=0,
+    )
+
+
+def _unpack(flat, init):
+    """`(state deltas, batches read)` of a shard's result."""
+    flat, out, at = np.asarray(flat), [], 0
+    for value in init:
+        size = int(np.prod(np.shape(value)))
+        out.append(flat[at : at + size].reshape(np.shape(value)))
+        at += size
+    return out, int(flat[at])
+
+
+def _results(model, init, total):
+    """The model's metric results for metric-variable values `init + total`."""
+    values = [i + t for i, t in zip(init, total)]
+    mapping = [(v, tf.constant(x.astype(v.dtype))) for v, x in zip(model.metrics_variables, values)]
+    with StatelessScope(state_mapping=mapping):
+        return internals.pythonify_logs(model.get_metrics_result())
 
 
 def _test_step_states(model, variables, weights, data, states):

@@ -3,10 +3,11 @@
 Keras 3 has no parameter-server path. `install()` wraps a few methods of Keras's
 `TensorFlowTrainer` (reached through `internals`); each wrapper runs the original
 unchanged unless the model's strategy is an `AsyncParameterServerStrategy`, which it
-recognises by the marker attribute `_is_tf_asgd_strategy` without importing it. For such
-models `fit` drives windows, `evaluate` runs sharded on the workers (or on the chief),
-`predict` runs on the chief, and what a window cannot honour is refused before any window.
-Nothing is stored on the user's model. Each wrapped method: docs/architecture.md.
+recognises by the marker attribute `_is_tf_asgd_strategy` without importing it, and whose
+per-model state it reads through `strategy.model_states`. For such models `fit` drives
+windows, `evaluate` runs sharded on the workers (or on the chief), `predict` runs on the
+chief, and what a window cannot honour is refused before any window. Nothing is stored on
+the user's model. Each wrapped method: docs/architecture.md.
 """
 
 import collections.abc
@@ -60,7 +61,15 @@ def local_mode():
 
 def _window_trainer(model):
     """The model's `WindowTrainer`, built by its strategy on first use."""
-    return _strategy_of(model)._trainer_for(model)
+    return _strategy_of(model).model_states.ensure_trainer(model)
+
+
+def _fitting_state(model):
+    """The model's `ModelState` while its `fit` runs (outside local mode), else None."""
+    state = _strategy_of(model).model_states.get(model)
+    if state is None or not state.fitting or in_local_mode():
+        return None
+    return state
 
 
 def _check_outside_scope(model):
@@ -86,7 +95,7 @@ def _wrap(name, ours_impl, entry_point=False):
     def wrapper(self, *args, **kwargs):
         if _ours(self):
             if entry_point:
-                _strategy_of(self)._check_connected()
+                _strategy_of(self).check_connected()
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
             _check_outside_scope(self)
@@ -98,7 +107,8 @@ def _wrap(name, ours_impl, entry_point=False):
 
 def _fit(original, model, *args, **kwargs):
     strategy = _strategy_of(model)
-    if strategy._is_fitting(model):
+    state = strategy.model_states.get(model)
+    if state is not None and state.fitting:
         raise RuntimeError("fit is already running on this model.")
     if not model.compiled:
         raise ValueError("You must call `compile()` before using the model.")
@@ -115,7 +125,8 @@ def _fit(original, model, *args, **kwargs):
     if feed is not None:  # Python-side data: the chief reads it and sends the batches
         feed.steps_per_epoch = kwargs["steps_per_epoch"]
         python_inputs.start_fit(model, feed)
-    strategy._set_fitting(model, True, kwargs["steps_per_epoch"])
+    state = strategy.model_states.get_or_create(model)
+    state.start_fit(kwargs["steps_per_epoch"])
     # One Keras "execution" is one window of n_sync steps, for this fit only.
     users_steps_per_execution = model.steps_per_execution
     model.steps_per_execution = strategy.n_sync
@@ -126,11 +137,11 @@ def _fit(original, model, *args, **kwargs):
         return result
     finally:
         model.steps_per_execution = users_steps_per_execution
-        strategy._set_fitting(model, False)
+        state.end_fit()
         try:
-            _join(strategy.coordinator, strategy._trainer_of(model), failed)
+            _join(strategy.coordinator, state.trainer, failed)
         finally:
-            python_inputs.end_fit(model, strategy._trainer_of(model))
+            python_inputs.end_fit(model, state.trainer)
 
 
 def _refuse_compile_options(model, strategy):
@@ -300,10 +311,10 @@ def _steps_and_repeated_data(original, model, args, kwargs):
         return kw  # infinite already; the chief reads it (`python_inputs`)
     # Arrays make a new dataset every fit; the same tf.data.Dataset given to
     # a later fit trains on the same repeated dataset, so the workers keep
-    # their iterators (`AsyncParameterServerStrategy._training_iterator`).
-    kw["x"] = x.repeat() if arrays else _strategy_of(model)._repeated(x)
+    # their iterators (`model_state.TrainingData.iterator`).
+    kw["x"] = x.repeat() if arrays else _strategy_of(model).training_data.repeated(x)
     if arrays:
-        _strategy_of(model)._shard_by_batch(kw["x"])
+        _strategy_of(model).training_data.shard_by_batch(kw["x"])
     return kw
 
 
@@ -403,7 +414,7 @@ def _make_train_function(original, model, force=False):
 
 
 def _get_metrics_result_or_logs(original, model, logs):
-    if _strategy_of(model)._is_fitting(model) and not in_local_mode():
+    if _fitting_state(model) is not None:
         logs = _window_trainer(model).finish()
         python_inputs.end_epoch(model)  # a PyDataset's on_epoch_end, where Keras calls it
         return logs
@@ -412,10 +423,9 @@ def _get_metrics_result_or_logs(original, model, logs):
 
 def _reset_metrics(original, model):
     original(model)
-    strategy = _strategy_of(model)
-    trainer = strategy._trainer_of(model)
-    if trainer is not None and strategy._is_fitting(model) and not in_local_mode():
-        trainer.reset_metrics()
+    state = _fitting_state(model)
+    if state is not None and state.trainer is not None:
+        state.trainer.reset_metrics()
 
 
 def _evaluate(original, model, *args, **kwargs):
@@ -423,7 +433,7 @@ def _evaluate(original, model, *args, **kwargs):
     Keras's own on the chief. (`fit` calls it for validation, with
     `_use_cached_eval_dataset=True`: the workers read the validation data
     given to `fit`, not Keras's cached chief iterator.)"""
-    evaluator = _strategy_of(model)._evaluator_for(model)
+    evaluator = _strategy_of(model).model_states.ensure_evaluator(model)
     if evaluator is not None and model.compiled:
         bound = inspect.signature(original).bind(model, *args, **kwargs)
         bound.apply_defaults()
@@ -532,11 +542,10 @@ def _wrap_batch_ends():
     @functools.wraps(original)
     def on_train_batch_end(self, batch, logs=None):
         model = getattr(self, "model", None)
-        strategy = _strategy_of(model) if isinstance(model, keras.Model) else None
-        if strategy is not None and strategy._is_fitting(model) and not in_local_mode():
-            trainer = strategy._trainer_of(model)
-            if trainer is not None:
-                batch = min(batch, trainer.last_step())
+        ours = isinstance(model, keras.Model) and _ours(model)
+        state = _fitting_state(model) if ours else None
+        if state is not None and state.trainer is not None:
+            batch = min(batch, state.trainer.last_step())
         return original(self, batch, logs)
 
     on_train_batch_end._asgd_original = original

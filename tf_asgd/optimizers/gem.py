@@ -255,12 +255,16 @@ def pi_history(model):
     print(dict(zip(names, stats[-10:, :, 0].mean(axis=0))))  # mean pi, last 10 windows
     ```
     """
-    # The strategy keeps the model's trainer; it is recognised by its marker,
-    # as the Keras hook does (no import of the strategy module).
+    # The strategy keeps the model's trainer in its `model_states`; it is
+    # recognised by its marker, as the Keras hook does (no import of the
+    # strategy module).
     strategy = internals.model_strategy(model)
-    trainer = (
-        strategy._trainer_of(model) if getattr(strategy, "_is_tf_asgd_strategy", False) else None
+    state = (
+        strategy.model_states.get(model)
+        if getattr(strategy, "_is_tf_asgd_strategy", False)
+        else None
     )
+    trainer = None if state is None else state.trainer
     if trainer is None or trainer.push_rule is None:
         raise ValueError(
             f"Model {model.name!r} has not been trained with GEM under an "

@@ -4,8 +4,9 @@ A window (GPU A-SGD's unit of work) pulls the central variables, runs `n_sync` l
 on loop tensors and pushes `local_end - local_start` once, scaled on the PS by its
 staleness. This module is the chief's side: `WindowTrainer` schedules the windows Keras
 asks for `K` at a time per closure (`windows_per_closure`, or about `TARGET_CLOSURE_S` of
-work), records their results, metrics and logs, and runs each window exactly once. The
-worker's side is `window`, the PS side of a push `push`, the results `records`. How
+work), hands their results to its `window_log.WindowLog` (records, metrics, logs), and runs
+each window exactly once. The worker's side is `window`, the PS side of a push `push`, the
+results `records`. How
 closures are sized and re-runs made safe: docs/architecture.md.
 """
 
@@ -16,7 +17,6 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from keras import StatelessScope
 
 from tf_asgd import internals
 from tf_asgd.rules import outer
@@ -29,8 +29,9 @@ from tf_asgd.runtime.push import (
     raw,
     shard_variables,
 )
-from tf_asgd.runtime.records import WindowRecord, WindowResultLayout
+from tf_asgd.runtime.records import WindowRecord
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
+from tf_asgd.runtime.window_log import WindowLog
 
 # CentralVariables and WindowRecord are re-exported: tests and tools use them from here.
 __all__ = ["APPLIED_RING", "CentralVariables", "WindowRecord", "WindowTrainer"]
@@ -49,16 +50,29 @@ BUDGET_FACTOR = 4  # ... and for this many times what its windows should take
 class WindowTrainer:
     """Trains one Keras model with window closures on the workers.
 
-    Built by the strategy (`AsyncParameterServerStrategy._trainer_for`) when
-    the Keras hook makes the train function of a model whose strategy is an
+    Built by the strategy's `model_states.ensure_trainer(model)` when the
+    Keras hook makes the train function of a model whose strategy is an
     `AsyncParameterServerStrategy`; users do not create it. It holds its
     model by weak reference: the strategy keeps trainers by model, and a
-    model that is gone takes its trainer with it.
+    model that is gone takes its trainer with it. It schedules the windows
+    (queue, pace, budget, schedule, drain); its `log` (a `WindowLog`)
+    records their results, metrics and logs.
+
+    Args:
+        model: the Keras model, built and compiled under `strategy.scope()`.
+        strategy: the `AsyncParameterServerStrategy` (read: its public options,
+            `coordinator`, `counters` and `outer_state(model)`).
+        outer_optimizer: what the PS applies to this model's pushes (an
+            `OuterSGD` or a `DelayedNesterov`).
+        fit_state: what says the running fit's epoch length: an object with
+            `steps_per_epoch` (None outside `fit`), the model's
+            `model_state.ModelState`.
     """
 
-    def __init__(self, model, strategy):
+    def __init__(self, model, strategy, outer_optimizer, fit_state):
         self._model = weakref.ref(model)
         self.strategy = strategy
+        self._fit_state = fit_state
         self.optimizer = model.optimizer  # a recompiled model gets a new trainer
         self.coordinator = strategy.coordinator
         opt = model.optimizer
@@ -75,7 +89,7 @@ class WindowTrainer:
                 )
         # The outer optimizer's state, per variable and PS shard, beside it;
         # non-trainable variables (e.g. moving statistics) get none.
-        self.outer = strategy._outer_optimizer_for(self.push_rule)
+        self.outer = outer_optimizer
         n_train = len(model.trainable_variables)
         with strategy.scope():
             self.outer_slots = [
@@ -88,35 +102,18 @@ class WindowTrainer:
         # Tracked there, so a checkpoint of the model can hold them.
         strategy.outer_state(model).slots = self.outer_slots
         self.window = WindowFunction(self)  # creates the worker-side state
-        self.window_log = []  # a WindowRecord per finished window, in order seen
-        self._ticketed = 0  # windows of window_log that took a version ticket
-        self._ran = [0, 0]  # samples and windows of window_log that ran (not replayed)
-        # The metric values at the epoch's start; a window's metrics start from
-        # them (read when the window function is traced).
-        self.metric_init = [np.asarray(v.numpy()) for v in model.metrics_variables]
-        self.layout = WindowResultLayout(
-            self.metric_init, has_pi=bool(self.push_rule), num_trainable=n_train
-        )
-        self._metric_sum = None
-        self._epoch_windows = []
+        self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
         self._iterator = None
         self._next_window_id = 0
         self._epoch_step = 0  # steps asked for this epoch
-        self._window_s = {}  # (worker, window steps) -> moving average of its windows' seconds
         self.closure_sizes = []  # windows per scheduled closure (first attempts)
         # Per finished closure: (worker, windows asked, windows run, budget s);
         # its windows' records are the `run` last ones of window_log then.
         self.closure_log = []
         self._max_in_flight = MAX_IN_FLIGHT_PER_WORKER * strategy.num_workers
         self._logs, self._logs_at = None, 0.0
-        # The loss tracker's (total, count); a model whose `metrics` leave it
-        # out (e.g. its own `train_step` with its own loss metrics) has none.
-        ids = [id(v) for v in model.metrics_variables]
-        tracker = internals.loss_tracker(model)
-        tracked = tracker is not None and all(id(v) in ids for v in tracker.variables)
-        self._loss_index = [ids.index(id(v)) for v in tracker.variables] if tracked else None
         self.bytes_per_pull = nbytes(self.variables, strategy.pull_compression)
         # A push's payload: the update's bytes as they cross (compressed or not).
         self.bytes_per_push = PushCodec(strategy.compression).nbytes(self.variables)
@@ -133,11 +130,37 @@ class WindowTrainer:
         """The Keras model trained (None once it is gone)."""
         return self._model()
 
+    # What `WindowFunction` and the strategy read of the log.
+
+    @property
+    def window_log(self):
+        """A `WindowRecord` per finished window, in the order seen."""
+        return self.log.records
+
+    @property
+    def metric_init(self):
+        """The metric values a window starts from (read when the window function is traced)."""
+        return self.log.metric_init
+
+    @property
+    def layout(self):
+        """The `WindowResultLayout` of a window's packed result."""
+        return self.log.layout
+
     @property
     def samples_per_window(self):
         """The mean samples of the windows that ran so far (replays aside); 0 before any."""
-        samples, windows = self._ran
-        return samples / windows if windows else 0.0
+        return self.log.samples_per_window
+
+    def window_results(self, record):
+        """The metric results (loss, accuracy, ...) of one window's own steps."""
+        return self.log.window_results(record)
+
+    def stats(self):
+        """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
+        return self.strategy.counters.stats(
+            self.bytes_per_pull, self.bytes_per_push, self.samples_per_window
+        )
 
     # ---- chief side -------------------------------------------------------
 
@@ -157,7 +180,7 @@ class WindowTrainer:
         self._next_window_id += 1
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
-        steps = self.strategy._steps_per_epoch(self.model)
+        steps = self._fit_state.steps_per_epoch
         if self._epoch_step == 0:  # before an epoch's first window is queued
             optimizer_options.check_window_steps(self.model.optimizer, n_sync, steps)
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
@@ -187,7 +210,7 @@ class WindowTrainer:
             self._drain(block=False)
             # No window of the epoch finished: no metric yet, and no logs
             # (a progress bar shows whatever it is given, zeros included).
-            self._logs = self.logs() if self._epoch_windows else {}
+            self._logs = self.log.logs() if self.log.epoch_records else {}
             self._logs_at = now
         return self._logs
 
@@ -203,7 +226,7 @@ class WindowTrainer:
         lower median of the workers' moving averages: a single straggler
         does not count), or None before such a window was measured."""
         n_sync = self.strategy.n_sync
-        paces = [s for (_, steps), s in self._window_s.items() if steps == n_sync]
+        paces = [s for (_, steps), s in self.log.window_s.items() if steps == n_sync]
         return statistics.median_low(paces) if paces else None
 
     def windows_per_closure(self):
@@ -321,7 +344,7 @@ class WindowTrainer:
                     self._result_lost(windows)
                     continue
                 for row, (steps, window_id) in zip(rows, windows):
-                    self._record(row, window_id, steps)
+                    self.log.record(row, window_id, steps)
                 if python_inputs.is_feed(self._iterator):
                     self._iterator.release([w for _, w in windows[: len(rows)]])
                 self.closure_log.append((int(rows[0][0]), len(windows), len(rows), budget))
@@ -348,85 +371,11 @@ class WindowTrainer:
         next `fit` does not raise their errors again."""
         self._pending = [p for p in self._pending if not internals.remote_value_failed(p[0])]
 
-    def _record(self, packed, window_id=-1, steps=None):
-        """Appends the `WindowRecord` of one window's fetched result, adds
-        its metric deltas to the epoch's sums and its duration to its
-        worker's pace."""
-        header, values, pi = self.layout.unpack(packed)
-        total, count = (values[i] for i in self._loss_index) if self._loss_index else (0.0, 0)
-        record = WindowRecord(
-            worker=int(header["worker"]),
-            pushed=bool(header["pushed"]),
-            staleness=int(header["staleness"]),
-            loss=float(total / count) if count else float("nan"),
-            seen_at=time.perf_counter(),
-            finished_at=float(header["finished_at"]),
-            state=tuple(values),
-            pi=pi,
-            replayed=bool(header["replayed"]),
-            started_at=float(header["started_at"]),
-            window_id=int(window_id),
-            samples=int(header["samples"]),
-        )
-        if not record.replayed:
-            self._ran[0] += record.samples
-            self._ran[1] += 1
-            seconds = max(record.finished_at - record.started_at, 0.0)
-            key = (record.worker, steps)
-            old = self._window_s.get(key)
-            self._window_s[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
-        self.window_log.append(record)
-        self._ticketed += record.staleness >= 0
-        self._epoch_windows.append(record)
-        if self._metric_sum is None:
-            self._metric_sum = values
-        else:
-            self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
-
-    def _metric_results(self, state):
-        """The model's metric results for metric-variable values `state`."""
-        mapping = list(zip(self.model.metrics_variables, state))
-        with StatelessScope(state_mapping=mapping):
-            # As Keras's logs: floats, and arrays for a metric whose result
-            # is one (`F1Score` per class).
-            return internals.pythonify_logs(self.model.get_metrics_result())
-
-    def window_results(self, record):
-        """The metric results (loss, accuracy, ...) of one window's own steps."""
-        return self._metric_results(record.state)
-
     def reset_metrics(self):
         """Starts an epoch's metrics from the model's (just reset) metric variables."""
-        self.metric_init = [np.asarray(v.numpy()) for v in self.model.metrics_variables]
-        self._metric_sum = None
-        self._epoch_windows = []
+        self.log.reset_metrics()
         self._epoch_step = 0
         self._logs = None
-
-    def metric_values(self):
-        """The epoch's metric variable values: its start plus every window's deltas."""
-        if self._metric_sum is None:
-            return list(self.metric_init)
-        return [i + s for i, s in zip(self.metric_init, self._metric_sum)]
-
-    def logs(self, counters=False):
-        """Metric results over the windows finished so far this epoch.
-
-        `counters` adds the PS counters (a few reads from the PS: once an
-        epoch, not once a window).
-        """
-        logs = self._metric_results(self.metric_values())
-        if counters:
-            logs.update(self.strategy.stats(self).as_logs())
-        else:
-            # As the epoch-end logs count them (the PS version): pushes made,
-            # not windows that were skipped (NaN/Inf) or re-runs.
-            logs["windows"] = self._ticketed
-        pis = [r.pi for r in self._epoch_windows if r.pi is not None and r.pushed]
-        if pis:
-            mean = np.mean(pis, axis=(0, 1))
-            logs.update(gem_pi_mean=mean[0], gem_pi_zero=mean[1], gem_pi_max=mean[2])
-        return logs
 
     def finish(self):
         """Waits for every scheduled window; writes the epoch's metrics back.
@@ -443,19 +392,16 @@ class WindowTrainer:
         self._epoch_step = 0
         # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
         # ends `fit` as it would.)
-        if (
-            self._epoch_windows
-            and not any(r.pushed for r in self._epoch_windows)
-            and not (self.model.stop_training)
-        ):
+        epoch = self.log.epoch_records
+        if epoch and not any(r.pushed for r in epoch) and not (self.model.stop_training):
             raise FloatingPointError(
-                f"All {len(self._epoch_windows)} windows of this epoch computed "
+                f"All {len(epoch)} windows of this epoch computed "
                 "updates with NaN or Inf; none was pushed. Lower the learning "
                 "rate or check the data for NaN/Inf."
             )
-        for var, value in zip(self.model.metrics_variables, self.metric_values()):
+        for var, value in zip(self.model.metrics_variables, self.log.metric_values()):
             var.assign(value)
-        return self.logs(counters=True)
+        return self.log.logs(counters=self.stats().as_logs())
 
 
 def validate_windows_per_closure(value):
