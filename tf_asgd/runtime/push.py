@@ -18,6 +18,7 @@ from keras import Variable
 from tf_asgd import internals
 from tf_asgd.rules import compression as codecs
 from tf_asgd.rules import outer, update_rules
+from tf_asgd.runtime.records import PullMeta
 
 
 def raw(v):
@@ -166,11 +167,11 @@ class Transfer:
 class Pull:
     """What a window's pull reads on the PS and how it travels to the worker.
 
-    Per PS tensor, in order: on the counters' PS `[tau, replayed, version]`
-    (int64: the previous push's staleness, filled in by `to_worker`, whether
-    the window already pushed, `replayed(ids)`, and the version counter),
-    then the local optimizer's shared variables (step counter, learning
-    rate), then the variables' shards. Small ones travel as one byte vector
+    Per PS tensor, in order: on the counters' PS a `records.PullMeta` (the
+    previous push's staleness, filled in by `to_worker`, whether the window
+    already pushed, `replayed(window_id)`, and the version counter), then
+    the local optimizer's shared variables (step counter, learning rate),
+    then the variables' shards. Small ones travel as one byte vector
     per PS (`Transfer`). Under a `"bf16"` compression each float32 shard is
     read as a bfloat16 copy and widened back on the worker: the PS keeps
     float32, and the push (the worker's weights minus what it pulled) stays
@@ -180,8 +181,8 @@ class Pull:
         variables: the central variables (Keras or TF, possibly sharded).
         shared: the local optimizer's variables read from the PS.
         counters: the strategy's `counters.PushCounters`.
-        replayed: `fn(ids) -> bool scalar` on the counters' PS, `ids` the
-            window's `[window_id, num_steps]` there.
+        replayed: `fn(window_id) -> bool scalar` on the counters' PS,
+            `window_id` the window's id there.
         compression: the pull's `compression.Compression` (`"none"` or
             `"bf16"`); default none.
     """
@@ -195,32 +196,30 @@ class Pull:
         # The dtype each piece travels in (bf16 for float32 under a bf16 pull).
         self._dtypes = [pull_dtype(p.dtype, compression) for p in pieces]
 
-        def meta(ids):
-            return tf.stack(
-                [
-                    tf.constant(-1, tf.int64),
-                    tf.cast(replayed(ids), tf.int64),
-                    counters.version.read_value(),
-                ]
-            )
+        def meta(window_id):
+            tau = tf.constant(-1, tf.int64)  # filled in by `to_worker`
+            version = counters.version.read_value()
+            return PullMeta(tau, replayed(window_id), version).pack()
 
         dtypes = [v.dtype for v in shared] + self._dtypes
         self._reads = [meta] + [
-            lambda ids, v=v, t=t: tf.cast(v.read_value(), t) for v, t in zip(tensors, dtypes)
+            lambda _, v=v, t=t: tf.cast(v.read_value(), t) for v, t in zip(tensors, dtypes)
         ]
         self.transfer = Transfer(
-            [(self.cdev, [3], tf.int64)] + [(v.device, v.shape, t) for v, t in zip(tensors, dtypes)]
+            [(self.cdev, [PullMeta.size()], tf.int64)]
+            + [(v.device, v.shape, t) for v, t in zip(tensors, dtypes)]
         )
         self._widen = [p.dtype for p in pieces]
 
-    def read(self, ids, device=None):
-        """On each PS (or `device` only): the pull's flat tensors."""
+    def read(self, window_id, device=None):
+        """On each PS (or `device` only): the pull's flat tensors for the
+        window `window_id` (an int64 scalar on the counters' PS)."""
         out = []
         for d in self.transfer.devices():
             if device is None or d == device:
                 with tf.device(d):
                     values = [
-                        read(ids) if spec[0] == d else None
+                        read(window_id) if spec[0] == d else None
                         for spec, read in zip(self.transfer.specs, self._reads)
                     ]
                     out += self.transfer.gather(values, d)
@@ -228,17 +227,20 @@ class Pull:
 
     def to_worker(self, flats, tau=None):
         """The flat tensors to the worker (the caller's device); the first
-        (the counters' PS's, packed) carries the push's staleness `tau`.
-        Returns `(tau, flats)` on the worker."""
+        (the counters' PS's, packed, the `PullMeta` first) carries the push's
+        staleness `tau`. Returns `(tau, flats)` on the worker."""
+        start, stop = PullMeta.field_bytes("tau")
         if tau is not None:
             with tf.device(self.cdev):
-                head = tf.concat([_to_bytes(tf.reshape(tau, [1])), flats[0][8:]], 0)
+                head, tau = flats[0], _to_bytes(tf.reshape(tau, [1]))
+                head = tf.concat([head[:start], tau, head[stop:]], 0)
             flats = [head] + list(flats[1:])
         flats = [tf.identity(f) for f in flats]  # the transfers
-        return _from_bytes(flats[0][:8], [], tf.int64), flats
+        return _from_bytes(flats[0][start:stop], [], tf.int64), flats
 
     def unpack(self, flats):
-        """On the worker: `(meta, shared values, variable values)`."""
+        """On the worker: `(meta, shared values, variable values)`, `meta` a
+        `records.PullMeta`."""
         values = self.transfer.scatter(flats)
         meta, shared, pieces = (
             values[0],
@@ -250,7 +252,7 @@ class Pull:
         for i in range(self.num_variables):
             parts = [p for owner, p in zip(self.owners, pieces) if owner == i]
             weights.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
-        return meta, shared, weights
+        return PullMeta.unpack(meta), shared, weights
 
 
 def _to_bytes(t):

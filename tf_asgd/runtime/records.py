@@ -1,14 +1,13 @@
-"""What a window reports: the packed result a worker returns, and its record.
+"""What a window reports, and the metadata its pull and push carry, each with names.
 
-A window's result is one float64 row, and a closure of `K` windows returns
-their rows as one `[windows run, size]` tensor, so that the chief fetches a
-closure's results in one copy. `WindowResultLayout` defines a row once, for
-both sides: the worker packs it (`pack`, TF ops inside the window function)
-and the chief unpacks it (`unpack`, NumPy) into a `WindowRecord`.
+A window's result is one float64 row, and a closure of `K` windows returns their rows as
+one `[windows run, size]` tensor, so that the chief fetches a closure's results in one
+copy. `WindowResultLayout` defines a row once, for both sides: the worker packs it (`pack`,
+TF ops) and the chief unpacks it (`unpack`, NumPy) into a `WindowRecord`. Layout: the
+header fields `HEADER`, then each metric variable's delta, then GEM's pi statistics.
 
-Layout: the header fields `HEADER` (one element each), then each metric
-variable's delta over the window, flattened, then GEM's pi statistics
-(`[n_trainable, 3]`, flattened; empty without a push rule).
+`PullMeta` (PS to worker, with the pull) and `PushMeta` (worker to PS, with the update)
+travel as one int64 vector each: only their `pack` and `unpack` know the positions.
 """
 
 import typing
@@ -141,3 +140,96 @@ class WindowResultLayout:
             else None
         )
         return header, deltas, pi
+
+
+def _int64_scalars(record, names):
+    """`record`'s fields `names`, each an int64 scalar tensor (bools as 0 or 1)."""
+    return [tf.cast(getattr(record, name), tf.int64) for name in names]
+
+
+class PullMeta(typing.NamedTuple):
+    """The metadata of a window's pull, read on the counters' PS (`push.Pull`).
+
+    Travels to the worker as one int64 vector (`pack`), the pull's first
+    tensor; `unpack` reads it there (TF ops, on the caller's device).
+
+    Attributes:
+        tau: int64, the previous push's staleness. Packed as -1 on the PS and
+            filled in on the way to the worker (`push.Pull.to_worker`, at
+            `field_bytes("tau")`), once the push it belongs to is done.
+        replayed: bool, whether the window already pushed (a replay: it runs
+            nothing and pushes nothing).
+        version: int64, the PS version counter at pull time.
+    """
+
+    tau: typing.Any
+    replayed: typing.Any
+    version: typing.Any
+
+    @classmethod
+    def size(cls):
+        """Elements of the packed vector."""
+        return len(cls._fields)
+
+    @classmethod
+    def field_bytes(cls, name):
+        """`(start, stop)`: the bytes of field `name` in the packed vector."""
+        at = cls._fields.index(name) * tf.int64.size
+        return at, at + tf.int64.size
+
+    def pack(self):
+        """The fields as one int64 vector of `size()` elements."""
+        return tf.stack(_int64_scalars(self, self._fields))
+
+    @classmethod
+    def unpack(cls, packed):
+        """The record of a packed vector; `replayed` as a bool."""
+        fields = dict(zip(cls._fields, (packed[i] for i in range(cls.size()))))
+        return cls(**dict(fields, replayed=fields["replayed"] > 0))
+
+
+class PushMeta(typing.NamedTuple):
+    """The metadata of a window's push, sent with its update to the counters' PS.
+
+    Travels as one int64 vector (`pack`, on the worker); `unpack` reads it on
+    the PS (call it under `tf.device` of that PS: a slice made elsewhere
+    would travel). `advances` ends the vector, one element per step counter.
+
+    Attributes:
+        window_id: int64, the window's id (its slot in the applied ring).
+        version: int64, the PS version counter the window pulled.
+        ok: bool, push (the update is finite and the window not a replay).
+        bad: bool, the update holds NaN/Inf (not a replay): counted as skipped.
+        next_id: int64, the next window's id (its pull's replay check).
+        has_next: bool, whether a next window follows (its pull is read).
+        advances: int64 `[counters]`, how far the window advances each step
+            counter the push writes (the local optimizer's first).
+    """
+
+    window_id: typing.Any
+    version: typing.Any
+    ok: typing.Any
+    bad: typing.Any
+    next_id: typing.Any
+    has_next: typing.Any
+    advances: typing.Any
+
+    SCALARS = ("window_id", "version", "ok", "bad", "next_id", "has_next")
+    BOOLS = ("ok", "bad", "has_next")
+
+    @classmethod
+    def size(cls, num_counters):
+        """Elements of the packed vector, for `num_counters` step counters."""
+        return len(cls.SCALARS) + num_counters
+
+    def pack(self):
+        """The fields as one int64 vector of `size(len(advances))` elements."""
+        advances = tf.reshape(tf.cast(self.advances, tf.int64), [-1])
+        return tf.concat([tf.stack(_int64_scalars(self, self.SCALARS)), advances], 0)
+
+    @classmethod
+    def unpack(cls, packed):
+        """The record of a packed vector: bools as bools, `advances` a vector."""
+        fields = {name: packed[i] for i, name in enumerate(cls.SCALARS)}
+        fields.update({name: fields[name] > 0 for name in cls.BOOLS})
+        return cls(**fields, advances=packed[len(cls.SCALARS) :])
