@@ -10,7 +10,7 @@ over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
 `curves.csv`, `summary.md` and `accuracy_vs_steps.png` to `--out`.
 
     python tools/batch_scaling.py --quick
-    python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 2
+    python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 0,1
 """
 
 import math
@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-import _common
+import harness
 import time_to_accuracy as tta
 
 SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
@@ -29,7 +29,7 @@ QUICK = dict(
     workers=[2],
     n_sync=[10],
     scalings=["x1", "linear"],
-    seeds=1,
+    seeds=[0],
     steps=200,
     evals=5,
     out="results/batch_scaling/quick",
@@ -48,7 +48,7 @@ def _model(setup, data, scale, steps_per_execution):
     _, model_name, opt, _, _, _ = tta.SETUPS[setup]
     model = tta.build_model(model_name, data)
     # One call of `train_function` runs `steps_per_execution` steps, in one tf.function.
-    _common.compile_classifier(
+    harness.compile_classifier(
         model, scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
     )
     model.make_train_function()
@@ -183,7 +183,7 @@ def summary(rows):
         "0 for a seed that never reached it; reached/seeds; finals at the same steps).",
         "",
     ]
-    lines += _common.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
+    lines += harness.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
     lines += ["", "Plain Keras (batch B): final / steps to the target, per seed:", ""]
     lines += [
         f"- {s} seed {seed}: {r['final_accuracy']:.3f} / {r['plain_steps_to_target']}"
@@ -195,7 +195,6 @@ def summary(rows):
 def plot(path, curves):
     """Held-out accuracy against steps, mean over seeds: a panel per setup and worker count,
     plain Keras beside every variant, and the target as a dashed line."""
-    import plots
 
     def mean_curve(runs):
         by_step = {}
@@ -233,25 +232,23 @@ def plot(path, curves):
                     ylim=(max(0.0, target - 0.25), min(1.0, target + 0.06)),
                 )
             )
-    plots.plot_panels(path, panels, ncols=3, title="Synchronous ceiling (mean over seeds)")
+    harness.plot_panels(path, panels, ncols=3, title="Synchronous ceiling (mean over seeds)")
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/batch_scaling")
-    p.add_argument("--setups", type=_common.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
-    p.add_argument("--workers", type=_common.int_list, default=[2, 4, 8])
-    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
+    p = harness.parser(
+        __doc__, out="results/batch_scaling", workers=[2, 4, 8], n_sync=[10, 100], seeds=[0]
+    )
+    p.add_argument("--setups", type=harness.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
     p.add_argument(
-        "--scalings", type=_common.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
+        "--scalings", type=harness.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
     )
     p.add_argument(
         "--methods",
-        type=_common.str_list,
+        type=harness.str_list,
         default=list(METHODS),
         help="large_batch, local_sgd, lr_only (batch B at the scaled rate: a control)",
     )
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
     p.add_argument(
@@ -274,23 +271,21 @@ def main(argv=None):
         if s not in SCALINGS:
             p.error(f"unknown scaling {s!r}; expected some of {', '.join(SCALINGS)}")
     os.makedirs(args.out, exist_ok=True)
-    import plots
-
     png = os.path.join(args.out, "accuracy_vs_steps.png")
     if args.replot:
-        plot(png, plots.read_csv(os.path.join(args.out, "curves.csv")))
+        plot(png, harness.read_csv(os.path.join(args.out, "curves.csv")))
         return 0
     rows, curves = [], []
     for setup in args.setups:
         data = tta.load_data(tta.SETUPS[setup][0])
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             r, c = run_setup(setup, data, seed, args)
             rows += r
             curves += c
-    plots.write_csv(os.path.join(args.out, "runs.csv"), rows)
-    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+    harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
     lines = summary(rows)
-    _common.write_lines(os.path.join(args.out, "summary.md"), lines)
+    harness.write_lines(os.path.join(args.out, "summary.md"), lines)
     plot(png, [{k: str(v) for k, v in c.items()} for c in curves])
     print("\n".join(lines))
     return 0

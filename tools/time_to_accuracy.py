@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-import _common
+import harness
 
 # name: (data, model, optimizer, batch size, plain steps, default device ms)
 SETUPS = {
@@ -38,8 +38,8 @@ QUICK = dict(
     setups=["mnist1d_adam"],
     workers=[2],
     n_sync=[10],
-    seeds=1,
-    device_ms=4.0,
+    seeds=[0],
+    device_ms=[4.0],
     plain_steps=150,
     evals=5,
     out="results/time_to_accuracy/quick",
@@ -214,7 +214,7 @@ def curve_callback(
 
 
 def _cpu(pids):
-    return time.process_time() + sum(_common.cpu_seconds(p) for p in pids)
+    return time.process_time() + sum(harness.cpu_seconds(p) for p in pids)
 
 
 def _timings(curve, points, end, startup, steps, workers, device_ms, cores):
@@ -252,7 +252,7 @@ def run_plain(setup, seed, args):
     steps, device_ms = _steps(setup, args), _device_ms(setup, args)
     keras.utils.set_random_seed(seed)
     model = build_model(model_name, data)
-    _common.compile_classifier(model, make_optimizer(opt))
+    harness.compile_classifier(model, make_optimizer(opt))
     ds = tf_asgd.data.emulated_device_time(device_ms)(train_dataset(data, batch, seed), 0).repeat()
     curve = curve_callback(HeldOut(model_name, data), _eval_every(setup, args), batch)
     curve.start(model)
@@ -346,7 +346,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = build_model(model_name, data)
-        _common.compile_classifier(model, make_optimizer(opt))
+        harness.compile_classifier(model, make_optimizer(opt))
 
     def committed(scheduled):
         return min(scheduled, strategy.stats().windows * n_sync)
@@ -563,15 +563,13 @@ def write_table(out, runs):
             "2 points below plain's. Mean (min-max) over seeds."
         ),
         "",
-        *_common.markdown_table(header, rows),
+        *harness.markdown_table(header, rows),
     ]
-    _common.write_lines(os.path.join(out, "speedups.md"), lines)
+    harness.write_lines(os.path.join(out, "speedups.md"), lines)
 
 
 def plot(out, runs, curves):
     """The two figures: a panel per (setup, n_sync), a line per worker count."""
-    import plots
-
     by_run = collections.defaultdict(list)
     for p in curves:
         by_run[(p["setup"], p["method"], p["workers"], p["n_sync"], variant(p))].append(p)
@@ -605,7 +603,7 @@ def plot(out, runs, curves):
             )
     for x_key, name in (("time_s", "accuracy_vs_time.png"), ("samples", "accuracy_vs_samples.png")):
         if panels[x_key]:
-            plots.plot_panels(
+            harness.plot_panels(
                 os.path.join(out, name), panels[x_key], ncols=min(3, len(panels[x_key]))
             )
 
@@ -630,8 +628,6 @@ def calibrate(args):
 
     import tf_asgd
 
-    import plots
-
     steps = args.calibration_steps
     rows = []
     for setup in args.setups:
@@ -640,7 +636,7 @@ def calibrate(args):
         ds = train_dataset(data, batch, 0)
         keras.utils.set_random_seed(0)
         model = build_model(model_name, data)
-        _common.compile_classifier(model, make_optimizer(opt))
+        harness.compile_classifier(model, make_optimizer(opt))
         model.fit(ds.repeat(), steps_per_epoch=20, epochs=1, verbose=0)  # traces
         c0 = time.process_time()
         model.fit(ds.repeat(), steps_per_epoch=steps, epochs=1, verbose=0)
@@ -652,7 +648,7 @@ def calibrate(args):
                 cpu_ms_per_step=1000 * (time.process_time() - c0) / steps,
             )
         )
-    with _common.local_cluster(1) as cluster:
+    with harness.local_cluster(1) as cluster:
         pids = list(cluster.pids().values())
         for setup in args.setups:
             data_name, model_name, opt, batch, _, _ = SETUPS[setup]
@@ -662,7 +658,7 @@ def calibrate(args):
                 strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
                 with strategy.scope():
                     model = build_model(model_name, data)
-                    _common.compile_classifier(model, make_optimizer(opt))
+                    harness.compile_classifier(model, make_optimizer(opt))
                 model.fit(ds, steps_per_epoch=2 * n_sync, epochs=1, verbose=0)  # traces
                 n = max(n_sync, steps // n_sync * n_sync)
                 c0 = _cpu(pids)
@@ -689,7 +685,7 @@ def calibrate(args):
             flush=True,
         )
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "calibration.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "calibration.csv"), rows)
     return rows
 
 
@@ -715,21 +711,24 @@ def _eval_every(setup, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/time_to_accuracy")
-    p.add_argument("--setups", type=_common.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
-    p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4, 8, 16])
-    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
+    p = harness.parser(
+        __doc__,
+        out="results/time_to_accuracy",
+        workers=[1, 2, 4, 8, 16],
+        n_sync=[10, 100],
+        seeds=[0],
+        device_ms=None,
+    )
+    p.add_argument("--setups", type=harness.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
     p.add_argument(
         "--compressions",
-        type=_common.str_list,
+        type=harness.str_list,
         default=["none"],
         help="push codecs, each optionally +pull codec: e.g. none,int8,int8+bf16",
     )
     p.add_argument(
         "--outer-rates",
-        type=_common.str_list,
+        type=harness.str_list,
         default=["default"],
         help="default (the strategy's) or constant per-push outer rates, as numbers or fractions "
         "of the stability limit: e.g. default,0.5,0.667*limit",
@@ -738,12 +737,6 @@ def main(argv=None):
         "--bandwidth",
         default=None,
         help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
-    )
-    p.add_argument(
-        "--device-ms",
-        type=float,
-        default=None,
-        help="emulated device time per batch (default: each setup's)",
     )
     p.add_argument("--budget", type=float, default=2.0, help="tf_asgd's samples over plain's")
     p.add_argument(
@@ -776,6 +769,7 @@ def main(argv=None):
         for k, v in QUICK.items():
             if k not in given:
                 setattr(args, k, v)
+    args.device_ms = harness.single(p, args, "device_ms")
     for rate in args.outer_rates:
         if not _is_outer_rate(rate):
             p.error(f"--outer-rates: {rate!r} is neither 'default' nor a number > 0")
@@ -790,13 +784,11 @@ def main(argv=None):
 
         network.reexec_in_loopback_namespace()  # returns inside this run's own namespace
     os.makedirs(args.out, exist_ok=True)
-    import plots
-
     device_s = sum(
         _steps(s, args)
         * _device_ms(s, args)
         / 1000
-        * args.seeds
+        * len(args.seeds)
         * (
             1
             + args.budget
@@ -809,7 +801,7 @@ def main(argv=None):
     )
     cells = len(args.workers) * len(args.n_sync) * len(args.compressions) * len(args.outer_rates)
     print(
-        f"{len(args.setups) * args.seeds * (1 + cells)} runs; "
+        f"{len(args.setups) * len(args.seeds) * (1 + cells)} runs; "
         f"emulated device time alone {device_s / 60:.1f} min",
         flush=True,
     )
@@ -824,20 +816,20 @@ def main(argv=None):
         tags["outer"] = row.get("outer", "default")
         curves.extend(dict(**tags, **pt) for pt in points)
         print(f"[{time.time() - t0:5.0f}s] {run_line(row)}", flush=True)
-        plots.write_csv(os.path.join(args.out, "runs.csv"), runs)
-        plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+        harness.write_csv(os.path.join(args.out, "runs.csv"), runs)
+        harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
 
     # Plain Keras first, with no cluster running beside it.
     for setup in args.setups:
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             row, points = run_plain(setup, seed, args)
             plain[(setup, seed)] = points
             row.update(summarize(points, points, args))
             record(row, points)
     for workers in args.workers:
-        with _common.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
+        with harness.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
             for setup, n_sync, codec, outer, seed in itertools.product(
-                args.setups, args.n_sync, args.compressions, args.outer_rates, range(args.seeds)
+                args.setups, args.n_sync, args.compressions, args.outer_rates, args.seeds
             ):
                 row, points = run_asgd(cluster, setup, workers, n_sync, seed, args, codec, outer)
                 row.update(summarize(points, plain[(setup, seed)], args))
