@@ -11,7 +11,7 @@ Writes to `--out`: `curves.csv` (every epoch of every run), `summary.csv` (one r
 
 Example (a few minutes):
 
-    python tools/convergence.py --models mlp --optimizers sgd --workers 4 --n-sync 10 --seeds 2
+    python tools/convergence.py --models mlp --optimizers sgd --workers 4 --n-sync 10 --seeds 0,1
 """
 
 import collections
