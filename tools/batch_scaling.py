@@ -257,10 +257,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="a smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])}
-        for k, v in QUICK.items():
-            if k not in given:
-                setattr(args, k, v)
+        harness.apply_quick(args, argv, QUICK)
     for s in args.setups:
         if s not in tta.SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(tta.SETUPS)}")

@@ -90,6 +90,21 @@ def parser(doc, out, **defaults):
     return p
 
 
+def apply_quick(args, argv, quick):
+    """A `--quick` smoke run: sets each of `quick`'s values on `args` unless its flag was
+    given on the command line (`argv`, else `sys.argv`)."""
+    import sys
+
+    given = {
+        a.split("=")[0].lstrip("-").replace("-", "_")
+        for a in (argv or sys.argv[1:])
+        if a.startswith("--")
+    }
+    for k, v in quick.items():
+        if k not in given:
+            setattr(args, k, v)
+
+
 def _shown(default):
     if isinstance(default, (list, tuple)):
         return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)

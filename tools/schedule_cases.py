@@ -9,7 +9,8 @@ val_loss, validated every 2 epochs) and `to_zero` (SGD(0.05), 6 epochs at the ra
 Keras on batches of 2 x 32, synchronous training of 2 workers at the user's rate). Writes
 `runs.jsonl` (a row per recipe and seed) and `summary.md` to `--out`.
 
-    python tools/schedule_cases.py --recipes decay,to_zero --rates default,0.6667,1.0 --seeds 0,1,2,3,4
+    python tools/schedule_cases.py --recipes decay,to_zero --rates default,0.6667,1.0 \\
+        --seeds 0,1,2,3,4
 """
 
 import contextlib

@@ -761,14 +761,7 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     if args.quick:
-        given = {
-            a.split("=")[0].lstrip("-").replace("-", "_")
-            for a in (argv or sys.argv[1:])
-            if a.startswith("--")
-        }
-        for k, v in QUICK.items():
-            if k not in given:
-                setattr(args, k, v)
+        harness.apply_quick(args, argv, QUICK)
     args.device_ms = harness.single(p, args, "device_ms")
     for rate in args.outer_rates:
         if not _is_outer_rate(rate):
