@@ -223,7 +223,7 @@ def write_results(rows, args):
     harness.write_lines(
         os.path.join(args.out, "compat.md"),
         [
-            "# tf_asgd: TensorFlow x Keras compatibility (tools/compat.py)",
+            "# tf_asgd: TensorFlow x Keras compatibility (tools/dev/compat.py)",
             "",
             f"Python {sys.version.split()[0]}; "
             'fast tier: `python -m pytest tests -q -m "not cluster"`; '
