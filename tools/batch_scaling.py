@@ -1,9 +1,10 @@
 """The synchronous ceiling: how many steps N workers' samples save, with no staleness at all.
 
-Per setup of `time_to_accuracy.py`, seed and worker count N, plain Keras trains for the
-setup's plain steps with `large_batch` (batch N x B; the learning rate x1, the user's
-optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and `local_sgd` (N copies
-with the user's optimizer, averaged every `--n-sync` steps); neither has stale pushes.
+Per setup of `time_to_accuracy.py` (`harness.SETUPS`), seed and worker count N, plain
+Keras trains for the setup's plain steps with `large_batch` (batch N x B; the learning
+rate x1, the user's optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and
+`local_sgd` (N copies with the user's optimizer, averaged every `--n-sync` steps); neither
+has stale pushes.
 `lr_only` (batch B at the scaled rate) is the control: what the rate alone buys.
 Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
 over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
@@ -20,7 +21,6 @@ import sys
 import numpy as np
 
 import harness
-import time_to_accuracy as tta
 
 SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
 METHODS = ("large_batch", "local_sgd", "lr_only")
@@ -38,15 +38,15 @@ QUICK = dict(
 
 def scaled_optimizer(name, scale):
     """The setup's optimizer with its learning rate times `scale`."""
-    opt = tta.make_optimizer(name)
+    opt = harness.make_optimizer(name)
     config = opt.get_config()
     config["learning_rate"] = float(config["learning_rate"]) * scale
     return opt.__class__.from_config(config)
 
 
 def _model(setup, data, scale, steps_per_execution):
-    _, model_name, opt, _, _, _ = tta.SETUPS[setup]
-    model = tta.build_model(model_name, data)
+    _, model_name, opt, _, _, _ = harness.SETUPS[setup]
+    model = harness.build_model(model_name, data)
     # One call of `train_function` runs `steps_per_execution` steps, in one tf.function.
     harness.compile_classifier(
         model, scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
@@ -59,11 +59,11 @@ def large_batch(setup, data, multiple, scale, seed, steps, eval_every):
     """Held-out points `(step, accuracy)` of batch `multiple * B` at `scale` x the rate."""
     import keras
 
-    batch = tta.SETUPS[setup][3] * multiple
+    batch = harness.SETUPS[setup][3] * multiple
     keras.utils.set_random_seed(seed)
     model = _model(setup, data, scale, eval_every)
-    held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
-    batches = iter(tta.train_dataset(data, batch, seed).repeat())
+    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
+    batches = iter(harness.train_dataset(data, batch, seed).repeat())
     points = []
     for step in range(eval_every, steps + 1, eval_every):
         model.train_function(batches)
@@ -75,13 +75,15 @@ def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
     """Held-out points of `workers` copies averaged every `n_sync` steps."""
     import keras
 
-    batch = tta.SETUPS[setup][3]
+    batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
     copies = [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
     center = copies[0].get_weights()
-    held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
+    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
     # Each copy draws its own shuffle of the whole set, as independent workers would.
-    feeds = [iter(tta.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)]
+    feeds = [
+        iter(harness.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
+    ]
     points, next_eval = [], eval_every
     for step in range(n_sync, steps + 1, n_sync):
         ends = []
@@ -103,7 +105,7 @@ def steps_to(points, target):
 
 def run_setup(setup, data, seed, args):
     """Rows and curves of one setup and seed: batch B, then every variant."""
-    steps = args.steps or tta.SETUPS[setup][4]
+    steps = args.steps or harness.SETUPS[setup][4]
     every = max(1, steps // args.evals)
     steps = every * (steps // every)
     variants = [("plain", 1, 0, "x1")]
@@ -259,8 +261,8 @@ def main(argv=None):
     if args.quick:
         harness.apply_quick(args, argv, QUICK)
     for s in args.setups:
-        if s not in tta.SETUPS:
-            p.error(f"unknown setup {s!r}; expected some of {', '.join(tta.SETUPS)}")
+        if s not in harness.SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")
     for m in args.methods:
         if m not in METHODS:
             p.error(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")
@@ -274,7 +276,7 @@ def main(argv=None):
         return 0
     rows, curves = [], []
     for setup in args.setups:
-        data = tta.load_data(tta.SETUPS[setup][0])
+        data = harness.load_data(harness.SETUPS[setup][0])
         for seed in args.seeds:
             r, c = run_setup(setup, data, seed, args)
             rows += r

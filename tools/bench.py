@@ -146,7 +146,7 @@ def child_pss(args):
     import tensorflow as tf  # with TF_USE_LEGACY_KERAS=1 (`_child_main`)
     import tf_keras
 
-    with harness.cluster(args.workers, processes=args.processes) as cluster:
+    with harness.local_cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
@@ -192,7 +192,7 @@ def child_asgd(args):
     n_syncs = args.n_sync
     # (n_sync, windows per closure) pairs; "auto" leaves the strategy's default.
     configs = [(n, k) for n in n_syncs for k in args.windows_per_closure.split(",")]
-    with harness.cluster(args.workers, processes=args.processes) as cluster:
+    with harness.local_cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness
         )

@@ -6,9 +6,11 @@ Each tool builds its flags with `parser(__doc__, out=..., workers=..., ...)`:
 the output folder (`--out`) and the sweep flags (`SWEEP_FLAGS`: `--workers`,
 `--n-sync`, `--seeds`, `--device-ms`) are defined here once, with one type
 each, and a tool only picks their defaults. It builds local clusters with
-`local_cluster` / `cluster`, compiles with `compile_classifier`, and writes
+`local_cluster`, compiles with `compile_classifier`, and writes
 CSV with `write_csv`, Markdown tables with `markdown_table` and PNG plots
-with `plot_panels`.
+with `plot_panels`. The accuracy studies (`time_to_accuracy.py`,
+`batch_scaling.py`) share `SETUPS` (data set, model, optimizer, batch and
+steps by name) and `HeldOut`, the held-out accuracy of a model's weights.
 
 TensorFlow, Keras, tf_asgd and matplotlib are imported inside the helpers,
 not here: bench.py's stock-PS child must set `TF_USE_LEGACY_KERAS` before
@@ -141,14 +143,19 @@ def capped_outer_optimizer(workers):
     return rules.OuterSGD(lr)
 
 
-def local_cluster(workers, num_ps=1, bandwidth=None):
-    """A `tf_asgd.LocalCluster` on loopback with every task in one child
-    process (`shared_process=True`: 32 workers fit in memory), its loopback
-    limited to `bandwidth` if given. Use it as a context manager; leaving the
-    block stops the process."""
+def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
+    """A `tf_asgd.LocalCluster` on loopback, its loopback limited to `bandwidth` if
+    given: every task in one child process (`processes="shared"`: 32 workers fit in
+    memory) or one process per task (`"separate"`: what a real cluster of machines
+    looks like to TF's runtime, each task with its own threads and gRPC server). Use
+    it as a context manager; leaving the block stops every process."""
     import tf_asgd
 
-    return tf_asgd.LocalCluster(workers, num_ps, shared_process=True, bandwidth=bandwidth)
+    if processes not in ("shared", "separate"):
+        raise ValueError(f"processes must be 'shared' or 'separate', got {processes!r}.")
+    return tf_asgd.LocalCluster(
+        workers, num_ps, shared_process=processes == "shared", bandwidth=bandwidth
+    )
 
 
 def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_per_execution=1):
@@ -219,25 +226,10 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cluster(workers, num_ps=1, processes="shared"):
-    """A `tf_asgd.LocalCluster` on loopback: every task in one child process
-    (`processes="shared"`, as `local_cluster`) or one process per task
-    (`"separate"`: what a real cluster of machines looks like to TF's
-    runtime, each task with its own threads and gRPC server). Use it as a
-    context manager; leaving the block stops every process."""
-    import tf_asgd
-
-    if processes not in ("shared", "separate"):
-        raise ValueError(f"processes must be 'shared' or 'separate', got {processes!r}.")
-    return tf_asgd.LocalCluster(workers, num_ps, shared_process=processes == "shared")
-
-
 def write_csv(path, rows, fields=None):
     """Writes a list of dicts as CSV (columns: `fields`, else the union in order)."""
     if fields is None:
-        fields = []
-        for row in rows:
-            fields += [k for k in row if k not in fields]
+        fields = columns(rows)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -337,3 +329,94 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+# The setups of time_to_accuracy.py and batch_scaling.py: data, model, optimizer.
+# name: (data, model, optimizer, batch size, plain steps, default device ms)
+SETUPS = {
+    "mnist1d_adam": ("mnist1d", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "mnist1d_sgd": ("mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", 100, 3000, 50.0),
+    "mnist1d16k_adam": ("mnist1d16k", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "digits_sgd": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
+    "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
+    "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),
+}
+
+
+def load_data(name):
+    """`((x, y), (x_test, y_test))` of a setup's data set."""
+    import tf_asgd
+
+    if name == "mnist1d":
+        return tf_asgd.data.load_mnist1d()
+    if name == "mnist1d16k":
+        return tf_asgd.data.load_mnist1d(num_train=16000)
+    if name == "digits":
+        return tf_asgd.data.load_digits()
+    if name == "digits32":
+        return tf_asgd.data.load_digits_images(32)
+    raise ValueError(f"Unknown data set {name!r}.")
+
+
+def make_optimizer(name):
+    """A fresh Keras optimizer of a setup."""
+    import keras
+
+    if name == "adam_1e-2":
+        return keras.optimizers.Adam(1e-2)
+    if name == "adam_1e-3":
+        return keras.optimizers.Adam(1e-3)
+    if name == "sgd_0.05_m0.9":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if name == "sgd_resnet":
+        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
+        # rate for batch 32, without its step decay.
+        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    raise ValueError(f"Unknown optimizer {name!r}.")
+
+
+def build_model(name, data):
+    """A fresh `tf_asgd.models` model for the data's input shape."""
+    import inspect
+
+    import tf_asgd
+
+    builder = getattr(tf_asgd.models, name)
+    if "input_shape" in inspect.signature(builder).parameters:
+        return builder(input_shape=data[0][0].shape[1:])
+    return builder()
+
+
+def train_dataset(data, batch_size, seed):
+    """The shuffled training batches (reshuffled every pass, the same order
+    on every worker, so that `shard` gives them disjoint batches)."""
+    import tensorflow as tf
+
+    (x, y), _ = data
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed)
+        .batch(batch_size, drop_remainder=True)
+    )
+
+
+class HeldOut:
+    """Held-out accuracy and loss of a model's weights, on a plain Keras twin
+    of the model on the chief (one forward pass over the whole set)."""
+
+    def __init__(self, model_name, data):
+        import tensorflow as tf
+
+        _, (x_test, y_test) = data
+        self.twin = build_model(model_name, data)
+        self.x = tf.constant(x_test)
+        self.y = np.asarray(y_test)
+        self._forward = tf.function(lambda x: self.twin(x, training=False))
+
+    def __call__(self, weights):
+        self.twin.set_weights(weights)
+        logits = self._forward(self.x).numpy().astype(np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        loss = -log_p[np.arange(len(self.y)), self.y].mean()
+        return float((logits.argmax(axis=1) == self.y).mean()), float(loss)

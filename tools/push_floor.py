@@ -67,7 +67,7 @@ def measure(args):
     import tensorflow as tf
 
     samples = {b: [] for b in args.bodies}
-    with harness.cluster(1, 1, processes=args.processes) as cluster:
+    with harness.local_cluster(1, 1, processes=args.processes) as cluster:
         hosts = set(cluster.pids().values())
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
