@@ -27,6 +27,7 @@ import argparse
 import csv
 import math
 import os
+import sys
 
 import numpy as np
 
@@ -95,8 +96,6 @@ def parser(doc, out, **defaults):
 def apply_quick(args, argv, quick):
     """A `--quick` smoke run: sets each of `quick`'s values on `args` unless its flag was
     given on the command line (`argv`, else `sys.argv`)."""
-    import sys
-
     given = {
         a.split("=")[0].lstrip("-").replace("-", "_")
         for a in (argv or sys.argv[1:])
