@@ -23,7 +23,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-# The minor versions tools/compat.py installed and tested (docs/compat.md).
+# The minor versions tools/dev/compat.py installed and tested (docs/compat.md).
 # Every private API below is the same in all of them.
 SUPPORTED_KERAS = ("3.13", "3.14", "3.15")
 SUPPORTED_TF = ("2.19", "2.20", "2.21")

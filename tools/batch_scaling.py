@@ -1,16 +1,17 @@
 """The synchronous ceiling: how many steps N workers' samples save, with no staleness at all.
 
-Per setup of `time_to_accuracy.py`, seed and worker count N, plain Keras trains for the
-setup's plain steps with `large_batch` (batch N x B; the learning rate x1, the user's
-optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and `local_sgd` (N copies
-with the user's optimizer, averaged every `--n-sync` steps); neither has stale pushes.
+Per setup of `time_to_accuracy.py` (`harness.SETUPS`), seed and worker count N, plain
+Keras trains for the setup's plain steps with `large_batch` (batch N x B; the learning
+rate x1, the user's optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and
+`local_sgd` (N copies with the user's optimizer, averaged every `--n-sync` steps); neither
+has stale pushes.
 `lr_only` (batch B at the scaled rate) is the control: what the rate alone buys.
 Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
 over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
 `curves.csv`, `summary.md` and `accuracy_vs_steps.png` to `--out`.
 
     python tools/batch_scaling.py --quick
-    python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 2
+    python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 0,1
 """
 
 import math
@@ -19,8 +20,7 @@ import sys
 
 import numpy as np
 
-import _common
-import time_to_accuracy as tta
+import harness
 
 SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
 METHODS = ("large_batch", "local_sgd", "lr_only")
@@ -29,7 +29,7 @@ QUICK = dict(
     workers=[2],
     n_sync=[10],
     scalings=["x1", "linear"],
-    seeds=1,
+    seeds=[0],
     steps=200,
     evals=5,
     out="results/batch_scaling/quick",
@@ -38,17 +38,17 @@ QUICK = dict(
 
 def scaled_optimizer(name, scale):
     """The setup's optimizer with its learning rate times `scale`."""
-    opt = tta.make_optimizer(name)
+    opt = harness.make_optimizer(name)
     config = opt.get_config()
     config["learning_rate"] = float(config["learning_rate"]) * scale
     return opt.__class__.from_config(config)
 
 
 def _model(setup, data, scale, steps_per_execution):
-    _, model_name, opt, _, _, _ = tta.SETUPS[setup]
-    model = tta.build_model(model_name, data)
+    _, model_name, opt, _, _, _ = harness.SETUPS[setup]
+    model = harness.build_model(model_name, data)
     # One call of `train_function` runs `steps_per_execution` steps, in one tf.function.
-    _common.compile_classifier(
+    harness.compile_classifier(
         model, scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
     )
     model.make_train_function()
@@ -59,11 +59,11 @@ def large_batch(setup, data, multiple, scale, seed, steps, eval_every):
     """Held-out points `(step, accuracy)` of batch `multiple * B` at `scale` x the rate."""
     import keras
 
-    batch = tta.SETUPS[setup][3] * multiple
+    batch = harness.SETUPS[setup][3] * multiple
     keras.utils.set_random_seed(seed)
     model = _model(setup, data, scale, eval_every)
-    held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
-    batches = iter(tta.train_dataset(data, batch, seed).repeat())
+    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
+    batches = iter(harness.train_dataset(data, batch, seed).repeat())
     points = []
     for step in range(eval_every, steps + 1, eval_every):
         model.train_function(batches)
@@ -75,13 +75,15 @@ def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
     """Held-out points of `workers` copies averaged every `n_sync` steps."""
     import keras
 
-    batch = tta.SETUPS[setup][3]
+    batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
     copies = [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
     center = copies[0].get_weights()
-    held_out = tta.HeldOut(tta.SETUPS[setup][1], data)
+    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
     # Each copy draws its own shuffle of the whole set, as independent workers would.
-    feeds = [iter(tta.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)]
+    feeds = [
+        iter(harness.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
+    ]
     points, next_eval = [], eval_every
     for step in range(n_sync, steps + 1, n_sync):
         ends = []
@@ -103,7 +105,7 @@ def steps_to(points, target):
 
 def run_setup(setup, data, seed, args):
     """Rows and curves of one setup and seed: batch B, then every variant."""
-    steps = args.steps or tta.SETUPS[setup][4]
+    steps = args.steps or harness.SETUPS[setup][4]
     every = max(1, steps // args.evals)
     steps = every * (steps // every)
     variants = [("plain", 1, 0, "x1")]
@@ -183,7 +185,7 @@ def summary(rows):
         "0 for a seed that never reached it; reached/seeds; finals at the same steps).",
         "",
     ]
-    lines += _common.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
+    lines += harness.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
     lines += ["", "Plain Keras (batch B): final / steps to the target, per seed:", ""]
     lines += [
         f"- {s} seed {seed}: {r['final_accuracy']:.3f} / {r['plain_steps_to_target']}"
@@ -195,7 +197,6 @@ def summary(rows):
 def plot(path, curves):
     """Held-out accuracy against steps, mean over seeds: a panel per setup and worker count,
     plain Keras beside every variant, and the target as a dashed line."""
-    import plots
 
     def mean_curve(runs):
         by_step = {}
@@ -233,25 +234,23 @@ def plot(path, curves):
                     ylim=(max(0.0, target - 0.25), min(1.0, target + 0.06)),
                 )
             )
-    plots.plot_panels(path, panels, ncols=3, title="Synchronous ceiling (mean over seeds)")
+    harness.plot_panels(path, panels, ncols=3, title="Synchronous ceiling (mean over seeds)")
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/batch_scaling")
-    p.add_argument("--setups", type=_common.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
-    p.add_argument("--workers", type=_common.int_list, default=[2, 4, 8])
-    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
+    p = harness.parser(
+        __doc__, out="results/batch_scaling", workers=[2, 4, 8], n_sync=[10, 100], seeds=[0]
+    )
+    p.add_argument("--setups", type=harness.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
     p.add_argument(
-        "--scalings", type=_common.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
+        "--scalings", type=harness.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
     )
     p.add_argument(
         "--methods",
-        type=_common.str_list,
+        type=harness.str_list,
         default=list(METHODS),
         help="large_batch, local_sgd, lr_only (batch B at the scaled rate: a control)",
     )
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
     p.add_argument(
@@ -260,13 +259,10 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="a smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])}
-        for k, v in QUICK.items():
-            if k not in given:
-                setattr(args, k, v)
+        harness.apply_quick(args, argv, QUICK)
     for s in args.setups:
-        if s not in tta.SETUPS:
-            p.error(f"unknown setup {s!r}; expected some of {', '.join(tta.SETUPS)}")
+        if s not in harness.SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")
     for m in args.methods:
         if m not in METHODS:
             p.error(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")
@@ -274,23 +270,21 @@ def main(argv=None):
         if s not in SCALINGS:
             p.error(f"unknown scaling {s!r}; expected some of {', '.join(SCALINGS)}")
     os.makedirs(args.out, exist_ok=True)
-    import plots
-
     png = os.path.join(args.out, "accuracy_vs_steps.png")
     if args.replot:
-        plot(png, plots.read_csv(os.path.join(args.out, "curves.csv")))
+        plot(png, harness.read_csv(os.path.join(args.out, "curves.csv")))
         return 0
     rows, curves = [], []
     for setup in args.setups:
-        data = tta.load_data(tta.SETUPS[setup][0])
-        for seed in range(args.seeds):
+        data = harness.load_data(harness.SETUPS[setup][0])
+        for seed in args.seeds:
             r, c = run_setup(setup, data, seed, args)
             rows += r
             curves += c
-    plots.write_csv(os.path.join(args.out, "runs.csv"), rows)
-    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+    harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
     lines = summary(rows)
-    _common.write_lines(os.path.join(args.out, "summary.md"), lines)
+    harness.write_lines(os.path.join(args.out, "summary.md"), lines)
     plot(png, [{k: str(v) for k, v in c.items()} for c in curves])
     print("\n".join(lines))
     return 0

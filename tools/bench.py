@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-import _common
+import harness
 
 RESULT = "BENCH_RESULT "
 
@@ -124,7 +124,7 @@ def child_keras(args):
     model = _keras3_model(args.model)
     x, y = _synthetic(model.input_shape[1:], args.batch_size)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size).repeat()
-    _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
+    harness.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
     _timed_fit(model, ds, 20)
     rate = 50 / _timed_fit(model, ds, 50)
     for _ in range(args.inner):
@@ -146,7 +146,7 @@ def child_pss(args):
     import tensorflow as tf  # with TF_USE_LEGACY_KERAS=1 (`_child_main`)
     import tf_keras
 
-    with _common.cluster(args.workers, processes=args.processes) as cluster:
+    with harness.local_cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
@@ -189,16 +189,16 @@ def child_asgd(args):
 
     import tf_asgd
 
-    n_syncs = [int(n) for n in args.n_sync.split(",")]
+    n_syncs = args.n_sync
     # (n_sync, windows per closure) pairs; "auto" leaves the strategy's default.
     configs = [(n, k) for n in n_syncs for k in args.windows_per_closure.split(",")]
-    with _common.cluster(args.workers, processes=args.processes) as cluster:
+    with harness.local_cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness
         )
         with strategy.scope():
             model = _keras3_model(args.model)
-            _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
+            harness.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
         rate = {}
@@ -266,7 +266,7 @@ def _run_child(args, mode, workers, processes="shared", spe=1):
         "--seconds",
         str(args.seconds),
         "--n-sync",
-        args.n_sync,
+        ",".join(str(n) for n in args.n_sync),
         "--inner",
         str(args.inner),
         "--staleness",
@@ -392,21 +392,21 @@ def markdown(rows, args):
         "is over stock PS with steps_per_execution 1, same worker count and process mode; "
         "`x best pss` over the faster stock run.",
         "",
-        *_common.markdown_table(header, cells),
+        *harness.markdown_table(header, cells),
     ]
     return "\n".join(out) + "\n"
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/throughput")
+    p = harness.parser(__doc__, out="results/throughput", workers=[1, 2, 4], n_sync=[1, 10, 100])
     p.add_argument("--model", default="gem_mnist_convnet")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", default="1,2,4")
     p.add_argument(
-        "--pss-workers", default=None, help="worker counts for stock PS (default: --workers)"
+        "--pss-workers",
+        type=harness.int_list,
+        default=None,
+        help="worker counts for stock PS (default: --workers)",
     )
-    p.add_argument("--n-sync", default="1,10,100")
     p.add_argument("--staleness", default="dynsgd")
     p.add_argument("--modes", default="keras,pss,asgd")
     p.add_argument(
@@ -428,19 +428,17 @@ def main(argv=None):
     p.add_argument("--child", choices=("keras", "pss", "asgd"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        args.workers = int(args.workers)
+        args.workers = harness.single(p, args, "workers")
         args.processes = args.processes.split(",")[0]
         _child_main(args)
         return 0
 
-    import plots
-
-    workers = [int(w) for w in args.workers.split(",")]
-    pss_workers = [int(w) for w in (args.pss_workers or args.workers).split(",")]
+    workers = args.workers
+    pss_workers = args.pss_workers or args.workers
     modes = args.modes.split(",")
-    spes = _common.int_list(args.pss_spe)
+    spes = harness.int_list(args.pss_spe)
     plan = [("keras", 0, "one", 1)] if "keras" in modes else []
-    for processes in _common.str_list(args.processes):
+    for processes in harness.str_list(args.processes):
         plan += [("pss", w, processes, spe) for w in pss_workers for spe in spes if "pss" in modes]
         plan += [("asgd", w, processes, 1) for w in workers if "asgd" in modes]
     raw, failures = [], []
@@ -466,8 +464,8 @@ def main(argv=None):
             raw += rows
     rows = summarize(raw, args.batch_size)
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "raw.csv"), raw)
-    plots.write_csv(os.path.join(args.out, "summary.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "raw.csv"), raw)
+    harness.write_csv(os.path.join(args.out, "summary.csv"), rows)
     text = markdown(rows, args)
     if failures:
         text += (

@@ -16,8 +16,7 @@ import json
 import os
 import time
 
-import _common
-import plots
+import harness
 
 CODECS = ("none", "bf16", "int8", "topk")
 
@@ -60,7 +59,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
     )
     with strategy.scope():
         model = _model(model_name)
-        _common.compile_classifier(model, keras.optimizers.SGD(0.01))
+        harness.compile_classifier(model, keras.optimizers.SGD(0.01))
     data = _dataset(batch)
     steps = n_sync * workers * windows
     model.fit(data, epochs=1, steps_per_epoch=n_sync * workers, verbose=0)  # warm-up
@@ -87,20 +86,17 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/compression")
-    p.add_argument("--models", type=_common.str_list, default=["mlp", "gem_convnet"])
-    p.add_argument("--bandwidths", type=_common.str_list, default=["none", "1gbit", "100mbit"])
-    p.add_argument("--codecs", type=_common.str_list, default=list(CODECS))
-    p.add_argument("--pulls", type=_common.str_list, default=["none", "bf16"])
+    p = harness.parser(__doc__, out="results/compression", workers=[2, 4], n_sync=[1, 10])
+    p.add_argument("--models", type=harness.str_list, default=["mlp", "gem_convnet"])
+    p.add_argument("--bandwidths", type=harness.str_list, default=["none", "1gbit", "100mbit"])
+    p.add_argument("--codecs", type=harness.str_list, default=list(CODECS))
+    p.add_argument("--pulls", type=harness.str_list, default=["none", "bf16"])
     p.add_argument(
         "--pull-codecs",
-        type=_common.str_list,
+        type=harness.str_list,
         default=None,
         help="the push codecs run with compressed pulls (default: --codecs)",
     )
-    p.add_argument("--n-sync", type=_common.int_list, default=[1, 10])
-    p.add_argument("--workers", type=_common.int_list, default=[2, 4])
     p.add_argument("--windows", type=int, default=4, help="timed windows per worker")
     args = p.parse_args(argv)
     if any(b != "none" for b in args.bandwidths):
@@ -124,7 +120,7 @@ def main(argv=None):
                         print(json.dumps(row), flush=True)
                         log.write(json.dumps(row) + "\n")
                         rows.append(row)
-    plots.write_csv(os.path.join(args.out, "runs.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
     write_summary(rows, os.path.join(args.out, "summary.md"))
     plot(rows, os.path.join(args.out, "speedup.png"))
 
@@ -189,7 +185,7 @@ def plot(rows, path):
                     "hline": (1.0, "uncompressed"),
                 }
             )
-    plots.plot_panels(path, panels, ncols=3, panel_size=(6.0, 3.6))
+    harness.plot_panels(path, panels, ncols=3, panel_size=(6.0, 3.6))
 
 
 def write_summary(rows, path):
@@ -197,7 +193,7 @@ def write_summary(rows, path):
     base = _baselines(rows)
     header = ["workers", "model", "bandwidth", "n_sync", "codec", "pulls", "samples/s"]
     header += ["x none", "pushed B/sample", "pulled B/sample"]
-    table = _common.markdown_table(
+    table = harness.markdown_table(
         header,
         [
             [
@@ -215,7 +211,7 @@ def write_summary(rows, path):
             for r in rows
         ],
     )
-    _common.write_lines(path, table)
+    harness.write_lines(path, table)
 
 
 if __name__ == "__main__":

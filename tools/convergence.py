@@ -11,7 +11,7 @@ Writes to `--out`: `curves.csv` (every epoch of every run), `summary.csv` (one r
 
 Example (a few minutes):
 
-    python tools/convergence.py --models mlp --optimizers sgd --workers 4 --n-sync 10 --seeds 2
+    python tools/convergence.py --models mlp --optimizers sgd --workers 4 --n-sync 10 --seeds 0,1
 """
 
 import collections
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-import _common
+import harness
 
 SETUPS = (
     "default",
@@ -78,8 +78,8 @@ def strategy_kwargs(setup, workers):
         "default": {},
         "gem": {},
         "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
-        "capped": dict(outer_optimizer=_common.capped_outer_optimizer(workers)),
-        "sqrt": dict(outer_optimizer=rules.OuterSGD(_common.sqrt_outer_learning_rate(workers))),
+        "capped": dict(outer_optimizer=harness.capped_outer_optimizer(workers)),
+        "sqrt": dict(outer_optimizer=rules.OuterSGD(harness.sqrt_outer_learning_rate(workers))),
         "reset": dict(worker_state="reset"),
         "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
         "none": dict(staleness="none", outer_optimizer=rules.OuterSGD()),
@@ -105,11 +105,11 @@ def train(
     keras.utils.set_random_seed(seed)
     if strategy is None:
         model = make_model(model_name, x.shape[1:])
-        model = _common.compile_classifier(model, make_optimizer(opt_name), ["accuracy"])
+        model = harness.compile_classifier(model, make_optimizer(opt_name), ["accuracy"])
     else:
         with strategy.scope():
             model = make_model(model_name, x.shape[1:])
-            model = _common.compile_classifier(model, make_optimizer(opt_name, gem), ["accuracy"])
+            model = harness.compile_classifier(model, make_optimizer(opt_name, gem), ["accuracy"])
     # Plain Keras: one pass of 45 steps per epoch, or `steps_per_epoch` drawn
     # from the data repeated (Keras then reshuffles per pass, as the workers do).
     import tensorflow as tf
@@ -210,15 +210,13 @@ def write_summary(out, summary):
         "diverged",
         "worst samples ratio",
     ]
-    _common.write_lines(os.path.join(out, "summary.md"), _common.markdown_table(header, rows))
+    harness.write_lines(os.path.join(out, "summary.md"), harness.markdown_table(header, rows))
 
 
 def plot(out, curves):
     """`curves_<model>_<optimizer>_n<n_sync>.png`: held-out accuracy and loss
     against samples seen, a panel per worker count; each setup (and plain
     Keras) as its mean over seeds with a min-max band."""
-    import plots
-
     runs = collections.defaultdict(
         list
     )  # (model, opt, n_sync, workers, setup) -> rows of all seeds
@@ -261,7 +259,7 @@ def plot(out, curves):
                         logy=metric == "val_loss",
                     )
                 )
-        plots.plot_panels(
+        harness.plot_panels(
             os.path.join(out, f"curves_{model}_{opt}_n{n_sync}.png"), panels, ncols=len(panels) // 2
         )
 
@@ -284,13 +282,11 @@ def _band(label, rows, metric):
 
 def merge(dirs, out):
     """Combines the CSVs of several runs of this tool; rewrites the table and plots."""
-    import plots
-
     numeric = ("n_sync", "workers", "seed", "steps_per_epoch", "epoch", "samples", "diverged")
     tables = {"curves.csv": [], "summary.csv": []}
     for d in dirs:
         for name, rows in tables.items():
-            for row in plots.read_csv(os.path.join(d, name)):
+            for row in harness.read_csv(os.path.join(d, name)):
                 rows.append(
                     {
                         k: (
@@ -309,8 +305,8 @@ def merge(dirs, out):
         ("setup", "model", "optimizer", "n_sync", "workers", "seed", "steps_per_epoch", "epoch"),
     )
     summary = tables["summary.csv"]
-    plots.write_csv(os.path.join(out, "curves.csv"), curves)
-    plots.write_csv(os.path.join(out, "summary.csv"), summary)
+    harness.write_csv(os.path.join(out, "curves.csv"), curves)
+    harness.write_csv(os.path.join(out, "summary.csv"), summary)
     write_summary(out, summary)
     plot(out, curves)
     print(f"merged {len(dirs)} directories into {out}: {len(summary)} runs")
@@ -329,20 +325,22 @@ def _unique(rows, key):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/convergence")
-    p.add_argument("--models", type=_common.str_list, default=["mlp", "convnet"])
-    p.add_argument("--optimizers", type=_common.str_list, default=["sgd", "adam"])
-    p.add_argument("--workers", type=_common.int_list, default=[2, 4, 8])
-    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
-    p.add_argument("--setups", type=_common.str_list, default=["default", "dynsgd"])
-    p.add_argument("--seeds", type=int, default=5)
+    p = harness.parser(
+        __doc__,
+        out="results/convergence",
+        workers=[2, 4, 8],
+        n_sync=[10, 100],
+        seeds=[0, 1, 2, 3, 4],
+    )
+    p.add_argument("--models", type=harness.str_list, default=["mlp", "convnet"])
+    p.add_argument("--optimizers", type=harness.str_list, default=["sgd", "adam"])
+    p.add_argument("--setups", type=harness.str_list, default=["default", "dynsgd"])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--min-windows", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument(
         "--merge",
-        type=_common.str_list,
+        type=harness.str_list,
         default=None,
         help="instead of training: combine the curves.csv and summary.csv of these "
         "output directories (runs split over several invocations) into --out",
@@ -356,8 +354,6 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     import tf_asgd
-
-    import plots
 
     data = tf_asgd.data.load_digits()
     args.steps_per_pass = int(np.ceil(len(data[0][0]) / args.batch_size))
@@ -384,7 +380,7 @@ def main(argv=None):
         return plain_cache[key]
 
     for workers in args.workers:
-        with _common.local_cluster(workers) as cluster:
+        with harness.local_cluster(workers) as cluster:
             for model in args.models:
                 for opt in args.optimizers:
                     for n_sync in args.n_sync:
@@ -392,7 +388,7 @@ def main(argv=None):
                         for setup in args.setups:
                             if setup == "gem" and opt != "sgd":
                                 continue
-                            for seed in range(args.seeds):
+                            for seed in args.seeds:
                                 plain = plain_run(model, opt, seed, spe, epochs)
                                 strategy = tf_asgd.AsyncParameterServerStrategy(
                                     cluster.resolver,
@@ -430,8 +426,8 @@ def main(argv=None):
                                     f"samples x{s['samples_ratio']:.2f}",
                                     flush=True,
                                 )
-                                plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
-                                plots.write_csv(os.path.join(args.out, "summary.csv"), summary)
+                                harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
+                                harness.write_csv(os.path.join(args.out, "summary.csv"), summary)
                                 write_summary(args.out, summary)
     plot(args.out, curves)
     print(

@@ -1,7 +1,7 @@
 """Evaluation on the workers against evaluation on the chief, side by side.
 
 For each worker count of `--workers`, one `LocalCluster` and one seeded digits convnet
-whose forward pass costs `--step-ms` of emulated device time per batch wherever it runs;
+whose forward pass costs `--device-ms` of emulated device time per batch wherever it runs;
 `model.evaluate` on `--examples` images runs with `evaluation="chief"` and `"workers"` in
 alternating rounds. Reports the median wall seconds of each, the speed-up and the largest
 difference between the two modes' metrics. Method: docs/architecture.md (Tools).
@@ -9,14 +9,14 @@ difference between the two modes' metrics. Method: docs/architecture.md (Tools).
 Writes `evaluation.csv` (one row per timed call) and `evaluation.md` to `--out`.
 
     python tools/evaluation.py                        # the default run
-    python tools/evaluation.py --workers 1,2 --step-ms 20 --examples 200 --rounds 1
+    python tools/evaluation.py --workers 1,2 --device-ms 20 --examples 200 --rounds 1
 """
 
 import os
 import statistics
 import time
 
-import _common
+import harness
 
 MODES = ("chief", "workers")
 
@@ -46,19 +46,19 @@ def device_time_model(step_ms):
 
 def run_workers(workers, data, args):
     """Rows of the timed calls on a cluster of `workers` workers, for each
-    `--step-ms` (one seeded model each)."""
+    `--device-ms` (one seeded model each)."""
     import keras
 
     import tf_asgd
 
     x, y = data
     rows = []
-    with _common.local_cluster(workers) as cluster:
+    with harness.local_cluster(workers) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
-        for step_ms in args.step_ms:
+        for step_ms in args.device_ms:
             keras.utils.set_random_seed(args.seed)
             with strategy.scope():
-                model = _common.compile_classifier(
+                model = harness.compile_classifier(
                     device_time_model(step_ms), keras.optimizers.SGD(0.05), metrics=["accuracy"]
                 )
             results = {}
@@ -93,25 +93,17 @@ def run_workers(workers, data, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/evaluation")
-    p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4])
-    p.add_argument(
-        "--step-ms",
-        type=_common.float_list,
-        default=[0.0, 20.0],
-        help="emulated device time per batch (a list: each is measured)",
+    p = harness.parser(
+        __doc__, out="results/evaluation", workers=[1, 2, 4], device_ms=[0.0, 20.0], seeds=[0]
     )
     p.add_argument("--examples", type=int, default=1797)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.seed = harness.single(p, args, "seeds")
     import numpy as np
 
     import tf_asgd
-
-    import plots
 
     (x, y), (xt, yt) = tf_asgd.data.load_digits()
     x, y = np.concatenate([x, xt]), np.concatenate([y, yt])
@@ -122,7 +114,7 @@ def main(argv=None):
         rows += run_workers(workers, data, args)
 
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
 
     def median(workers, step_ms, mode):
         return statistics.median(
@@ -133,7 +125,7 @@ def main(argv=None):
 
     batches = rows[0]["batches"]
     table = []
-    for step_ms in args.step_ms:
+    for step_ms in args.device_ms:
         for workers in args.workers:
             chief = median(workers, step_ms, "chief")
             on_workers = median(workers, step_ms, "workers")
@@ -158,7 +150,7 @@ def main(argv=None):
         "# Evaluation on the workers vs on the chief",
         "",
         f"`python tools/evaluation.py --workers {','.join(map(str, args.workers))} "
-        f"--step-ms {','.join(f'{v:g}' for v in args.step_ms)} --examples {args.examples} "
+        f"--device-ms {','.join(f'{v:g}' for v in args.device_ms)} --examples {args.examples} "
         f"--batch-size {args.batch_size} --rounds {args.rounds}`: {batches} batches of the "
         "digits convnet, each costing `step ms` of emulated device time in the model's forward "
         "pass, on whichever task runs it (the chief in `chief` mode, a worker in `workers` "
@@ -166,7 +158,7 @@ def main(argv=None):
         "speed-up = chief s / workers s. `max metric diff`: the largest difference between "
         "the two modes' loss and accuracy.",
         "",
-    ] + _common.markdown_table(
+    ] + harness.markdown_table(
         [
             "step ms",
             "workers",
@@ -179,7 +171,7 @@ def main(argv=None):
         ],
         table,
     )
-    _common.write_lines(os.path.join(args.out, "evaluation.md"), lines)
+    harness.write_lines(os.path.join(args.out, "evaluation.md"), lines)
     print("\n".join(lines))
 
 

@@ -3,15 +3,15 @@
 Each run trains a fresh model with Keras 3 `fit` under `AsyncParameterServerStrategy` on a
 `LocalCluster` and records every window as it finishes; curves are the training error
 smoothed over the last 400 minibatches, against wall time and samples seen. Sweeps
-(`--sweeps`): `nsync` (`--nsyncs` at `--nsync-workers`), `workers` (`--workers` at
-`--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--step-ms` adds
+(`--sweeps`): `nsync` (`--n-sync` at `--nsync-workers`), `workers` (`--workers` at
+`--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--device-ms` adds
 emulated device time per minibatch; `--data mnist1d` separates the curves. Method:
 docs/architecture.md (Tools).
 
 Writes `windows.csv` (one row per window), `summary.csv`, and
 `<sweep>_curves.png`, `<sweep>_staleness.png` to `--out`.
 
-    python tools/experiments.py --sweeps nsync --nsyncs 1,10 --steps 200
+    python tools/experiments.py --sweeps nsync --n-sync 1,10 --steps 200
 """
 
 import os
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-import _common
+import harness
 
 
 def load_data(name):
@@ -76,12 +76,12 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
         .shuffle(len(x))
         .batch(args.batch_size, drop_remainder=True)
     )
-    if args.step_ms > 0:
-        ds = ds.apply(sleep_transformation(args.step_ms * 1000))
+    if args.device_ms > 0:
+        ds = ds.apply(sleep_transformation(args.device_ms * 1000))
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = getattr(tf_asgd.models, model_name)()
-        _common.compile_classifier(
+        harness.compile_classifier(
             model, keras.optimizers.SGD(args.eta, momentum=args.momentum), metrics=["accuracy"]
         )
     stats0 = strategy.counters.stats(0, 0)
@@ -137,22 +137,24 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
 
 
 def _smoothed(rows, args):
-    import plots
-
-    return plots.sliding_mean(
+    return harness.sliding_mean(
         [r["error"] for r in rows], args.smooth, weights=[r["minibatches"] for r in rows]
     )
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/experiments")
+    p = harness.parser(
+        __doc__,
+        out="results/experiments",
+        workers=[1, 2, 4, 8],
+        n_sync=[1, 10, 100, 900],
+        seeds=[0],
+        device_ms=[3.0],
+    )
     p.add_argument("--data", default="digits", choices=("digits", "mnist1d", "mnist", "cifar10"))
     p.add_argument("--sweeps", default="nsync,workers,start")
-    p.add_argument("--nsyncs", default="1,10,100,900")
-    p.add_argument("--nsync-workers", type=int, default=2)
-    p.add_argument("--workers", default="1,2,4,8")
-    p.add_argument("--workers-nsync", type=int, default=10)
+    p.add_argument("--nsync-workers", type=int, default=2, help="workers of the n_sync sweep")
+    p.add_argument("--workers-nsync", type=int, default=10, help="n_sync of the workers sweep")
     p.add_argument("--start-workers", type=int, default=4)
     p.add_argument("--start-nsync", type=int, default=100)
     p.add_argument("--warm-steps", type=int, default=800)
@@ -160,23 +162,21 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eta", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--step-ms", type=float, default=3.0, help="emulated device time per minibatch")
     p.add_argument("--smooth", type=int, default=400, help="smoothing window in minibatches")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.device_ms = harness.single(p, args, "device_ms")
+    args.seed = harness.single(p, args, "seeds")
 
     import tf_asgd
-
-    import plots
 
     data, model_name = load_data(args.data)
     sweeps = args.sweeps.split(",")
     plan = {}  # workers -> [(sweep, n_sync, warm_steps)]
     if "nsync" in sweeps:
-        for n in map(int, args.nsyncs.split(",")):
+        for n in args.n_sync:
             plan.setdefault(args.nsync_workers, []).append(("nsync", n, 0))
     if "workers" in sweeps:
-        for w in map(int, args.workers.split(",")):
+        for w in args.workers:
             plan.setdefault(w, []).append(("workers", args.workers_nsync, 0))
     if "start" in sweeps:
         for warm in (0, args.warm_steps):
@@ -185,7 +185,7 @@ def main(argv=None):
     windows, summaries, hists = [], [], {}
     t0 = time.time()
     for workers in sorted(plan):
-        with _common.local_cluster(workers) as cluster:
+        with harness.local_cluster(workers) as cluster:
             strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1)
             for sweep, n, warm in plan[workers]:
                 label = {
@@ -214,8 +214,8 @@ def main(argv=None):
                 print(summary, flush=True)
 
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "windows.csv"), windows)
-    plots.write_csv(os.path.join(args.out, "summary.csv"), summaries)
+    harness.write_csv(os.path.join(args.out, "windows.csv"), windows)
+    harness.write_csv(os.path.join(args.out, "summary.csv"), summaries)
     stale_rows = []
     for sweep in sweeps:
         runs = [s["run"] for s in summaries if s["sweep"] == sweep]
@@ -237,9 +237,9 @@ def main(argv=None):
             stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
         title = (
             f"{args.data}, {model_name}, batch {args.batch_size}, eta {args.eta}, "
-            f"emulated {args.step_ms} ms/step"
+            f"emulated {args.device_ms} ms/step"
         )
-        plots.plot_panels(
+        harness.plot_panels(
             os.path.join(args.out, f"{sweep}_curves.png"),
             [
                 dict(
@@ -260,7 +260,7 @@ def main(argv=None):
             ncols=2,
             title=title,
         )
-        plots.plot_panels(
+        harness.plot_panels(
             os.path.join(args.out, f"{sweep}_staleness.png"),
             [
                 dict(
@@ -274,7 +274,7 @@ def main(argv=None):
             ncols=1,
             panel_size=(7, 4),
         )
-    plots.write_csv(os.path.join(args.out, "staleness.csv"), stale_rows)
+    harness.write_csv(os.path.join(args.out, "staleness.csv"), stale_rows)
     print(f"experiments took {time.time() - t0:.0f} s", flush=True)
     return 0
 

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-import _common
+import harness
 
 
 def run_method(method, cluster, data, args):
@@ -39,7 +39,7 @@ def run_method(method, cluster, data, args):
         "epochs": args.epochs,
     }
     if method == "proxy":
-        model = _common.compile_classifier(
+        model = harness.compile_classifier(
             tf_asgd.models.digits_convnet(), sgd(), metrics=["accuracy"]
         )
         strategy = None
@@ -52,7 +52,7 @@ def run_method(method, cluster, data, args):
             opt = sgd()
             if method.startswith("gem"):
                 opt = tf_asgd.optimizers.GEM(opt, kappa=float(method.split("_k")[1]))
-            model = _common.compile_classifier(
+            model = harness.compile_classifier(
                 tf_asgd.models.digits_convnet(), opt, metrics=["accuracy"]
             )
     history, status = {}, "trained"
@@ -86,22 +86,20 @@ def run_method(method, cluster, data, args):
 
 
 def write_results(rows, histories, args):
-    import plots
-
     out = args.out
     os.makedirs(out, exist_ok=True)
-    fields = _common.columns(rows)
-    plots.write_csv(os.path.join(out, "results.csv"), rows, fields)
-    _common.write_lines(
+    fields = harness.columns(rows)
+    harness.write_csv(os.path.join(out, "results.csv"), rows, fields)
+    harness.write_lines(
         os.path.join(out, "results.md"),
         [
             f"Command: `python tools/gem_stability.py {' '.join(sys.argv[1:])}`",
             "",
-            *_common.markdown_table(fields, [[r.get(k, "") for k in fields] for r in rows]),
+            *harness.markdown_table(fields, [[r.get(k, "") for k in fields] for r in rows]),
         ],
     )
     runs = [(method, h) for method, h in histories.items() if h.get("loss")]
-    plots.plot_panels(
+    harness.plot_panels(
         os.path.join(out, "curves.png"),
         [
             dict(
@@ -123,9 +121,7 @@ def write_results(rows, histories, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/gem_stability", help="output directory")
-    p.add_argument("--workers", type=int, default=8, help="worker tasks in the local cluster")
+    p = harness.parser(__doc__, out="results/gem_stability", workers=[8], n_sync=[1], seeds=[0])
     p.add_argument(
         "--epochs",
         type=int,
@@ -134,7 +130,6 @@ def main(argv=None):
     )
     p.add_argument(
         "--batch-size",
-        "--batch_size",
         type=int,
         default=64,
         help="per-worker batch size (the paper: 64)",
@@ -146,21 +141,20 @@ def main(argv=None):
         "--mu", type=float, default=0.9, help="momentum of the proxy and of every worker"
     )
     p.add_argument(
-        "--n-sync", "--n_sync", type=int, default=1, help="local steps per window (the paper: 1)"
-    )
-    p.add_argument(
         "--methods",
-        type=_common.str_list,
+        type=harness.str_list,
         default="proxy,downpour,dynsgd,gem_k1,gem_k2",
         help="methods to run",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
     args = p.parse_args(argv)
+    for name in ("workers", "n_sync"):
+        setattr(args, name, harness.single(p, args, name))
+    args.seed = harness.single(p, args, "seeds")
     import tf_asgd
 
     data = tf_asgd.data.load_digits(seed=args.seed)
     rows, histories = [], {}
-    with _common.local_cluster(args.workers) as cluster:
+    with harness.local_cluster(args.workers) as cluster:
         for method in args.methods:
             row, histories[method] = run_method(method, cluster, data, args)
             rows.append(row)

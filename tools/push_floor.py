@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-import _common
+import harness
 
 BODIES = ("local", "round_trip", "push_pull", "push_pull_x2", "push_pull_x4")
 
@@ -67,7 +67,7 @@ def measure(args):
     import tensorflow as tf
 
     samples = {b: [] for b in args.bodies}
-    with _common.cluster(1, 1, processes=args.processes) as cluster:
+    with harness.local_cluster(1, 1, processes=args.processes) as cluster:
         hosts = set(cluster.pids().values())
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -85,11 +85,11 @@ def measure(args):
             fn, repeats = functions[body]
             n = max(repeats, iterations - iterations % repeats)
             pushes[0] += n if body.startswith("push_pull") else 0
-            h0, c0 = sum(map(_common.cpu_seconds, hosts)), time.process_time()
+            h0, c0 = sum(map(harness.cpu_seconds, hosts)), time.process_time()
             t0 = time.perf_counter()
             coordinator.schedule(fn, args=(tf.constant(n),)).fetch()
             dt = time.perf_counter() - t0
-            host, chief = sum(map(_common.cpu_seconds, hosts)) - h0, time.process_time() - c0
+            host, chief = sum(map(harness.cpu_seconds, hosts)) - h0, time.process_time() - c0
             return dict(us=1e6 * dt / n, host_cpu_us=1e6 * host / n, chief_cpu_us=1e6 * chief / n)
 
         for body in args.bodies:  # traces and warms up each function once
@@ -129,7 +129,7 @@ def markdown(rows, args):
         "iteration for `local`); host CPU is the worker's and the PS's processes.",
         "",
     ]
-    lines += _common.markdown_table(
+    lines += harness.markdown_table(
         ["body", "us", "round trips/s", "host CPU us", "chief CPU us"],
         [
             [
@@ -146,25 +146,22 @@ def markdown(rows, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/push_floor")
+    p = harness.parser(__doc__, out="results/push_floor")
     p.add_argument("--processes", default="shared", choices=("shared", "separate"))
     p.add_argument("--elements", type=int, default=1000, help="floats each way per round trip")
     p.add_argument("--iterations", type=int, default=2000, help="loop iterations per measurement")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bodies", type=_common.str_list, default=list(BODIES))
+    p.add_argument("--bodies", type=harness.str_list, default=list(BODIES))
     args = p.parse_args(argv)
     bad = [b for b in args.bodies if b not in BODIES]
     if bad:
         p.error(f"unknown --bodies {bad}; choose from {list(BODIES)}")
     if args.iterations < 4 or args.rounds < 1 or args.elements < 1:
         p.error("--iterations must be >= 4, --rounds and --elements >= 1")
-    import plots
-
     rows = measure(args)
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "push_floor.csv"), rows)
-    _common.write_lines(os.path.join(args.out, "push_floor.md"), markdown(rows, args))
+    harness.write_csv(os.path.join(args.out, "push_floor.csv"), rows)
+    harness.write_lines(os.path.join(args.out, "push_floor.md"), markdown(rows, args))
     print("\n".join(markdown(rows, args)))
     return 0
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-import _common
+import harness
 
 
 def digits_arrays(samples):
@@ -60,7 +60,7 @@ def measure(workers, x, y, args):
     def model_for(strategy):
         with strategy.scope():
             model = getattr(tf_asgd.models, args.model)()
-            return _common.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
+            return harness.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
 
     inputs = {
         "arrays": lambda model: model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0),
@@ -69,7 +69,7 @@ def measure(workers, x, y, args):
         ),
     }
     rows = []
-    with _common.local_cluster(workers) as cluster:
+    with harness.local_cluster(workers) as cluster:
         host_pid = list(cluster.pids().values())[0]
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=args.n_sync)
         models = {name: model_for(strategy) for name in inputs}
@@ -77,12 +77,12 @@ def measure(workers, x, y, args):
             fit(models[name])  # warm-up: traces the window, sizes the closures
         for r in range(args.rounds):
             for name, fit in inputs.items():
-                c0, h0 = time.process_time(), _common.cpu_seconds(host_pid)
+                c0, h0 = time.process_time(), harness.cpu_seconds(host_pid)
                 t0 = time.perf_counter()
                 fit(models[name])
                 wall = time.perf_counter() - t0
                 chief = time.process_time() - c0
-                host = _common.cpu_seconds(host_pid) - h0
+                host = harness.cpu_seconds(host_pid) - h0
                 row = dict(
                     workers=workers,
                     input=name,
@@ -170,13 +170,10 @@ def verdict(summary):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/python_inputs")
+    p = harness.parser(__doc__, out="results/python_inputs", workers=[2, 4], n_sync=[10])
     p.add_argument("--model", default="digits_convnet")
-    p.add_argument("--workers", type=_common.int_list, default=[2, 4])
     p.add_argument("--samples", type=int, default=38400, help="training examples per fit")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--n-sync", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--getitem-ms",
@@ -188,8 +185,7 @@ def main(argv=None):
         "--py-workers", type=int, default=1, help="PyDataset(workers=...): Keras's enqueuer threads"
     )
     args = p.parse_args(argv)
-    import plots
-
+    args.n_sync = harness.single(p, args, "n_sync")
     t0 = time.time()
     x, y = digits_arrays(args.samples)
     rows = []
@@ -197,7 +193,7 @@ def main(argv=None):
         rows += measure(w, x, y, args)
     summary = summarize(rows)
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "python_inputs.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "python_inputs.csv"), rows)
     header = [
         "workers",
         "input",
@@ -227,11 +223,11 @@ def main(argv=None):
         f"{args.getitem_ms} ms, {args.py_workers} enqueuer thread(s); medians of {args.rounds} "
         f"rounds; {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f} at the end).",
         "",
-        *_common.markdown_table(header, cells),
+        *harness.markdown_table(header, cells),
         "",
         *verdict(summary),
     ]
-    _common.write_lines(os.path.join(args.out, "python_inputs.md"), lines)
+    harness.write_lines(os.path.join(args.out, "python_inputs.md"), lines)
     print("\n".join(lines))
     print(f"python_inputs took {time.time() - t0:.0f} s", flush=True)
     return 0

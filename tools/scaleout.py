@@ -1,6 +1,6 @@
 """Scale-out with emulated GPU workers: speed-up over 1 worker, and where time goes.
 
-Each worker's minibatch costs `--step-ms` of device time that uses no CPU (tf.data's
+Each worker's minibatch costs `--device-ms` of device time that uses no CPU (tf.data's
 `SleepDataset`, via `tf_asgd.data.sleep_transformation`); the rest is real Keras 3 `fit`
 under `tf_asgd.AsyncParameterServerStrategy`, all tasks in one child process. For each
 worker count and `n_sync` it reports samples/s, the speed-up over 1 worker at the same
@@ -10,14 +10,14 @@ docs/architecture.md (Tools).
 
 Writes `scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
 
-    python tools/scaleout.py --workers 1,2 --n-sync 10 --step-ms 5 --seconds 1
+    python tools/scaleout.py --workers 1,2 --n-sync 10 --device-ms 5 --seconds 1
 """
 
 import os
 import sys
 import time
 
-import _common
+import harness
 
 
 def emulated_dataset(input_shape, batch_size, step_ms, num_classes=10, seed=0):
@@ -43,7 +43,7 @@ def measure(workers, n_syncs, args):
     import tf_asgd
 
     rows = []
-    with _common.local_cluster(workers, args.ps) as cluster:
+    with harness.local_cluster(workers, args.ps) as cluster:
         host_pid = list(cluster.pids().values())[0]
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver,
@@ -53,10 +53,10 @@ def measure(workers, n_syncs, args):
         )
         with strategy.scope():
             model = getattr(tf_asgd.models, args.model)()
-            _common.compile_classifier(model, keras.optimizers.SGD(0.01))
+            harness.compile_classifier(model, keras.optimizers.SGD(0.01))
         nparams = model.count_params()
         trainer = None
-        for step_ms, ns in [(args.step_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else []):
+        for step_ms, ns in [(args.device_ms, n_syncs)] + ([(0.0, [1])] if args.ceiling else []):
             ds = emulated_dataset(model.input_shape[1:], args.batch_size, step_ms)
             for n in ns:
                 strategy.n_sync = n
@@ -76,11 +76,11 @@ def measure(workers, n_syncs, args):
                 steps = windows_per_worker * workers * n
                 closures = len(trainer.closure_sizes)
                 before = strategy.model_stats(model)
-                c0, h0 = time.process_time(), _common.cpu_seconds(host_pid)
+                c0, h0 = time.process_time(), harness.cpu_seconds(host_pid)
                 t0 = time.perf_counter()
                 model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
                 dt = time.perf_counter() - t0
-                chief_cpu, host_cpu = time.process_time() - c0, _common.cpu_seconds(host_pid) - h0
+                chief_cpu, host_cpu = time.process_time() - c0, harness.cpu_seconds(host_pid) - h0
                 after = strategy.model_stats(model)
                 pushes = after.windows - before.windows
                 sizes = trainer.closure_sizes[closures:]
@@ -125,12 +125,14 @@ def measure(workers, n_syncs, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/scaleout")
+    p = harness.parser(
+        __doc__,
+        out="results/scaleout",
+        workers=[1, 2, 4, 8, 16, 32],
+        n_sync=[1, 10, 100],
+        device_ms=[20.0],
+    )
     p.add_argument("--model", default="digits_convnet")
-    p.add_argument("--workers", default="1,2,4,8,16,32")
-    p.add_argument("--n-sync", default="1,10,100")
-    p.add_argument("--step-ms", type=float, default=20.0, help="emulated device time per step")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--ps", type=int, default=1)
     p.add_argument("--staleness", default="dynsgd")
@@ -151,12 +153,11 @@ def main(argv=None):
     p.add_argument("--ceiling", action="store_true", help="also measure the push-rate ceiling")
     p.add_argument("--tag", default="", help="suffix for the output files")
     args = p.parse_args(argv)
-    import plots
-
-    n_syncs = [int(n) for n in args.n_sync.split(",")]
+    args.device_ms = harness.single(p, args, "device_ms")
+    n_syncs = args.n_sync
     rows = []
     t0 = time.time()
-    for w in [int(w) for w in args.workers.split(",")]:
+    for w in args.workers:
         rows += measure(w, n_syncs, args)
     base = {
         r["n_sync"]: r["samples_per_s"]
@@ -173,7 +174,7 @@ def main(argv=None):
             r["of_ideal"] = r["samples_per_s"] / r["ideal_samples_per_s"]
     os.makedirs(args.out, exist_ok=True)
     tag = f"_{args.tag}" if args.tag else ""
-    plots.write_csv(os.path.join(args.out, f"scaleout{tag}.csv"), rows)
+    harness.write_csv(os.path.join(args.out, f"scaleout{tag}.csv"), rows)
 
     def opt(r, key):
         return f"{r[key]:.2f}" if key in r else "-"
@@ -215,13 +216,13 @@ def main(argv=None):
     ]
     lines = [
         f"Model `{args.model}` ({rows[0]['params']} parameters), batch {args.batch_size}, "
-        f"emulated device time {args.step_ms} ms/step, {args.ps} PS, staleness `{args.staleness}`, "
-        f"all tasks in one process; {os.cpu_count()} CPU cores. "
+        f"emulated device time {args.device_ms} ms/step, {args.ps} PS, "
+        f"staleness `{args.staleness}`, all tasks in one process; {os.cpu_count()} CPU cores. "
         "Speed-up is over 1 worker at the same n_sync.",
         "",
-        *_common.markdown_table(header, cells),
+        *harness.markdown_table(header, cells),
     ]
-    _common.write_lines(os.path.join(args.out, f"scaleout{tag}.md"), lines)
+    harness.write_lines(os.path.join(args.out, f"scaleout{tag}.md"), lines)
     series = []
     for n in n_syncs:
         pts = sorted(
@@ -230,11 +231,11 @@ def main(argv=None):
         series.append((f"n_sync {n}", [a for a, _ in pts], [b for _, b in pts]))
     ws = sorted({r["workers"] for r in rows})
     series.append(("ideal", ws, ws))
-    plots.plot_panels(
+    harness.plot_panels(
         os.path.join(args.out, f"scaleout{tag}.png"),
         [
             dict(
-                title=f"speed-up, emulated {args.step_ms} ms device steps, {args.ps} PS",
+                title=f"speed-up, emulated {args.device_ms} ms device steps, {args.ps} PS",
                 xlabel="workers",
                 ylabel="speed-up over 1 worker",
                 series=series,

@@ -9,14 +9,15 @@ val_loss, validated every 2 epochs) and `to_zero` (SGD(0.05), 6 epochs at the ra
 Keras on batches of 2 x 32, synchronous training of 2 workers at the user's rate). Writes
 `runs.jsonl` (a row per recipe and seed) and `summary.md` to `--out`.
 
-    python tools/schedule_cases.py --recipes decay,to_zero --rates default,0.6667,1.0 --seeds 5
+    python tools/schedule_cases.py --recipes decay,to_zero --rates default,0.6667,1.0 \\
+        --seeds 0,1,2,3,4
 """
 
 import contextlib
 import json
 import os
 
-import _common
+import harness
 
 RECIPES = ("decay", "to_zero")
 
@@ -36,7 +37,7 @@ def _fit(strategy, recipe, seed, data, batch_size=32):
             if recipe == "decay"
             else keras.optimizers.SGD(0.05)
         )
-        _common.compile_classifier(model, optimizer, metrics=["accuracy"])
+        harness.compile_classifier(model, optimizer, metrics=["accuracy"])
     if recipe == "decay":
         epochs = 12
         callbacks = [
@@ -72,11 +73,9 @@ def _strategy(cluster, rate):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/schedule_cases")
-    p.add_argument("--recipes", type=_common.str_list, default=list(RECIPES))
-    p.add_argument("--rates", type=_common.str_list, default=["default"])
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
+    p = harness.parser(__doc__, out="results/schedule_cases", seeds=[0, 1, 2, 3, 4])
+    p.add_argument("--recipes", type=harness.str_list, default=list(RECIPES))
+    p.add_argument("--rates", type=harness.str_list, default=["default"])
     args = p.parse_args(argv)
     for recipe in args.recipes:
         if recipe not in RECIPES:
@@ -89,11 +88,11 @@ def main(argv=None):
     runs_path = os.path.join(args.out, "runs.jsonl")
     needs_cluster = any(rate != "sync" for rate in args.rates)
     with (
-        _common.local_cluster(2) if needs_cluster else contextlib.nullcontext() as cluster,
+        harness.local_cluster(2) if needs_cluster else contextlib.nullcontext() as cluster,
         open(runs_path, "a") as runs,
     ):
         for recipe in args.recipes:
-            for seed in range(args.seeds):
+            for seed in args.seeds:
                 row = {"recipe": recipe, "seed": seed, "plain": _fit(None, recipe, seed, data)}
                 for rate in args.rates:
                     if rate == "sync":
@@ -115,7 +114,7 @@ def write_summary(runs_path, out_path):
             if rate not in ("recipe", "seed", "plain"):
                 gap = 100.0 * (acc - row["plain"])
                 cells.setdefault((row["recipe"], rate), []).append(gap)
-    table = _common.markdown_table(
+    table = harness.markdown_table(
         ["recipe", "outer rate", "seeds", "gap to plain Keras (points)", "worst", "within 3"],
         [
             [
@@ -129,7 +128,7 @@ def write_summary(runs_path, out_path):
             for (recipe, rate), gaps in sorted(cells.items())
         ],
     )
-    _common.write_lines(out_path, table)
+    harness.write_lines(out_path, table)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,16 @@ import numpy as np
 
 from tf_asgd.sim import simulator
 
-import _common
-import plots
+import harness
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/simulator")
+    p = harness.parser(
+        __doc__, out="results/simulator", workers=[16, 32, 100], n_sync=[1], seeds=None
+    )
     p.add_argument("--methods", default="downpour,dynsgd,gem")
-    p.add_argument("--workers", type=_common.int_list, default=[16, 32, 100])
-    p.add_argument("--etas", type=_common.float_list, default=[0.05, 0.1, 0.3, 1.0])
+    p.add_argument("--etas", type=harness.float_list, default=[0.05, 0.1, 0.3, 1.0])
     p.add_argument("--pushes", type=int, default=3000)
-    p.add_argument("--n-sync", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--mu", type=float, default=0.9)
     p.add_argument("--kappa", type=float, default=1.0)
@@ -42,28 +40,30 @@ def main(argv=None):
     p.add_argument("--timing", default="exponential", choices=simulator.TIMINGS)
     p.add_argument("--delay", default=None, choices=simulator.DELAYS)
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--outer-study",
         action="store_true",
         help="instead: the user's optimizer (momentum SGD, Adam) under the outer "
-        "optimizers at --workers, n_sync --n-sync, --seeds seeds (outer.csv, outer.md, outer.png)",
+        "optimizers at --workers, n_sync --n-sync, over --seeds (default 0,1,2; the sweep's: 0) "
+        "(outer.csv, outer.md, outer.png)",
     )
-    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4000, help="outer study: total local steps per run")
     args = p.parse_args(argv)
+    args.n_sync = harness.single(p, args, "n_sync")
     methods = args.methods.split(",")
     os.makedirs(args.out, exist_ok=True)
     (x, y), (xt, yt) = simulator.digits_features()
     if args.outer_study:
+        args.seeds = [0, 1, 2] if args.seeds is None else args.seeds
         return outer_study(args, (x, y), (xt, yt))
+    args.seed = harness.single(p, args, "seeds") or 0
 
     t0 = time.time()
     stability, curves, pis, runs = _sweep(args, methods, (x, y), (xt, yt))
-    plots.write_csv(os.path.join(args.out, "stability.csv"), stability)
-    plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+    harness.write_csv(os.path.join(args.out, "stability.csv"), stability)
+    harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
     if pis:
-        plots.write_csv(os.path.join(args.out, "pi.csv"), pis)
+        harness.write_csv(os.path.join(args.out, "pi.csv"), pis)
     _plot_curves(args, methods, runs)
     _plot_stability(args, methods, stability)
     if pis:
@@ -149,7 +149,7 @@ def _plot_curves(args, methods, runs):
                         ylim=(0, 1) if key == "accuracy" else None,
                     )
                 )
-        plots.plot_panels(
+        harness.plot_panels(
             os.path.join(args.out, f"curves_eta{eta:g}.png"),
             panels,
             ncols=2,
@@ -178,7 +178,7 @@ def _plot_stability(args, methods, stability):
                 logy=True,
             )
         )
-    plots.plot_panels(os.path.join(args.out, "stability.png"), panels, ncols=len(panels))
+    harness.plot_panels(os.path.join(args.out, "stability.png"), panels, ncols=len(panels))
 
 
 def _plot_pi(args, runs):
@@ -205,7 +205,7 @@ def _plot_pi(args, runs):
                 series=series,
             )
         )
-    plots.plot_panels(os.path.join(args.out, "pi.png"), panels, ncols=2)
+    harness.plot_panels(os.path.join(args.out, "pi.png"), panels, ncols=2)
 
 
 def _staleness_distributions(args, x, y):
@@ -232,8 +232,8 @@ def _staleness_distributions(args, x, y):
                 dict(kind=kind, distribution=value, workers=wmid, staleness=tau, count=int(count))
             )
         series.append((f"{kind}={value}", np.arange(len(h)), h / h.sum()))
-    plots.write_csv(os.path.join(args.out, "staleness.csv"), rows)
-    plots.plot_panels(
+    harness.write_csv(os.path.join(args.out, "staleness.csv"), rows)
+    harness.plot_panels(
         os.path.join(args.out, "staleness.png"),
         [
             dict(
@@ -255,10 +255,10 @@ def outer_setups(workers):
     return {
         "dynsgd, every push added": ("dynsgd", rules.OuterSGD(), "keep"),
         "average": ("none", rules.OuterSGD(1.0 / workers), "keep"),
-        "sqrt": ("none", rules.OuterSGD(_common.sqrt_outer_learning_rate(workers)), "keep"),
+        "sqrt": ("none", rules.OuterSGD(harness.sqrt_outer_learning_rate(workers)), "keep"),
         "capped square-root rate, warm-up": (
             "none",
-            _common.capped_outer_optimizer(workers),
+            harness.capped_outer_optimizer(workers),
             "keep",
         ),
         "default (rise and fall, warm-up)": (
@@ -278,7 +278,7 @@ def outer_study(args, train, held_out):
     rows, t0 = [], time.time()
     inners = {"momentum SGD 0.05/0.9": ("sgd", 0.05, 0.9), "Adam 1e-3": ("adam", 1e-3, 0.0)}
     for inner_name, (inner, eta, mu) in inners.items():
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             plain = simulator.simulate(
                 x,
                 y,
@@ -338,7 +338,7 @@ def outer_study(args, train, held_out):
                         )
                     )
                     print(json.dumps(rows[-1]), flush=True)
-    plots.write_csv(os.path.join(args.out, "outer.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "outer.csv"), rows)
     table, panels = [], []
     for inner_name in inners:
         base = [r["accuracy"] for r in rows if r["inner"] == inner_name and r["workers"] == 1]
@@ -382,14 +382,14 @@ def outer_study(args, train, held_out):
                 hline=(float(np.mean(base)), "one worker, same samples"),
             )
         )
-    _common.write_lines(
+    harness.write_lines(
         os.path.join(args.out, "outer.md"),
-        _common.markdown_table(
+        harness.markdown_table(
             ["inner optimizer", "workers", "setup", "held-out accuracy (seeds)", "one worker"],
             table,
         ),
     )
-    plots.plot_panels(os.path.join(args.out, "outer.png"), panels, ncols=2)
+    harness.plot_panels(os.path.join(args.out, "outer.png"), panels, ncols=2)
     print(
         f"wrote {args.out}/outer.csv, outer.md, outer.png in {time.time() - t0:.1f} s", flush=True
     )

@@ -1,6 +1,6 @@
 """A straggler, side by side: does one slow worker hold back the others?
 
-One `LocalCluster` of `--workers` workers, each minibatch costing `--step-ms` of emulated
+One `LocalCluster` of `--workers` workers, each minibatch costing `--device-ms` of emulated
 device time, the digits convnet on the digits. In alternating rounds: `uniform`,
 `straggler` (the last worker `--slow` times slower, staleness `dynsgd`) and
 `straggler_drop` (the same with `--max-staleness`). Reports medians over rounds of `fit`'s
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-import _common
+import harness
 
 CONFIGS = ("uniform", "straggler", "straggler_drop")
 
@@ -39,7 +39,7 @@ def run_config(cluster, name, data, args):
         n_sync=args.n_sync,
         staleness="dynsgd",
         max_staleness=args.max_staleness if name == "straggler_drop" else None,
-        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.step_ms, slowdown),
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms, slowdown),
     )
     (x, y), (x_test, y_test) = data
     ds = (
@@ -50,7 +50,7 @@ def run_config(cluster, name, data, args):
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = tf_asgd.models.digits_convnet()
-        _common.compile_classifier(
+        harness.compile_classifier(
             model, keras.optimizers.SGD(args.eta, momentum=args.momentum), metrics=["accuracy"]
         )
     model.fit(ds, steps_per_epoch=args.n_sync * args.workers, epochs=1, verbose=0)  # trace
@@ -88,12 +88,10 @@ def run_config(cluster, name, data, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/straggler")
-    p.add_argument("--workers", type=int, default=4)
+    p = harness.parser(
+        __doc__, out="results/straggler", workers=[4], n_sync=[5], seeds=[0], device_ms=[20.0]
+    )
     p.add_argument("--slow", type=float, default=10.0, help="the straggler's slowdown factor")
-    p.add_argument("--step-ms", type=float, default=20.0, help="emulated device time per minibatch")
-    p.add_argument("--n-sync", type=int, default=5)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--steps", type=int, default=600, help="steps per epoch")
     p.add_argument("--epochs", type=int, default=1)
@@ -106,18 +104,18 @@ def main(argv=None):
         help="the workers' SGD momentum (0.9 made 4 async workers diverge in some runs)",
     )
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("workers", "n_sync", "device_ms"):
+        setattr(args, name, harness.single(p, args, name))
+    args.seed = harness.single(p, args, "seeds")
     if args.workers < 2:
         p.error("--workers must be at least 2 (one straggler and one fast worker)")
     import tf_asgd
 
-    import plots
-
     data = tf_asgd.data.load_digits()
     rows, logs = [], {}
     t0 = time.time()
-    with _common.local_cluster(args.workers) as cluster:
+    with harness.local_cluster(args.workers) as cluster:
         for k in range(args.rounds):
             order = CONFIGS if k % 2 == 0 else CONFIGS[::-1]  # drift hits all alike
             for name in order:
@@ -131,7 +129,7 @@ def main(argv=None):
         return statistics.median(r[key] for r in rows if r["config"] == name)
 
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "straggler.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "straggler.csv"), rows)
     w = args.workers
     ideal = (w - 1 + 1 / args.slow) / w
     header = [
@@ -167,11 +165,11 @@ def main(argv=None):
     lines = [
         f"{w} workers (worker {w - 1} {args.slow:g}x slower), 1 PS, all tasks in one process; "
         f"digits convnet, SGD eta {args.eta:g} momentum {args.momentum:g}, "
-        f"batch {args.batch_size}, emulated device time {args.step_ms:g} ms per "
+        f"batch {args.batch_size}, emulated device time {args.device_ms:g} ms per "
         f"minibatch, n_sync {args.n_sync}, {args.epochs} epochs of {args.steps} steps; "
         f"median of {args.rounds} rounds; {os.cpu_count()} CPU cores.",
         "",
-        *_common.markdown_table(header, cells),
+        *harness.markdown_table(header, cells),
         "",
         "Ratios, with the straggler over uniform:",
         "",
@@ -183,7 +181,7 @@ def main(argv=None):
         f"(dropping: {over_uniform('straggler_drop', 'samples_per_s'):.2f}); "
         f"ideal {ideal:.2f}",
     ]
-    _common.write_lines(os.path.join(args.out, "straggler.md"), lines)
+    harness.write_lines(os.path.join(args.out, "straggler.md"), lines)
 
     panels = []
     for name in CONFIGS[1:]:
@@ -207,7 +205,7 @@ def main(argv=None):
         if name == "straggler_drop":
             panel["hline"] = (args.max_staleness, f"max_staleness {args.max_staleness}")
         panels.append(panel)
-    plots.plot_panels(os.path.join(args.out, "straggler.png"), panels)
+    harness.plot_panels(os.path.join(args.out, "straggler.png"), panels)
     print("\n".join(lines))
     print(f"straggler took {time.time() - t0:.0f} s", flush=True)
     return 0

@@ -23,107 +23,19 @@ import time
 
 import numpy as np
 
-import _common
+import harness
 
-# name: (data, model, optimizer, batch size, plain steps, default device ms)
-SETUPS = {
-    "mnist1d_adam": ("mnist1d", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
-    "mnist1d_sgd": ("mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", 100, 3000, 50.0),
-    "mnist1d16k_adam": ("mnist1d16k", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
-    "digits_sgd": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
-    "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
-    "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),
-}
 QUICK = dict(
     setups=["mnist1d_adam"],
     workers=[2],
     n_sync=[10],
-    seeds=1,
-    device_ms=4.0,
+    seeds=[0],
+    device_ms=[4.0],
     plain_steps=150,
     evals=5,
     out="results/time_to_accuracy/quick",
 )
 CPU_BOUND = 0.7  # share of the cores above which a run is CPU-bound
-
-
-def load_data(name):
-    """`((x, y), (x_test, y_test))` of a setup's data set."""
-    import tf_asgd
-
-    if name == "mnist1d":
-        return tf_asgd.data.load_mnist1d()
-    if name == "mnist1d16k":
-        return tf_asgd.data.load_mnist1d(num_train=16000)
-    if name == "digits":
-        return tf_asgd.data.load_digits()
-    if name == "digits32":
-        return tf_asgd.data.load_digits_images(32)
-    raise ValueError(f"Unknown data set {name!r}.")
-
-
-def make_optimizer(name):
-    """A fresh Keras optimizer of a setup."""
-    import keras
-
-    if name == "adam_1e-2":
-        return keras.optimizers.Adam(1e-2)
-    if name == "adam_1e-3":
-        return keras.optimizers.Adam(1e-3)
-    if name == "sgd_0.05_m0.9":
-        return keras.optimizers.SGD(0.05, momentum=0.9)
-    if name == "sgd_resnet":
-        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
-        # rate for batch 32, without its step decay.
-        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    raise ValueError(f"Unknown optimizer {name!r}.")
-
-
-def build_model(name, data):
-    """A fresh `tf_asgd.models` model for the data's input shape."""
-    import inspect
-
-    import tf_asgd
-
-    builder = getattr(tf_asgd.models, name)
-    if "input_shape" in inspect.signature(builder).parameters:
-        return builder(input_shape=data[0][0].shape[1:])
-    return builder()
-
-
-def train_dataset(data, batch_size, seed):
-    """The shuffled training batches (reshuffled every pass, the same order
-    on every worker, so that `shard` gives them disjoint batches)."""
-    import tensorflow as tf
-
-    (x, y), _ = data
-    return (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(len(x), seed=seed)
-        .batch(batch_size, drop_remainder=True)
-    )
-
-
-class HeldOut:
-    """Held-out accuracy and loss of a model's weights, on a plain Keras twin
-    of the model on the chief (one forward pass over the whole set)."""
-
-    def __init__(self, model_name, data):
-        import tensorflow as tf
-
-        _, (x_test, y_test) = data
-        self.twin = build_model(model_name, data)
-        self.x = tf.constant(x_test)
-        self.y = np.asarray(y_test)
-        self._forward = tf.function(lambda x: self.twin(x, training=False))
-
-    def __call__(self, weights):
-        self.twin.set_weights(weights)
-        logits = self._forward(self.x).numpy().astype(np.float64)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        loss = -log_p[np.arange(len(self.y)), self.y].mean()
-        return float((logits.argmax(axis=1) == self.y).mean()), float(loss)
 
 
 def curve_callback(
@@ -132,7 +44,7 @@ def curve_callback(
     """A Keras callback that evaluates the model every `eval_every` steps.
 
     Args:
-        held_out: a `HeldOut`.
+        held_out: a `harness.HeldOut`.
         eval_every: steps between points (scheduled steps under tf_asgd).
         batch_size: samples per step.
         committed_steps: `fn(scheduled) -> steps in the central weights`
@@ -214,7 +126,7 @@ def curve_callback(
 
 
 def _cpu(pids):
-    return time.process_time() + sum(_common.cpu_seconds(p) for p in pids)
+    return time.process_time() + sum(harness.cpu_seconds(p) for p in pids)
 
 
 def _timings(curve, points, end, startup, steps, workers, device_ms, cores):
@@ -247,14 +159,16 @@ def run_plain(setup, seed, args):
 
     import tf_asgd
 
-    data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+    data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
     data = _data(data_name)
     steps, device_ms = _steps(setup, args), _device_ms(setup, args)
     keras.utils.set_random_seed(seed)
-    model = build_model(model_name, data)
-    _common.compile_classifier(model, make_optimizer(opt))
-    ds = tf_asgd.data.emulated_device_time(device_ms)(train_dataset(data, batch, seed), 0).repeat()
-    curve = curve_callback(HeldOut(model_name, data), _eval_every(setup, args), batch)
+    model = harness.build_model(model_name, data)
+    harness.compile_classifier(model, harness.make_optimizer(opt))
+    ds = tf_asgd.data.emulated_device_time(device_ms)(
+        harness.train_dataset(data, batch, seed), 0
+    ).repeat()
+    curve = curve_callback(harness.HeldOut(model_name, data), _eval_every(setup, args), batch)
     curve.start(model)
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve], shuffle=False)
     end = curve.clock(time.perf_counter())
@@ -329,7 +243,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
 
     import tf_asgd
 
-    data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+    data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
     data = _data(data_name)
     steps = int(round(args.budget * _steps(setup, args)))
     device_ms = _device_ms(setup, args)
@@ -345,14 +259,14 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = build_model(model_name, data)
-        _common.compile_classifier(model, make_optimizer(opt))
+        model = harness.build_model(model_name, data)
+        harness.compile_classifier(model, harness.make_optimizer(opt))
 
     def committed(scheduled):
         return min(scheduled, strategy.stats().windows * n_sync)
 
     curve = curve_callback(
-        HeldOut(model_name, data),
+        harness.HeldOut(model_name, data),
         _eval_every(setup, args),
         batch,
         committed,
@@ -362,7 +276,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
     wall0 = time.time()
     curve.start(model)
     model.fit(
-        train_dataset(data, batch, seed),
+        harness.train_dataset(data, batch, seed),
         steps_per_epoch=steps,
         epochs=1,
         verbose=0,
@@ -563,15 +477,13 @@ def write_table(out, runs):
             "2 points below plain's. Mean (min-max) over seeds."
         ),
         "",
-        *_common.markdown_table(header, rows),
+        *harness.markdown_table(header, rows),
     ]
-    _common.write_lines(os.path.join(out, "speedups.md"), lines)
+    harness.write_lines(os.path.join(out, "speedups.md"), lines)
 
 
 def plot(out, runs, curves):
     """The two figures: a panel per (setup, n_sync), a line per worker count."""
-    import plots
-
     by_run = collections.defaultdict(list)
     for p in curves:
         by_run[(p["setup"], p["method"], p["workers"], p["n_sync"], variant(p))].append(p)
@@ -605,7 +517,7 @@ def plot(out, runs, curves):
             )
     for x_key, name in (("time_s", "accuracy_vs_time.png"), ("samples", "accuracy_vs_samples.png")):
         if panels[x_key]:
-            plots.plot_panels(
+            harness.plot_panels(
                 os.path.join(out, name), panels[x_key], ncols=min(3, len(panels[x_key]))
             )
 
@@ -630,17 +542,15 @@ def calibrate(args):
 
     import tf_asgd
 
-    import plots
-
     steps = args.calibration_steps
     rows = []
     for setup in args.setups:
-        data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+        data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
         data = _data(data_name)
-        ds = train_dataset(data, batch, 0)
+        ds = harness.train_dataset(data, batch, 0)
         keras.utils.set_random_seed(0)
-        model = build_model(model_name, data)
-        _common.compile_classifier(model, make_optimizer(opt))
+        model = harness.build_model(model_name, data)
+        harness.compile_classifier(model, harness.make_optimizer(opt))
         model.fit(ds.repeat(), steps_per_epoch=20, epochs=1, verbose=0)  # traces
         c0 = time.process_time()
         model.fit(ds.repeat(), steps_per_epoch=steps, epochs=1, verbose=0)
@@ -652,17 +562,17 @@ def calibrate(args):
                 cpu_ms_per_step=1000 * (time.process_time() - c0) / steps,
             )
         )
-    with _common.local_cluster(1) as cluster:
+    with harness.local_cluster(1) as cluster:
         pids = list(cluster.pids().values())
         for setup in args.setups:
-            data_name, model_name, opt, batch, _, _ = SETUPS[setup]
+            data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
             data = _data(data_name)
-            ds = train_dataset(data, batch, 0)
+            ds = harness.train_dataset(data, batch, 0)
             for n_sync in args.n_sync:
                 strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
                 with strategy.scope():
-                    model = build_model(model_name, data)
-                    _common.compile_classifier(model, make_optimizer(opt))
+                    model = harness.build_model(model_name, data)
+                    harness.compile_classifier(model, harness.make_optimizer(opt))
                 model.fit(ds, steps_per_epoch=2 * n_sync, epochs=1, verbose=0)  # traces
                 n = max(n_sync, steps // n_sync * n_sync)
                 c0 = _cpu(pids)
@@ -689,7 +599,7 @@ def calibrate(args):
             flush=True,
         )
     os.makedirs(args.out, exist_ok=True)
-    plots.write_csv(os.path.join(args.out, "calibration.csv"), rows)
+    harness.write_csv(os.path.join(args.out, "calibration.csv"), rows)
     return rows
 
 
@@ -698,16 +608,16 @@ _DATA = {}
 
 def _data(name):
     if name not in _DATA:
-        _DATA[name] = load_data(name)
+        _DATA[name] = harness.load_data(name)
     return _DATA[name]
 
 
 def _steps(setup, args):
-    return args.plain_steps or SETUPS[setup][4]
+    return args.plain_steps or harness.SETUPS[setup][4]
 
 
 def _device_ms(setup, args):
-    return SETUPS[setup][5] if args.device_ms is None else args.device_ms
+    return harness.SETUPS[setup][5] if args.device_ms is None else args.device_ms
 
 
 def _eval_every(setup, args):
@@ -715,21 +625,24 @@ def _eval_every(setup, args):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
-    p.add_argument("--out", default="results/time_to_accuracy")
-    p.add_argument("--setups", type=_common.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
-    p.add_argument("--workers", type=_common.int_list, default=[1, 2, 4, 8, 16])
-    p.add_argument("--n-sync", type=_common.int_list, default=[10, 100])
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1")
+    p = harness.parser(
+        __doc__,
+        out="results/time_to_accuracy",
+        workers=[1, 2, 4, 8, 16],
+        n_sync=[10, 100],
+        seeds=[0],
+        device_ms=None,
+    )
+    p.add_argument("--setups", type=harness.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
     p.add_argument(
         "--compressions",
-        type=_common.str_list,
+        type=harness.str_list,
         default=["none"],
         help="push codecs, each optionally +pull codec: e.g. none,int8,int8+bf16",
     )
     p.add_argument(
         "--outer-rates",
-        type=_common.str_list,
+        type=harness.str_list,
         default=["default"],
         help="default (the strategy's) or constant per-push outer rates, as numbers or fractions "
         "of the stability limit: e.g. default,0.5,0.667*limit",
@@ -738,12 +651,6 @@ def main(argv=None):
         "--bandwidth",
         default=None,
         help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
-    )
-    p.add_argument(
-        "--device-ms",
-        type=float,
-        default=None,
-        help="emulated device time per batch (default: each setup's)",
     )
     p.add_argument("--budget", type=float, default=2.0, help="tf_asgd's samples over plain's")
     p.add_argument(
@@ -768,20 +675,14 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     if args.quick:
-        given = {
-            a.split("=")[0].lstrip("-").replace("-", "_")
-            for a in (argv or sys.argv[1:])
-            if a.startswith("--")
-        }
-        for k, v in QUICK.items():
-            if k not in given:
-                setattr(args, k, v)
+        harness.apply_quick(args, argv, QUICK)
+    args.device_ms = harness.single(p, args, "device_ms")
     for rate in args.outer_rates:
         if not _is_outer_rate(rate):
             p.error(f"--outer-rates: {rate!r} is neither 'default' nor a number > 0")
     for s in args.setups:
-        if s not in SETUPS:
-            p.error(f"unknown setup {s!r}; expected some of {', '.join(SETUPS)}")
+        if s not in harness.SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")
     if args.calibrate:
         calibrate(args)
         return 0
@@ -790,13 +691,11 @@ def main(argv=None):
 
         network.reexec_in_loopback_namespace()  # returns inside this run's own namespace
     os.makedirs(args.out, exist_ok=True)
-    import plots
-
     device_s = sum(
         _steps(s, args)
         * _device_ms(s, args)
         / 1000
-        * args.seeds
+        * len(args.seeds)
         * (
             1
             + args.budget
@@ -809,7 +708,7 @@ def main(argv=None):
     )
     cells = len(args.workers) * len(args.n_sync) * len(args.compressions) * len(args.outer_rates)
     print(
-        f"{len(args.setups) * args.seeds * (1 + cells)} runs; "
+        f"{len(args.setups) * len(args.seeds) * (1 + cells)} runs; "
         f"emulated device time alone {device_s / 60:.1f} min",
         flush=True,
     )
@@ -824,20 +723,20 @@ def main(argv=None):
         tags["outer"] = row.get("outer", "default")
         curves.extend(dict(**tags, **pt) for pt in points)
         print(f"[{time.time() - t0:5.0f}s] {run_line(row)}", flush=True)
-        plots.write_csv(os.path.join(args.out, "runs.csv"), runs)
-        plots.write_csv(os.path.join(args.out, "curves.csv"), curves)
+        harness.write_csv(os.path.join(args.out, "runs.csv"), runs)
+        harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
 
     # Plain Keras first, with no cluster running beside it.
     for setup in args.setups:
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             row, points = run_plain(setup, seed, args)
             plain[(setup, seed)] = points
             row.update(summarize(points, points, args))
             record(row, points)
     for workers in args.workers:
-        with _common.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
+        with harness.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
             for setup, n_sync, codec, outer, seed in itertools.product(
-                args.setups, args.n_sync, args.compressions, args.outer_rates, range(args.seeds)
+                args.setups, args.n_sync, args.compressions, args.outer_rates, args.seeds
             ):
                 row, points = run_asgd(cluster, setup, workers, n_sync, seed, args, codec, outer)
                 row.update(summarize(points, plain[(setup, seed)], args))

@@ -118,7 +118,7 @@ def test_simulate_outer_study(tmp_path):
         "--n-sync",
         "10",
         "--seeds",
-        "1",
+        "0",
         "--steps",
         "60",
     )
@@ -156,7 +156,7 @@ def test_convergence_tool_and_merge(tmp_path):
         "--setups",
         "default,capped",
         "--seeds",
-        "1",
+        "0",
         "--epochs",
         "2",
     )
@@ -213,7 +213,7 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
         "1,2",
         "--n-sync",
         "2",
-        "--step-ms",
+        "--device-ms",
         "2",
         "--seconds",
         "0.2",
@@ -333,7 +333,7 @@ def test_experiments_tool(tmp_path):
         str(tmp_path),
         "--sweeps",
         "nsync,start",
-        "--nsyncs",
+        "--n-sync",
         "1,4",
         "--nsync-workers",
         "2",
@@ -345,7 +345,7 @@ def test_experiments_tool(tmp_path):
         "8",
         "--steps",
         "40",
-        "--step-ms",
+        "--device-ms",
         "0",
         "--smooth",
         "8",
@@ -371,7 +371,7 @@ def test_straggler_tool(tmp_path):
         str(tmp_path),
         "--workers",
         "3",
-        "--step-ms",
+        "--device-ms",
         "2",
         "--steps",
         "60",
@@ -407,7 +407,7 @@ def test_evaluation_tool(tmp_path):
         str(tmp_path),
         "--workers",
         "2",
-        "--step-ms",
+        "--device-ms",
         "2",
         "--examples",
         "100",
@@ -613,7 +613,7 @@ def test_schedule_cases_tool_synchronous_twin(tmp_path):
     """`--rates sync` runs no cluster: plain Keras on batches of 64 beside plain Keras's 32."""
     import json
 
-    _run("schedule_cases.py", "--recipes", "to_zero", "--rates", "sync", "--seeds", "1",
+    _run("schedule_cases.py", "--recipes", "to_zero", "--rates", "sync", "--seeds", "0",
          "--out", str(tmp_path))  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert row["recipe"] == "to_zero" and row["seed"] == 0

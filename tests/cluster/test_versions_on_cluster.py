@@ -1,5 +1,5 @@
 """The supported Keras / TensorFlow range: refused clearly outside it, the
-same range in pyproject.toml and in the check (tools/compat.py measures it)."""
+same range in pyproject.toml and in the check (tools/dev/compat.py measures it)."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""tools/compat.py's own logic, without venvs (the full run's table is in
+"""tools/dev/compat.py's own logic, without venvs (the full run's table is in
 docs/compat.md)."""
 
 import csv
@@ -8,9 +8,9 @@ import types
 
 from helpers import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "dev"))
 
-import compat  # noqa: E402 (tools/ goes on sys.path first)
+import compat  # noqa: E402 (tools/dev/ goes on sys.path first)
 
 
 def test_version_specs_and_summaries():

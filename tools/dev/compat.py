@@ -10,8 +10,8 @@ docs/architecture.md (Tools).
 Writes `compat.csv` and `compat.md` to `--out` after every pair, and, with `--docs`,
 rewrites the table in that file between its `<!-- compat-table -->` markers. Run it niced:
 
-    nice -n 19 python tools/compat.py
-    nice -n 19 python tools/compat.py --tf 2.21 --keras 3.15 --no-smoke
+    nice -n 19 python tools/dev/compat.py
+    nice -n 19 python tools/dev/compat.py --tf 2.21 --keras 3.15 --no-smoke
 """
 
 import csv
@@ -24,9 +24,12 @@ import sys
 import tempfile
 import time
 
-import _common
+TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TOOLS)
+sys.path.insert(0, TOOLS)  # tools/harness.py, as the benchmarks import it
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
 SMOKE = "tests/cluster/test_strategy.py::test_digits_convnet_fit_evaluate_predict_save"
 FAST = ["tests", "-q", "-m", "not cluster", "-p", "no:cacheprovider"]
 BEGIN, END = "<!-- compat-table -->", "<!-- /compat-table -->"
@@ -210,17 +213,17 @@ def test_pair(venv, tf_version, keras_version, args, expect_refusal=False):
 
 
 def write_results(rows, args):
-    # csv here, not plots.write_csv: this process never imports TF.
+    # csv here, not harness.write_csv: this process never imports TF.
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compat.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     lines = table(rows)
-    _common.write_lines(
+    harness.write_lines(
         os.path.join(args.out, "compat.md"),
         [
-            "# tf_asgd: TensorFlow x Keras compatibility (tools/compat.py)",
+            "# tf_asgd: TensorFlow x Keras compatibility (tools/dev/compat.py)",
             "",
             f"Python {sys.version.split()[0]}; "
             'fast tier: `python -m pytest tests -q -m "not cluster"`; '
@@ -250,7 +253,7 @@ def table(rows):
         "result",
         "s",
     ]
-    return _common.markdown_table(
+    return harness.markdown_table(
         header,
         [
             [
@@ -269,16 +272,16 @@ def table(rows):
 
 
 def main(argv=None):
-    p = _common.parser(__doc__)
+    p = harness.parser(__doc__, out=os.path.join(ROOT, "results", "compat"))
     p.add_argument(
         "--tf",
-        type=_common.str_list,
+        type=harness.str_list,
         default=["2.19", "2.20", "2.21"],
         help="TensorFlow versions, comma-separated (2.19: newest 2.19.x; 2.19.0: exact)",
     )
     p.add_argument(
         "--keras",
-        type=_common.str_list,
+        type=harness.str_list,
         default=["3.13", "3.14", "3.15"],
         help="Keras versions, comma-separated",
     )
@@ -294,7 +297,6 @@ def main(argv=None):
     )
     p.add_argument("--no-smoke", dest="smoke", action="store_const", const="")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
-    p.add_argument("--out", default=os.path.join(ROOT, "results", "compat"))
     p.add_argument(
         "--docs",
         default=os.path.join(ROOT, "docs", "compat.md"),

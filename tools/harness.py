@@ -1,0 +1,421 @@
+"""The benchmark harness: what every tool in tools/ shares.
+
+Every tool is a script, `python tools/NAME.py --flag value`; Python puts
+tools/ first on `sys.path` for it, so `import harness` finds this module.
+Each tool builds its flags with `parser(__doc__, out=..., workers=..., ...)`:
+the output folder (`--out`) and the sweep flags (`SWEEP_FLAGS`: `--workers`,
+`--n-sync`, `--seeds`, `--device-ms`) are defined here once, with one type
+each, and a tool only picks their defaults. It builds local clusters with
+`local_cluster`, compiles with `compile_classifier`, and writes
+CSV with `write_csv`, Markdown tables with `markdown_table` and PNG plots
+with `plot_panels`. The accuracy studies (`time_to_accuracy.py`,
+`batch_scaling.py`) share `SETUPS` (data set, model, optimizer, batch and
+steps by name) and `HeldOut`, the held-out accuracy of a model's weights.
+
+TensorFlow, Keras, tf_asgd and matplotlib are imported inside the helpers,
+not here: bench.py's stock-PS child must set `TF_USE_LEGACY_KERAS` before
+TensorFlow loads, and `--help` needs none of them.
+
+Example:
+
+>>> import harness
+>>> harness.sliding_mean([1, 1, 0, 0], window=2).tolist()
+[1.0, 1.0, 0.5, 0.0]
+"""
+
+import argparse
+import csv
+import math
+import os
+import sys
+
+import numpy as np
+
+# TensorFlow's C++ INFO lines (each freed function's "Ignoring error status ...") are not
+# the tools' output; warnings and errors still show. Set before any tool imports TF.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+
+def int_list(text):
+    """`"1,2,4"` -> `[1, 2, 4]` (an argparse `type`)."""
+    return [int(v) for v in text.split(",") if v]
+
+
+def str_list(text):
+    """`"a,b"` -> `["a", "b"]` (an argparse `type`)."""
+    return [v for v in text.split(",") if v]
+
+
+def float_list(text):
+    """`"0.05,0.1"` -> `[0.05, 0.1]` (an argparse `type`)."""
+    return [float(v) for v in text.split(",") if v]
+
+
+# The sweep flags every tool shares: (type, metavar, help). A tool that takes one
+# value of a flag reads it with `single`.
+SWEEP_FLAGS = {
+    "workers": (int_list, "N,...", "worker counts, e.g. 1,2,4"),
+    "n_sync": (int_list, "N,...", "steps per window (n_sync), e.g. 10,100"),
+    "seeds": (int_list, "S,...", "seeds, e.g. 0,1,2"),
+    "device_ms": (
+        float_list,
+        "MS,...",
+        "emulated device time per batch in milliseconds (no CPU), e.g. 0,20",
+    ),
+}
+
+
+def parser(doc, out, **defaults):
+    """The argparse parser of a tool, with the shared flags.
+
+    Args:
+        doc: the help text (the tool's module docstring).
+        out: the default output folder (`--out`).
+        **defaults: a default for each sweep flag the tool takes, by its name
+            in `SWEEP_FLAGS` (`workers=[1, 2]`, `device_ms=None`, ...).
+
+    Returns:
+        An `argparse.ArgumentParser` the tool adds its own flags to.
+    """
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default=out, help="output folder (default: %(default)s)")
+    for name, default in defaults.items():
+        kind, metavar, text = SWEEP_FLAGS[name]
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=default,
+            metavar=metavar,
+            help=f"{text} (default: {_shown(default)})",
+        )
+    return p
+
+
+def apply_quick(args, argv, quick):
+    """A `--quick` smoke run: sets each of `quick`'s values on `args` unless its flag was
+    given on the command line (`argv`, else `sys.argv`)."""
+    given = {
+        a.split("=")[0].lstrip("-").replace("-", "_")
+        for a in (argv or sys.argv[1:])
+        if a.startswith("--")
+    }
+    for k, v in quick.items():
+        if k not in given:
+            setattr(args, k, v)
+
+
+def _shown(default):
+    if isinstance(default, (list, tuple)):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
+    return str(default)
+
+
+def single(p, args, name):
+    """The one value of sweep flag `name` (`None` if unset), for a tool that
+    takes one: a list of another length is a usage error of parser `p`."""
+    values = getattr(args, name)
+    if values is None:
+        return None
+    if len(values) != 1:
+        p.error(f"--{name.replace('_', '-')} takes one value here, got {values}")
+    return values[0]
+
+
+def sqrt_outer_learning_rate(workers):
+    """An outer rate without the default's cap at 1/4 and warm-up, for side-by-side
+    runs: `max(1, sqrt(N / 2)) / N`."""
+    return max(1.0, (workers / 2) ** 0.5) / workers
+
+
+def capped_outer_optimizer(workers):
+    """A baseline for side-by-side runs: the capped square-root rate
+    `max(1/N, min(1/4, 1/sqrt(2N)))`, warmed up from `1 / N` over `4 N` pushes where it
+    is above the average. From 8 workers on it is above the stability limit
+    (`update_rules.stability_limit`)."""
+    from tf_asgd.rules import update_rules as rules
+
+    lr = max(1.0 / workers, min(0.25, (2.0 * workers) ** -0.5))
+    if lr > 1.0 / workers:
+        return rules.OuterSGD(lr, schedule=((4 * workers, 1.0 / workers),))
+    return rules.OuterSGD(lr)
+
+
+def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
+    """A `tf_asgd.LocalCluster` on loopback, its loopback limited to `bandwidth` if
+    given: every task in one child process (`processes="shared"`: 32 workers fit in
+    memory) or one process per task (`"separate"`: what a real cluster of machines
+    looks like to TF's runtime, each task with its own threads and gRPC server). Use
+    it as a context manager; leaving the block stops every process."""
+    import tf_asgd
+
+    if processes not in ("shared", "separate"):
+        raise ValueError(f"processes must be 'shared' or 'separate', got {processes!r}.")
+    return tf_asgd.LocalCluster(
+        workers, num_ps, shared_process=processes == "shared", bandwidth=bandwidth
+    )
+
+
+def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_per_execution=1):
+    """Compiles `model` (logits out) with `optimizer` and sparse categorical
+    cross-entropy, the loss of every tool. Call it under `strategy.scope()`
+    when the model is built there, with the optimizer created there too.
+
+    Args:
+        model: a Keras model.
+        optimizer: a Keras optimizer instance.
+        metrics: Keras `compile` metrics, e.g. `["accuracy"]` (None: none).
+        keras_module: the Keras that built `model`; `tf_keras` for stock
+            ParameterServerStrategy runs (default: Keras 3).
+        steps_per_execution: steps per call of the model's `train_function`.
+
+    Returns:
+        `model`.
+    """
+    if keras_module is None:
+        import keras as keras_module
+
+    model.compile(
+        optimizer,
+        keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=metrics,
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def columns(rows):
+    """The keys of a list of dicts, in order of first appearance (the
+    columns `plots.write_csv` writes)."""
+    out = []
+    for row in rows:
+        out += [k for k in row if k not in out]
+    return out
+
+
+def markdown_table(header, rows):
+    """A Markdown table as a list of lines.
+
+    Args:
+        header: column titles.
+        rows: one list of cells per row, formatted by the caller (`str` is
+            applied to each).
+
+    Returns:
+        `["| a | b |", "| --- | --- |", "| 1 | 2 |", ...]`.
+    """
+
+    def line(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    return [line(header), line(["---"] * len(header))] + [line(r) for r in rows]
+
+
+def write_lines(path, lines):
+    """Writes `lines` to `path`, one a line, with a final newline."""
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def cpu_seconds(pid):
+    """User + system CPU seconds of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def write_csv(path, rows, fields=None):
+    """Writes a list of dicts as CSV (columns: `fields`, else the union in order)."""
+    if fields is None:
+        fields = columns(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row.get(k, "")) for k in fields})
+    return path
+
+
+def _fmt(v):
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.6g}"
+    return v
+
+
+def read_csv(path):
+    """Reads a CSV written by `write_csv` as a list of dicts of strings."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def sliding_mean(values, window, weights=None):
+    """Mean over the last `window` points (fewer at the start), optionally weighted.
+
+    With `weights`, point i stands for `weights[i]` minibatches and the mean
+    covers the last `window` minibatches (the A-SGD paper smooths training
+    error over 400 minibatches).
+    """
+    values = np.asarray(values, np.float64)
+    if weights is None:
+        weights = np.ones_like(values)
+    weights = np.asarray(weights, np.float64)
+    cw = np.concatenate([[0.0], np.cumsum(weights)])
+    cv = np.concatenate([[0.0], np.cumsum(values * weights)])
+    out = np.empty_like(values)
+    for i in range(len(values)):
+        # Earliest start j with cw[i+1] - cw[j] <= window, at least the point itself.
+        j = int(np.searchsorted(cw, cw[i + 1] - window, side="left"))
+        j = min(j, i)
+        out[i] = (cv[i + 1] - cv[j]) / (cw[i + 1] - cw[j])
+    return out
+
+
+def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
+    """Saves a grid of line or bar panels as a PNG.
+
+    Each panel is a dict: `title`, `xlabel`, `ylabel`, `series` (a list of
+    `(label, x, y)`, or `(label, x, y, y_min, y_max)` for a line with a
+    shaded min-max band), optional `kind` (`"line"`, `"bar"` or `"scatter"`),
+    `logx`, `logy`, `ylim`, `hline` (`(y, label)`: a dashed reference line).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(panels)
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows), squeeze=False
+    )
+    for ax, panel in zip(axes.flat, panels):
+        series = panel.get("series", [])
+        kind = panel.get("kind", "line")
+        width = 0.8 / max(1, len(series))
+        for k, (label, x, y, *band) in enumerate(series):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            if band:
+                ax.fill_between(x, band[0], band[1], alpha=0.2)
+            if kind == "bar":
+                ax.bar(x + (k - (len(series) - 1) / 2) * width, y, width=width, label=label)
+            elif kind == "scatter":
+                ax.scatter(x, y, label=label, s=10, alpha=0.7)
+            else:
+                ax.plot(x, y, label=label, lw=1.2)
+        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_xlabel(panel.get("xlabel", ""))
+        ax.set_ylabel(panel.get("ylabel", ""))
+        if panel.get("logx"):
+            ax.set_xscale("log")
+        if panel.get("logy"):
+            ax.set_yscale("log")
+        if panel.get("ylim"):
+            ax.set_ylim(*panel["ylim"])
+        if panel.get("hline"):
+            ax.axhline(panel["hline"][0], ls="--", color="k", lw=0.8, label=panel["hline"][1])
+        ax.grid(alpha=0.3)
+        if (series and any(s[0] for s in series)) or panel.get("hline"):
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# The setups of time_to_accuracy.py and batch_scaling.py: data, model, optimizer.
+# name: (data, model, optimizer, batch size, plain steps, default device ms)
+SETUPS = {
+    "mnist1d_adam": ("mnist1d", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "mnist1d_sgd": ("mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", 100, 3000, 50.0),
+    "mnist1d16k_adam": ("mnist1d16k", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "digits_sgd": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
+    "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
+    "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),
+}
+
+
+def load_data(name):
+    """`((x, y), (x_test, y_test))` of a setup's data set."""
+    import tf_asgd
+
+    if name == "mnist1d":
+        return tf_asgd.data.load_mnist1d()
+    if name == "mnist1d16k":
+        return tf_asgd.data.load_mnist1d(num_train=16000)
+    if name == "digits":
+        return tf_asgd.data.load_digits()
+    if name == "digits32":
+        return tf_asgd.data.load_digits_images(32)
+    raise ValueError(f"Unknown data set {name!r}.")
+
+
+def make_optimizer(name):
+    """A fresh Keras optimizer of a setup."""
+    import keras
+
+    if name == "adam_1e-2":
+        return keras.optimizers.Adam(1e-2)
+    if name == "adam_1e-3":
+        return keras.optimizers.Adam(1e-3)
+    if name == "sgd_0.05_m0.9":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if name == "sgd_resnet":
+        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
+        # rate for batch 32, without its step decay.
+        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    raise ValueError(f"Unknown optimizer {name!r}.")
+
+
+def build_model(name, data):
+    """A fresh `tf_asgd.models` model for the data's input shape."""
+    import inspect
+
+    import tf_asgd
+
+    builder = getattr(tf_asgd.models, name)
+    if "input_shape" in inspect.signature(builder).parameters:
+        return builder(input_shape=data[0][0].shape[1:])
+    return builder()
+
+
+def train_dataset(data, batch_size, seed):
+    """The shuffled training batches (reshuffled every pass, the same order
+    on every worker, so that `shard` gives them disjoint batches)."""
+    import tensorflow as tf
+
+    (x, y), _ = data
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed)
+        .batch(batch_size, drop_remainder=True)
+    )
+
+
+class HeldOut:
+    """Held-out accuracy and loss of a model's weights, on a plain Keras twin
+    of the model on the chief (one forward pass over the whole set)."""
+
+    def __init__(self, model_name, data):
+        import tensorflow as tf
+
+        _, (x_test, y_test) = data
+        self.twin = build_model(model_name, data)
+        self.x = tf.constant(x_test)
+        self.y = np.asarray(y_test)
+        self._forward = tf.function(lambda x: self.twin(x, training=False))
+
+    def __call__(self, weights):
+        self.twin.set_weights(weights)
+        logits = self._forward(self.x).numpy().astype(np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        loss = -log_p[np.arange(len(self.y)), self.y].mean()
+        return float((logits.argmax(axis=1) == self.y).mean()), float(loss)
