@@ -1,23 +1,14 @@
 """The benchmark harness: what every tool in tools/ shares.
 
-Every tool is a script, `python tools/NAME.py --flag value`; Python puts
-tools/ first on `sys.path` for it, so `import harness` finds this module.
-Each tool builds its flags with `parser(__doc__, out=..., workers=..., ...)`:
-the output folder (`--out`) and the sweep flags (`SWEEP_FLAGS`: `--workers`,
-`--n-sync`, `--seeds`, `--device-ms`) are defined here once, with one type
-each, and a tool only picks their defaults. It builds local clusters with
-`local_cluster`, compiles with `compile_classifier`, and writes
-CSV with `write_csv`, Markdown tables with `markdown_table` and PNG plots
-with `plot_panels`. The accuracy studies (`time_to_accuracy.py`,
-`batch_scaling.py`) share `SETUPS` (data set, model, optimizer, batch and
-steps by name) and `HeldOut`, the held-out accuracy of a model's weights.
-
-TensorFlow, Keras, tf_asgd and matplotlib are imported inside the helpers,
-not here: bench.py's stock-PS child must set `TF_USE_LEGACY_KERAS` before
-TensorFlow loads, and `--help` needs none of them.
+Each tool builds its flags with `parser(__doc__, out=..., workers=..., ...)`: the
+output folder (`--out`) and the sweep flags (`SWEEP_FLAGS`: `--workers`, `--n-sync`,
+`--seeds`, `--device-ms`) are defined here once, with one type each; a tool picks
+their defaults. Also: `local_cluster`, `compile_classifier`, `write_csv`,
+`markdown_table`, `plot_panels`, and the accuracy studies' `SETUPS` and `HeldOut`.
+TensorFlow, Keras, tf_asgd and matplotlib load inside the helpers: bench.py's
+stock-PS child sets `TF_USE_LEGACY_KERAS` first, and `--help` needs none of them.
 
 Example:
-
 >>> import harness
 >>> harness.sliding_mean([1, 1, 0, 0], window=2).tolist()
 [1.0, 1.0, 0.5, 0.0]
