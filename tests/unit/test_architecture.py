@@ -7,6 +7,7 @@ a function-level import is an import that runs, only later.
 import ast
 import functools
 import os
+import re
 import sys
 
 from helpers import ROOT
@@ -312,3 +313,33 @@ def test_the_layers_below_the_strategy_use_only_its_public_interface():
         for line, text in _private_strategy_uses(_parse(path))
     ]
     assert not found, "private strategy names used below it: " + "; ".join(found)
+
+
+def test_no_test_file_name_is_used_twice():
+    """A test file is found by its name: the cluster tier's twin of a unit file is
+    `test_<name>_on_cluster.py` (docs/guide/development.md)."""
+    seen = {}
+    for directory, _, names in os.walk(os.path.join(ROOT, "tests")):
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py"):
+                seen.setdefault(name, []).append(os.path.relpath(directory, ROOT))
+    assert not {n: dirs for n, dirs in seen.items() if len(dirs) > 1}
+
+
+def test_the_module_to_tests_table_is_whole_and_names_real_files():
+    """docs/guide/development.md's table names every module of the package, and each
+    test file it names exists."""
+    with open(os.path.join(ROOT, "docs", "guide", "development.md")) as f:
+        text = f.read()
+    table = text.split("### Where a module is tested", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    named = {m for row in rows for m in re.findall(r"`([\w/]+\.py)`", row.split(" | ")[0])}
+    modules = {
+        os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        for path in MODULES.values()
+        if not path.endswith("__init__.py") or "optimizers" in path
+    }
+    assert modules <= named, sorted(modules - named)
+    cited = {t for row in rows for t in re.findall(r"`((?:unit|cluster)/test_\w+\.py)", row)}
+    missing = sorted(t for t in cited if not os.path.exists(os.path.join(ROOT, "tests", t)))
+    assert cited and not missing, missing
