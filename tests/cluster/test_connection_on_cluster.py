@@ -3,6 +3,7 @@
 nothing of the strategy is left behind; tasks that start a little later are
 waited for."""
 
+import contextlib
 import logging
 import os
 import threading
@@ -89,30 +90,53 @@ def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(local_cluster, caplo
     assert not any(_alive(pid) for pid in pids.values())  # the with block stopped every task
 
 
+def _linear_model(strategy):
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _started_late(cluster, tasks, secs):
+    """Kills `tasks` of `cluster`, then restarts them `secs` after entering; yields a
+    dict whose "up" is the wall time (`time.time()`) they all answered. The thread is
+    joined, and its error raised, on leaving."""
+    for task in tasks:
+        cluster.kill_task(task)
+    events = {}
+
+    def start_late():
+        time.sleep(secs)
+        try:
+            for task in tasks:
+                cluster.restart_task(task)
+            events["up"] = time.time()
+        except BaseException as e:  # reported by the main thread
+            events["error"] = e
+
+    helper = threading.Thread(target=start_late, daemon=True)
+    helper.start()
+    yield events
+    helper.join(secs + 60)
+    assert "error" not in events, events.get("error")
+
+
 def test_a_worker_that_starts_late_is_waited_for_then_trains(local_cluster, digits, caplog):
     (x, y), _ = digits
     with local_cluster(1, 1, own=True, shared_process=False) as cluster:
-        cluster.kill_task("worker:0")
-        events = {}
-
-        def start_late():
-            time.sleep(1.5)
-            try:
-                cluster.restart_task("worker:0")
-                events["up"] = time.perf_counter()
-            except BaseException as e:  # reported by the main thread
-                events["error"] = e
-
-        helper = threading.Thread(target=start_late, daemon=True)
-        t0 = time.perf_counter()
-        helper.start()
-        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
-            strategy = tf_asgd.AsyncParameterServerStrategy(
-                cluster.resolver, n_sync=2, connect_timeout=60
-            )
-        secs = time.perf_counter() - t0
-        helper.join(60)
-        assert "error" not in events, events.get("error")
+        t0 = time.time()
+        with _started_late(cluster, ["worker:0"], 1.5) as events:
+            with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+                strategy = tf_asgd.AsyncParameterServerStrategy(
+                    cluster.resolver, n_sync=2, connect_timeout=60
+                )
+            secs = time.time() - t0
         print(
             f"late worker: connected after {secs:.2f} s, the worker was up after "
             f"{events['up'] - t0:.2f} s"
@@ -121,14 +145,7 @@ def test_a_worker_that_starts_late_is_waited_for_then_trains(local_cluster, digi
         lines = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
         assert "Waiting for 1 of 2 cluster task(s)" in lines[0] and "worker:0" in lines[0]
         assert lines[-1].startswith("All 2 cluster task(s) answer after")
-        with strategy.scope():
-            model = keras.Sequential(
-                [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
-            )
-            model.compile(
-                keras.optimizers.SGD(0.05),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+        model = _linear_model(strategy)
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
         assert np.isfinite(history.history["loss"][0])
         assert [r.worker for r in strategy.window_log(model)] == [0, 0]
@@ -146,26 +163,10 @@ def test_a_cluster_that_comes_up_slowly_is_waited_for_with_only_n_sync(
     (x, y), _ = digits
     with local_cluster(2, 1, own=True, shared_process=False) as cluster:
         tasks = ["ps:0", "worker:0", "worker:1"]
-        for task in tasks:
-            cluster.kill_task(task)
-        events = {}
-
-        def start_late():
-            time.sleep(LATE_SECS)
-            try:
-                for task in tasks:
-                    cluster.restart_task(task)
-                events["up"] = time.time()
-            except BaseException as e:  # reported by the main thread
-                events["error"] = e
-
-        helper = threading.Thread(target=start_late, daemon=True)
         t0 = time.time()
-        helper.start()
-        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
-            strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2)
-        helper.join(120)
-        assert "error" not in events, events.get("error")
+        with _started_late(cluster, tasks, LATE_SECS) as events:
+            with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+                strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2)
         assert time.time() - t0 >= LATE_SECS
         lines = [(r.created - t0, r.getMessage()) for r in caplog.records if r.name == "tf_asgd"]
         waiting = [(t, m) for t, m in lines if m.startswith("Waiting for")]
@@ -179,14 +180,7 @@ def test_a_cluster_that_comes_up_slowly_is_waited_for_with_only_n_sync(
         times = [t for t, _ in waiting] + [events["up"] - t0]
         assert max(b - a for a, b in zip(times, times[1:])) <= 30 + SLACK
         assert lines[-1][1].startswith("All 3 cluster task(s) answer after")
-        with strategy.scope():
-            model = keras.Sequential(
-                [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
-            )
-            model.compile(
-                keras.optimizers.SGD(0.05),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+        model = _linear_model(strategy)
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=8, verbose=0)
         assert np.isfinite(history.history["loss"][0])
         assert strategy.model_stats(model).windows >= 1

@@ -4,17 +4,14 @@ scope, data of the wrong input shape, `train_on_batch`, `run_eagerly=True` and a
 `steps_per_execution` other than 1 or `n_sync`; and batch callbacks run once per window.
 The Keras features it honours: tests/cluster/test_keras_surface.py."""
 
-import contextlib
 import logging
-import math
 
 import keras
-import numpy as np
 import pytest
 
 import tf_asgd
 
-from helpers import compile_digits
+from helpers import build_compiled, compile_digits, digits_mlp, same_weights
 
 N_SYNC = 10
 BATCH = 32
@@ -71,41 +68,6 @@ def flat():
     return (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
 
 
-def _mlp():
-    return keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
-    )
-
-
-def _sgd(epochs=6, rows=1438):
-    """SGD with momentum, its rate decaying to 0 over `epochs` of `rows`
-    training rows (held-out accuracy then ends within about a point of plain
-    Keras over 16 seeds; at a constant rate plain Keras's own last epoch
-    varies by 4)."""
-    steps = math.ceil(rows / BATCH)
-    return keras.optimizers.SGD(
-        keras.optimizers.schedules.CosineDecay(0.1, epochs * steps), momentum=0.9
-    )
-
-
-def _build(strategy, build, compile_kw):
-    """`build()` compiled with `compile_kw`, under `strategy`'s scope (None:
-    plain Keras), from the same seed. `compile_kw["optimizer"]` is a function
-    that makes one (default: `_sgd()`)."""
-    keras.utils.set_random_seed(0)
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
-        model = build()
-        kw = dict(optimizer=_sgd, loss=SCCE, metrics=["accuracy"])
-        kw.update(compile_kw)
-        model.compile(**dict(kw, optimizer=kw["optimizer"]()))  # a new optimizer each
-    return model
-
-
-def _same(a, b):
-    return all(np.array_equal(u, v) for u, v in zip(a, b))
-
-
 def _refused_before_any_window(strategy, model, x, y, match):
     windows = strategy.stats().windows
     before = [w.copy() for w in model.get_weights()]
@@ -113,13 +75,13 @@ def _refused_before_any_window(strategy, model, x, y, match):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert strategy.stats().windows == windows
     assert int(model.optimizer.iterations.numpy()) == 0
-    assert _same(model.get_weights(), before)
+    assert same_weights(model.get_weights(), before)
     assert not strategy.model_states.get_or_create(model).fitting
 
 
 def test_run_eagerly_is_refused(strategy, flat):
     (x, y), _ = flat
-    model = _build(strategy, _mlp, dict(run_eagerly=True))
+    model = build_compiled(strategy, digits_mlp, dict(run_eagerly=True))
     _refused_before_any_window(strategy, model, x, y, r"`run_eagerly=True`.*run_eagerly=False")
 
 
@@ -143,7 +105,7 @@ def test_steps_per_execution(strategy, flat, caplog):
     Keras's do with `steps_per_execution=n_sync`; a user's other value is
     refused; the user's value is the model's again after `fit`."""
     (x, y), _ = flat
-    refused = _build(strategy, _mlp, dict(steps_per_execution=4))
+    refused = build_compiled(strategy, digits_mlp, dict(steps_per_execution=4))
     _refused_before_any_window(
         strategy, refused, x, y, r"`steps_per_execution=4`.*n_sync=10.*`n_sync=4`"
     )
@@ -151,7 +113,7 @@ def test_steps_per_execution(strategy, flat, caplog):
     ours, plain = [], []
     with caplog.at_level(logging.WARNING, logger="tf_asgd"):
         for s, spe, out in [(strategy, 1, ours), (None, N_SYNC, plain)]:
-            model = _build(s, _mlp, dict(steps_per_execution=spe))
+            model = build_compiled(s, digits_mlp, dict(steps_per_execution=spe))
             ends, stops = BatchEnds(), BatchEnds(stop_at=15)
             model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[ends])
             assert model.steps_per_execution == spe
@@ -176,7 +138,7 @@ def test_steps_per_execution(strategy, flat, caplog):
             assert batch_logs[key] == pytest.approx(epoch_logs[key], rel=1e-6)
     assert all(logs.get("loss", 1.0) > 0 for logs in ours[1].logs)
 
-    same = _build(strategy, _mlp, dict(steps_per_execution=N_SYNC))
+    same = build_compiled(strategy, digits_mlp, dict(steps_per_execution=N_SYNC))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tf_asgd"):
         same.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[BatchEnds()])

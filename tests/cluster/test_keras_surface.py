@@ -12,7 +12,6 @@ callbacks (tests/cluster/test_errors.py), the compile options refused before any
 (`run_eagerly=True`, `steps_per_execution`: tests/cluster/test_keras_hook.py).
 """
 
-import contextlib
 import math
 
 import keras
@@ -20,6 +19,8 @@ import numpy as np
 import pytest
 
 import tf_asgd
+
+from helpers import build_compiled, decaying_sgd, digits_mlp, same_weights
 
 N_SYNC = 10
 POINTS = 0.03  # held-out accuracy within 3 points of plain Keras
@@ -38,38 +39,7 @@ def flat():
     return (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
 
 
-def _mlp():
-    return keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
-    )
-
-
-def _sgd(epochs=6, rows=1438):
-    """SGD with momentum, its rate decaying to 0 over `epochs` of `rows`
-    training rows (held-out accuracy then ends within about a point of plain
-    Keras over 16 seeds; at a constant rate plain Keras's own last epoch
-    varies by 4)."""
-    steps = math.ceil(rows / BATCH)
-    return keras.optimizers.SGD(
-        keras.optimizers.schedules.CosineDecay(0.1, epochs * steps), momentum=0.9
-    )
-
-
-def _build(strategy, build, compile_kw):
-    """`build()` compiled with `compile_kw`, under `strategy`'s scope (None:
-    plain Keras), from the same seed. `compile_kw["optimizer"]` is a function
-    that makes one (default: `_sgd()`)."""
-    keras.utils.set_random_seed(0)
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
-        model = build()
-        kw = dict(optimizer=_sgd, loss=SCCE, metrics=["accuracy"])
-        kw.update(compile_kw)
-        model.compile(**dict(kw, optimizer=kw["optimizer"]()))  # a new optimizer each
-    return model
-
-
-def _both(strategy, fit_args, fit_kw, build=_mlp, compile_kw=None, callbacks=None):
+def _both(strategy, fit_args, fit_kw, build=digits_mlp, compile_kw=None, callbacks=None):
     """`[(model, history), ...]` for tf_asgd, then plain Keras: the same
     model, compile options, data and seed. `callbacks()` makes each run's.
     The default optimizer decays over the epochs `fit_kw` trains."""
@@ -78,10 +48,10 @@ def _both(strategy, fit_args, fit_kw, build=_mlp, compile_kw=None, callbacks=Non
     rows = 1438
     if isinstance(fit_args[0], np.ndarray):  # Keras trains on the first rows only
         rows = math.ceil(len(fit_args[0]) * (1 - fit_kw.get("validation_split", 0.0)))
-    compile_kw.setdefault("optimizer", lambda: _sgd(epochs, rows))
+    compile_kw.setdefault("optimizer", lambda: decaying_sgd(epochs, rows))
     out = []
     for s in (strategy, None):
-        model = _build(s, build, compile_kw)
+        model = build_compiled(s, build, compile_kw)
         kw = dict(batch_size=BATCH, verbose=0, **fit_kw)
         if callbacks is not None:
             kw["callbacks"] = callbacks()
@@ -113,10 +83,6 @@ class WeightsPerEpoch(keras.callbacks.Callback):
         self.weights.append([w.copy() for w in self.model.get_weights()])
 
 
-def _same(a, b):
-    return all(np.array_equal(u, v) for u, v in zip(a, b))
-
-
 # ---- compile options -------------------------------------------------------------------
 
 
@@ -141,7 +107,7 @@ def test_loss_weights_of_a_two_output_model(strategy, flat, weights):
         metrics={"digit": ["accuracy"], "parity": ["accuracy"]},
     )
     x, y = x[: 44 * BATCH], y[: 44 * BATCH]  # whole batches: Keras's losses then add up exactly
-    initial = _build(None, _two_outputs, compile_kw).get_layer("parity").get_weights()
+    initial = build_compiled(None, _two_outputs, compile_kw).get_layer("parity").get_weights()
     runs = _both(
         strategy, (x, {"digit": y, "parity": y % 2}), dict(epochs=6), _two_outputs, compile_kw
     )
@@ -153,9 +119,9 @@ def test_loss_weights_of_a_two_output_model(strategy, flat, weights):
         )
         parity = model.get_layer("parity").get_weights()
         if weights[1] == 0:  # no gradient reaches the parity head: exactly as initialised
-            assert _same(parity, initial)
+            assert same_weights(parity, initial)
         else:
-            assert not _same(parity, initial)
+            assert not same_weights(parity, initial)
     (ours, _), (plain, _) = runs
     for i, name in enumerate(["digit", "parity"]):
         if weights[i]:
@@ -231,7 +197,9 @@ def test_jit_compile_true_compiles_each_step_with_xla(strategy, flat):
     (ours, _), (plain, _) = runs
     assert ours.jit_compile and _xla_compiled(strategy.model_states.get(ours).trainer._concrete[1])
     _assert_close_to_keras(_accuracy(ours, xt, yt), _accuracy(plain, xt, yt), "held-out")
-    default = _build(strategy, _mlp, {})  # jit_compile="auto": off under a strategy, as in Keras
+    default = build_compiled(
+        strategy, digits_mlp, {}
+    )  # jit_compile="auto": off under a strategy, as in Keras
     default.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert not default.jit_compile
     assert not _xla_compiled(strategy.model_states.get(default).trainer._concrete[1])
@@ -336,7 +304,7 @@ def test_learning_rate_callbacks_set_the_rate_every_window_trains_with(strategy,
     for recorder in recorders:
         np.testing.assert_allclose(recorder.lrs, expected, rtol=1e-6)
         for epoch in range(1, 6):
-            frozen = _same(recorder.weights[epoch], recorder.weights[epoch - 1])
+            frozen = same_weights(recorder.weights[epoch], recorder.weights[epoch - 1])
             assert frozen == (expected[epoch] == 0.0), epoch
 
 
@@ -389,7 +357,7 @@ def test_early_stopping_restores_the_best_weights(strategy, flat):
         for i, v in enumerate(val):  # EarlyStopping's rule: better by min_delta
             if v + 0.02 < best_loss:
                 best, best_loss = i, v
-        assert _same(model.get_weights(), recorder.weights[best])
+        assert same_weights(model.get_weights(), recorder.weights[best])
     (ours, _), (plain, _) = runs
     _assert_close_to_keras(_accuracy(ours, xt, yt), _accuracy(plain, xt, yt), "held-out")
 
@@ -411,7 +379,7 @@ def test_model_checkpoint_save_best_only_then_load(strategy, flat, tmp_path):
     for (_, history), recorder, path in zip(runs, recorders, paths):
         best = int(np.argmax(history.history["val_accuracy"]))  # the first best: saved last
         model = keras.models.load_model(path)
-        assert _same(model.get_weights(), recorder.weights[best])
+        assert same_weights(model.get_weights(), recorder.weights[best])
         assert model.steps_per_execution == 1  # the user's, not n_sync
         loaded.append(model)
     _assert_close_to_keras(
