@@ -102,6 +102,13 @@ def digits():
     return tf_asgd.data.load_digits()
 
 
+@pytest.fixture(scope="session")
+def flat(digits):
+    """`digits` with each 8x8 image flattened to 64 features."""
+    (x, y), (xt, yt) = digits
+    return (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
+
+
 @pytest.fixture(scope="module")
 def local_cluster():
     """The one cluster factory. `local_cluster(num_workers, num_ps=1)` is a cluster shared

@@ -68,6 +68,20 @@ def build_compiled(strategy, build, compile_kw):
     return model
 
 
+def linear_digits_model(strategy, metrics=()):
+    """A linear model of the digits images, compiled with SGD(0.05) under `strategy`."""
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=list(metrics),
+        )
+    return model
+
+
 def same_weights(a, b):
     """True if the weight lists `a` and `b` are equal, array by array."""
     return all(np.array_equal(u, v) for u, v in zip(a, b))

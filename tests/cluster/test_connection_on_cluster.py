@@ -9,7 +9,6 @@ import os
 import threading
 import time
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -18,6 +17,8 @@ import tf_asgd
 from tf_asgd.cluster import connect
 from tf_asgd.cluster.ports import pick_ports
 from tf_asgd.cluster.tf_config import make_resolver
+
+from helpers import linear_digits_model
 
 TIMEOUT = 3.0
 SLACK = 10.0  # what the bound may be overrun by: one probe round, a loaded machine
@@ -90,18 +91,6 @@ def test_a_cluster_whose_ps_was_killed_raises_naming_the_ps(local_cluster, caplo
     assert not any(_alive(pid) for pid in pids.values())  # the with block stopped every task
 
 
-def _linear_model(strategy):
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.05),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    return model
-
-
 @contextlib.contextmanager
 def _started_late(cluster, tasks, secs):
     """Kills `tasks` of `cluster`, then restarts them `secs` after entering; yields a
@@ -145,7 +134,7 @@ def test_a_worker_that_starts_late_is_waited_for_then_trains(local_cluster, digi
         lines = [r.getMessage() for r in caplog.records if r.name == "tf_asgd"]
         assert "Waiting for 1 of 2 cluster task(s)" in lines[0] and "worker:0" in lines[0]
         assert lines[-1].startswith("All 2 cluster task(s) answer after")
-        model = _linear_model(strategy)
+        model = linear_digits_model(strategy)
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
         assert np.isfinite(history.history["loss"][0])
         assert [r.worker for r in strategy.window_log(model)] == [0, 0]
@@ -180,7 +169,7 @@ def test_a_cluster_that_comes_up_slowly_is_waited_for_with_only_n_sync(
         times = [t for t, _ in waiting] + [events["up"] - t0]
         assert max(b - a for a, b in zip(times, times[1:])) <= 30 + SLACK
         assert lines[-1][1].startswith("All 3 cluster task(s) answer after")
-        model = _linear_model(strategy)
+        model = linear_digits_model(strategy)
         history = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=8, verbose=0)
         assert np.isfinite(history.history["loss"][0])
         assert strategy.model_stats(model).windows >= 1

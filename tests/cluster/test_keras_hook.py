@@ -62,12 +62,6 @@ def strategy(cluster):
     return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=N_SYNC)
 
 
-@pytest.fixture(scope="module")
-def flat():
-    (x, y), (xt, yt) = tf_asgd.data.load_digits()
-    return (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
-
-
 def _refused_before_any_window(strategy, model, x, y, match):
     windows = strategy.stats().windows
     before = [w.copy() for w in model.get_weights()]

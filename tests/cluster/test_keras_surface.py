@@ -33,12 +33,6 @@ def strategy(cluster):
     return tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=N_SYNC)
 
 
-@pytest.fixture(scope="module")
-def flat():
-    (x, y), (xt, yt) = tf_asgd.data.load_digits()
-    return (x.reshape(len(x), -1), y), (xt.reshape(len(xt), -1), yt)
-
-
 def _both(strategy, fit_args, fit_kw, build=digits_mlp, compile_kw=None, callbacks=None):
     """`[(model, history), ...]` for tf_asgd, then plain Keras: the same
     model, compile options, data and seed. `callbacks()` makes each run's.

@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,6 +15,7 @@ import tensorflow as tf
 import tf_asgd
 from tf_asgd.cluster import connect
 
+from helpers import linear_digits_model
 from launching import alive
 
 TIMEOUT = 3.0
@@ -29,19 +29,6 @@ pytestmark = pytest.mark.usefixtures("hang_guard")  # conftest.py
 
 def _coordinator_threads():
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIXES)]
-
-
-def _model(strategy):
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.05),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    return model
 
 
 def _in_thread(events, fn):
@@ -89,7 +76,7 @@ def test_every_worker_killed_mid_fit_raises_within_the_bound_and_leaves_nothing_
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=2, connect_timeout=TIMEOUT
         )
-        model = _model(strategy)
+        model = linear_digits_model(strategy, metrics=["accuracy"])
         events = {}
         helper = _kill_after_windows(cluster, strategy, model, events)
         with caplog.at_level(logging.WARNING, logger="tf_asgd"):
@@ -155,7 +142,7 @@ def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=2, connect_timeout=120
         )
-        model = _model(strategy)
+        model = linear_digits_model(strategy, metrics=["accuracy"])
         # Killed and started again within the bound: waited for, every window runs.
         events = {}
         helper = _kill_after_windows(cluster, strategy, model, events, restart=True)
