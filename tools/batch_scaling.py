@@ -98,6 +98,52 @@ def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
     return points
 
 
+def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, asynchronous):
+    """Held-out points of `workers` copies whose windows an outer rule applies.
+
+    Each window is `n_sync` steps of the user's optimizer on one copy; its push (the
+    displacement) goes through `update_rules.outer_step`, the rule the PS runs.
+    Synchronous: every copy starts a round from the same central weights. Asynchronous:
+    windows end in round-robin order and each copy pulls right after its push, so every
+    push is `workers - 1` pushes stale, as homogeneous workers make it. `steps` counts
+    steps per copy (device times).
+    """
+    import keras
+
+    from tf_asgd.rules import update_rules
+
+    batch = harness.SETUPS[setup][3]
+    keras.utils.set_random_seed(seed)
+    copies = [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
+    center = copies[0].get_weights()
+    state = [{} for _ in center]
+    starts = [center] * workers
+    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
+    feeds = [
+        iter(harness.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
+    ]
+    points, next_eval = [], eval_every
+    for ticket in range(steps * workers // n_sync):
+        i = ticket % workers
+        copies[i].set_weights(starts[i])
+        copies[i].train_function(feeds[i])
+        pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]
+        center = list(center)
+        for j, g in enumerate(pushed):
+            center[j], state[j] = update_rules.outer_step(
+                outer, center[j], g, state[j], ticket, workers
+            )
+        if asynchronous:
+            starts[i] = center
+        elif i == workers - 1:
+            starts = [center] * workers
+        step = (ticket + 1) * n_sync // workers
+        if step >= next_eval:
+            points.append((step, held_out(center)[0]))
+            next_eval += eval_every
+    return points
+
+
 def steps_to(points, target):
     """The first step whose accuracy is at least `target`; inf if none."""
     return next((s for s, a in points if a >= target), math.inf)
