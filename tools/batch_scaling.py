@@ -6,12 +6,17 @@ rate x1, the user's optimizer unchanged, x sqrt(N) or x N, the linear scaling ru
 `local_sgd` (N copies with the user's optimizer, averaged every `--n-sync` steps); neither
 has stale pushes.
 `lr_only` (batch B at the scaled rate) is the control: what the rate alone buys.
+`sync_outer` and `async_outer` run N copies whose windows go through the PS's own outer
+rule (`--outers`), in synchronous rounds or in the round-robin order of homogeneous
+asynchronous workers (each push N - 1 pushes stale), counted in steps per worker.
 Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
 over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
 `curves.csv`, `summary.md` and `accuracy_vs_steps.png` to `--out`.
 
     python tools/batch_scaling.py --quick
     python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 0,1
+    python tools/batch_scaling.py --setups mnist1d64k_adam --methods sync_outer,async_outer \
+        --outers default,diloco --workers 2,4,8 --n-sync 10
 """
 
 import math
@@ -23,7 +28,32 @@ import numpy as np
 import harness
 
 SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
-METHODS = ("large_batch", "local_sgd", "lr_only")
+METHODS = ("large_batch", "local_sgd", "lr_only", "sync_outer", "async_outer")
+OUTER_HELP = (
+    "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
+    "synchronous or asynchronous), "
+    "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), or dn:LR:MOMENTUM"
+)
+
+
+def outer_rule(name, workers, synchronous):
+    """The outer optimizer `name` (see `OUTER_HELP`) for `workers` workers."""
+    from tf_asgd.rules import update_rules
+
+    if name == "default" and synchronous:
+        return update_rules.default_synchronous_outer_optimizer(workers)
+    if name == "default":
+        return update_rules.default_outer_optimizer(workers)
+    if name == "average":
+        return update_rules.OuterSGD(1.0 / workers)
+    if name == "diloco":
+        return update_rules.DelayedNesterov(0.7, 0.9)
+    if name.startswith("dn:"):
+        lr, momentum = (float(v) for v in name.split(":")[1:])
+        return update_rules.DelayedNesterov(lr, momentum)
+    raise ValueError(f"Unknown outer rule {name!r}; {OUTER_HELP}.")
+
+
 QUICK = dict(
     setups=["mnist1d_adam"],
     workers=[2],
@@ -155,6 +185,7 @@ def run_setup(setup, data, seed, args):
     every = max(1, steps // args.evals)
     steps = every * (steps // every)
     variants = [("plain", 1, 0, "x1")]
+    outers = [m for m in ("sync_outer", "async_outer") if m in args.methods]
     for n in args.workers:
         if "large_batch" in args.methods:
             variants += [("large_batch", n, 0, s) for s in args.scalings]
@@ -162,10 +193,17 @@ def run_setup(setup, data, seed, args):
             variants += [("local_sgd", n, h, "x1") for h in args.n_sync]
         if "lr_only" in args.methods:  # the control: batch B at the scaled rate
             variants += [("lr_only", n, 0, s) for s in args.scalings if s != "x1"]
+        variants += [(m, n, h, o) for m in outers for h in args.n_sync for o in args.outers]
     rows, curves, target, base_steps = [], [], None, None
     for method, n, h, scaling in variants:
         if method == "local_sgd":
             points = local_sgd(setup, data, n, h, seed, steps, every)
+        elif method in ("sync_outer", "async_outer"):
+            # In steps per worker: N workers need about 1/N of plain's steps at best.
+            per_worker = every * max(1, round(steps * args.outer_steps / n / every))
+            asynchronous = method == "async_outer"
+            opt = outer_rule(scaling, n, not asynchronous)
+            points = outer_rounds(setup, data, n, h, seed, per_worker, every, opt, asynchronous)
         else:
             multiple = 1 if method == "lr_only" else n
             points = large_batch(setup, data, multiple, SCALINGS[scaling](n), seed, steps, every)
@@ -223,6 +261,8 @@ def summary(rows):
             "local_sgd": f"local SGD, n_sync {h}",
             "large_batch": f"batch N x B, lr {scaling}",
             "lr_only": f"batch B, lr {scaling} (control)",
+            "sync_outer": f"synchronous, n_sync {h}, outer {scaling}",
+            "async_outer": f"asynchronous, n_sync {h}, outer {scaling}",
         }[method]
         table.append([setup, variant] + [cell(by_n.get(n, [])) for n in workers])
     plain = {(r["setup"], r["seed"]): r for r in rows if r["method"] == "plain"}
@@ -256,6 +296,8 @@ def plot(path, curves):
             return f"local SGD, n_sync {r['n_sync']}"
         if r["method"] == "lr_only":
             return f"batch B, lr {r['lr_scaling']} (control)"
+        if r["method"].endswith("_outer"):
+            return f"{r['method'][:-6]} n_sync {r['n_sync']}, {r['lr_scaling']}"
         return f"batch N x B, lr {r['lr_scaling']}"
 
     panels = []
@@ -295,7 +337,17 @@ def main(argv=None):
         "--methods",
         type=harness.str_list,
         default=list(METHODS),
-        help="large_batch, local_sgd, lr_only (batch B at the scaled rate: a control)",
+        help="large_batch, local_sgd, lr_only (batch B at the scaled rate: a control), "
+        "sync_outer, async_outer (windows through the PS's outer rule, in one process)",
+    )
+    p.add_argument(
+        "--outers", type=harness.str_list, default=["default", "diloco"], help=OUTER_HELP
+    )
+    p.add_argument(
+        "--outer-steps",
+        type=float,
+        default=0.5,
+        help="sync_outer/async_outer run this share of plain's samples (steps x N / plain's)",
     )
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")

@@ -363,6 +363,74 @@ def default_outer_optimizer(num_workers):
     return OuterSGD(lr)
 
 
+SYNC_OUTER_MOMENTUM = 0.9  # DiLoCo's outer momentum (Douillard et al. 2023)
+
+
+def default_synchronous_outer_optimizer(num_workers):
+    """The synchronous mode's default outer optimizer: a round's step scaled by N.
+
+    A synchronous round sees N windows' samples. On the mean of their
+    displacements the PS takes one Nesterov step whose gain in a direction
+    the windows agree on, `learning_rate / (1 - momentum)`, is N: the linear
+    scaling rule (Goyal et al. 2017) applied to the round, as a batch N times
+    larger takes about an N times larger step. The momentum carries the
+    gain, so that the rate on a single round stays at most 1, inside the
+    limit `2 (1 + m) / (1 + 2 m)` of a direction the windows converge in:
+    momentum 0.9 (DiLoCo's) and rate `N / 10` up to 10 workers, then rate 1
+    and momentum `1 - 1 / N`. One worker trains as plain Keras does. Why and
+    what it measured: docs/defaults.md.
+
+    Args:
+        num_workers: N, the number of workers (at least 1).
+
+    Returns:
+        `OuterSGD(1.0)` for one worker, else a `DelayedNesterov` whose
+        `delay` is N (one momentum step per round).
+
+    Examples:
+        >>> opt = default_synchronous_outer_optimizer(4)
+        >>> round(opt.learning_rate, 3), opt.momentum, opt.delay
+        (0.4, 0.9, 4)
+        >>> round(outer_gain(default_synchronous_outer_optimizer(16), 16), 3)
+        16.0
+    """
+    n = int(num_workers)
+    if n <= 1:
+        return OuterSGD(1.0)
+    lr = min(1.0, round(n * (1.0 - SYNC_OUTER_MOMENTUM), 12))
+    return DelayedNesterov(lr, max(SYNC_OUTER_MOMENTUM, 1.0 - lr / n), delay=n)
+
+
+def outer_gain(opt, num_workers):
+    """How many windows' worth a round of pushes moves the central weights, in steady state.
+
+    In a direction that every push of a round agrees on (displacement `d` from
+    each), momentum and rate together move the central weights by this many
+    times `d` per round of `num_workers` pushes: `learning_rate / (1 - momentum)`
+    for a `DelayedNesterov` (one step on the round's mean), and
+    `num_workers * learning_rate / (1 - momentum)` for an `OuterSGD` (each push
+    applied). This is the factor by which the strategy scales the effective
+    learning rate; `AsyncStats.outer_gain` reports it.
+
+    Args:
+        opt: an `OuterSGD` or a `DelayedNesterov`.
+        num_workers: pushes per round, N.
+
+    Returns:
+        A Python float (1.0 for plain averaging).
+
+    Examples:
+        >>> outer_gain(OuterSGD(0.25), 4)
+        1.0
+        >>> round(outer_gain(DelayedNesterov(0.7, 0.9), 8), 3)
+        7.0
+    """
+    momentum_factor = 1.0 / (1.0 - opt.momentum)
+    if isinstance(opt, DelayedNesterov):
+        return opt.learning_rate * momentum_factor * num_workers / (opt.delay or num_workers)
+    return num_workers * opt.learning_rate * momentum_factor
+
+
 def outer_learning_rate(opt, ticket, xp=np):
     """`opt`'s learning rate for the push with version ticket `ticket` (its schedule).
 
