@@ -1,0 +1,98 @@
+"""The synchronous default rule gets a large batch's progress from N windows; the
+asynchronous default does not.
+
+A noisy quadratic (linear regression with label noise, curvatures from 1 to 0.03)
+where a batch of N x B at N times the rate (the linear scaling rule) is the
+reference. Windows of plain SGD go through the PS's own rule, `update_rules.outer_step`.
+"""
+
+import numpy as np
+import pytest
+
+from tf_asgd.rules import update_rules
+
+DIM, WORKERS, BATCH, N_SYNC, RATE, STEPS = 20, 8, 4, 10, 0.01, 3000
+CURVATURES = np.logspace(0, -1.5, DIM)
+
+
+class NoisyQuadratic:
+    """Samples `x ~ N(0, diag(CURVATURES))`, `y = x . w* + N(0, 1)`; loss is the excess risk."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.w_star = self.rng.normal(size=DIM)
+
+    def gradient(self, w, batch):
+        x = self.rng.normal(size=(batch, DIM)) * np.sqrt(CURVATURES)
+        y = x @ self.w_star + self.rng.normal(size=batch)
+        return x.T @ (x @ w - y) / batch
+
+    def loss(self, w):
+        return 0.5 * float(np.sum(CURVATURES * (w - self.w_star) ** 2))
+
+
+def sgd_curve(batch, rate, seed=0):
+    """Loss after each step of plain SGD."""
+    problem, w, losses = NoisyQuadratic(seed), np.zeros(DIM), []
+    for _ in range(STEPS):
+        w = w - rate * problem.gradient(w, batch)
+        losses.append(problem.loss(w))
+    return np.array(losses)
+
+
+def window_curve(opt, synchronous, seed=0):
+    """Loss of the central weights per step of each worker (a round is `N_SYNC` steps)."""
+    problem, center, state, losses = NoisyQuadratic(seed), np.zeros(DIM), {}, []
+    starts = [center] * WORKERS
+    for ticket in range(STEPS * WORKERS // N_SYNC):
+        i = ticket % WORKERS
+        w = starts[i]
+        for _ in range(N_SYNC):
+            w = w - RATE * problem.gradient(w, BATCH)
+        center, state = update_rules.outer_step(opt, center, starts[i] - w, state, ticket, WORKERS)
+        if not synchronous:
+            starts[i] = center  # round-robin: every push is WORKERS - 1 pushes stale
+        elif i == WORKERS - 1:
+            starts = [center] * WORKERS
+        if i == WORKERS - 1:
+            losses += [problem.loss(center)] * N_SYNC
+    return np.array(losses)
+
+
+def steps_to(curve, target):
+    reached = np.nonzero(curve <= target)[0]
+    return int(reached[0]) + 1 if len(reached) else np.inf
+
+
+@pytest.fixture(scope="module")
+def reference():
+    one = sgd_curve(BATCH, RATE)
+    target = 1.5 * float(np.mean(one[-500:]))  # 1.5x the one-worker noise floor
+    large = steps_to(sgd_curve(WORKERS * BATCH, WORKERS * RATE), target)
+    assert steps_to(one, target) > 5 * large  # the large batch pays here
+    return target, large
+
+
+def test_the_synchronous_default_comes_close_to_the_large_batch(reference):
+    target, large = reference
+    opt = update_rules.default_synchronous_outer_optimizer(WORKERS)
+    assert update_rules.outer_gain(opt, WORKERS) == pytest.approx(WORKERS)
+    assert steps_to(window_curve(opt, synchronous=True), target) <= 2 * large
+
+
+def test_averaging_falls_far_short_of_the_large_batch(reference):
+    target, large = reference
+    asynchronous = update_rules.default_outer_optimizer(WORKERS)
+    assert steps_to(window_curve(asynchronous, synchronous=False), target) >= 5 * large
+    average = update_rules.OuterSGD(1.0 / WORKERS)
+    assert steps_to(window_curve(average, synchronous=True), target) >= 5 * large
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 8, 10, 16, 64])
+def test_synchronous_default_gain_is_n_with_a_stable_rate(workers):
+    opt = update_rules.default_synchronous_outer_optimizer(workers)
+    assert update_rules.outer_gain(opt, workers) == pytest.approx(workers)
+    if workers > 1:
+        # A round's rate stays below Nesterov's limit where windows converge: 2 (1 + m) / (1 + 2 m).
+        assert opt.learning_rate <= 1.0 < 2 * (1 + opt.momentum) / (1 + 2 * opt.momentum)
+        assert opt.delay == workers
