@@ -1,22 +1,17 @@
 """The synchronous ceiling: how many steps N workers' samples save, with no staleness at all.
 
-Per setup of `time_to_accuracy.py` (`harness.SETUPS`), seed and worker count N, plain
-Keras trains for the setup's plain steps with `large_batch` (batch N x B; the learning
-rate x1, the user's optimizer unchanged, x sqrt(N) or x N, the linear scaling rule) and
-`local_sgd` (N copies with the user's optimizer, averaged every `--n-sync` steps); neither
-has stale pushes.
-`lr_only` (batch B at the scaled rate) is the control: what the rate alone buys.
-`sync_outer` and `async_outer` run N copies whose windows go through the PS's own outer
-rule (`--outers`), in synchronous rounds or in the round-robin order of homogeneous
-asynchronous workers (each push N - 1 pushes stale), counted in steps per worker.
-Speed-up: the steps batch B needs to reach its own final held-out accuracy minus 1 point,
-over the variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`,
-`curves.csv`, `summary.md` and `accuracy_vs_steps.png` to `--out`.
+Per setup (`harness.SETUPS`), seed and worker count N, against plain Keras at batch B:
+`large_batch` (batch N x B at the rate x1, x sqrt(N) or x N), `local_sgd` (N copies
+averaged every `--n-sync` steps), `lr_only` (batch B at the scaled rate: a control), and
+`sync_outer` / `async_outer` (N copies whose windows go through the PS's own rule,
+`--outers`, in synchronous rounds or round-robin with every push N - 1 pushes stale).
+Speed-up: steps to plain's final held-out accuracy minus 1 point, plain's over the
+variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`, `curves.csv`,
+`summary.md` and `accuracy_vs_steps.png` to `--out`.
 
     python tools/batch_scaling.py --quick
-    python tools/batch_scaling.py --setups mnist1d_adam,mnist1d_sgd --workers 2,4,8 --seeds 0,1
     python tools/batch_scaling.py --setups mnist1d64k_adam --methods sync_outer,async_outer \
-        --outers default,diloco --workers 2,4,8 --n-sync 10
+        --outers default,diloco --workers 2,4,8 --n-sync 10 --outer-steps 1 --evals 160
 """
 
 import math
