@@ -37,6 +37,9 @@ def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluste
     # Each window: its own id, its own ticket.
     assert len(log) == windows and len({r.window_id for r in log}) == windows
     assert stats.windows == windows == sum(r.pushed for r in log) == history.history["windows"][-1]
+    # The effective rate's scaling is stated: the default's gain over plain averaging.
+    gain = update_rules.outer_gain(update_rules.default_outer_optimizer(2), 2)
+    assert stats.outer_gain == pytest.approx(gain) and "outer gain" in repr(stats)
     # Exact epochs: every step counted once (the last window of each epoch is 1 step).
     assert int(model.optimizer.iterations.numpy()) == epochs * steps
     # Staleness recorded per window: the chief's records are the PS's histogram.

@@ -40,6 +40,12 @@ class AsyncStats:
         bytes_pulled_per_sample: `bytes_pulled_per_window` over the mean
             samples a window of the model trained on (0 if unknown).
         bytes_pushed_per_sample: likewise for the push.
+        outer_gain: how many windows' worth a round of N pushes moves the
+            central weights where they agree (`update_rules.outer_gain` of the
+            model's outer optimizer): the factor by which the strategy scales
+            the effective learning rate over plain averaging (1.0). N under the
+            synchronous default, about 1 under the asynchronous one
+            (docs/defaults.md).
 
     Example:
 
@@ -64,6 +70,7 @@ class AsyncStats:
     bytes_pushed_per_window: int = 0
     bytes_pulled_per_sample: float = 0.0
     bytes_pushed_per_sample: float = 0.0
+    outer_gain: float = 1.0
 
     def __repr__(self):
         # A summary (the histogram's counts by staleness where not zero), not
@@ -78,7 +85,7 @@ class AsyncStats:
             f"dropped_stale={self.dropped_stale}, dropped_nonfinite={self.dropped_nonfinite},\n"
             f"           staleness mean {self.mean_staleness:.2f} max {self.max_staleness} "
             f"(pushes by staleness {{{counts}}}), pulled {_megabytes(self.bytes_pulled)}, "
-            f"pushed {_megabytes(self.bytes_pushed)})"
+            f"pushed {_megabytes(self.bytes_pushed)}, outer gain {self.outer_gain:.2f})"
         )
 
     def as_logs(self):
@@ -156,7 +163,7 @@ class PushCounters(tf.Module):
             )
             return tf.concat([scalars, self.histogram.read_value()], axis=0)
 
-    def stats(self, bytes_per_pull, bytes_per_push, samples_per_window=0.0):
+    def stats(self, bytes_per_pull, bytes_per_push, samples_per_window=0.0, outer_gain=1.0):
         """Reads every counter from the PS in one round trip.
 
         Args:
@@ -164,6 +171,7 @@ class PushCounters(tf.Module):
             bytes_per_push: bytes one window's push sends (0 if unknown).
             samples_per_window: the mean samples a window trains on (0 if
                 unknown: the per-sample bytes are then 0).
+            outer_gain: the model's `update_rules.outer_gain` (1.0 if unknown).
 
         Returns:
             An `AsyncStats`.
@@ -182,6 +190,7 @@ class PushCounters(tf.Module):
             bytes_pulled=(version + nonfinite) * bytes_per_pull,
             bytes_pushed=version * bytes_per_push,
             staleness_histogram=hist,
+            outer_gain=float(outer_gain),
             bytes_pulled_per_window=bytes_per_pull,
             bytes_pushed_per_window=bytes_per_push,
             bytes_pulled_per_sample=bytes_per_pull / samples_per_window

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asgd import internals
-from tf_asgd.rules import outer
+from tf_asgd.rules import outer, update_rules
 from tf_asgd.runtime import optimizer_options, python_inputs
 from tf_asgd.runtime.push import (
     CentralVariables,
@@ -158,8 +158,9 @@ class WindowTrainer:
 
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
+        gain = update_rules.outer_gain(self.outer, self.strategy.num_workers)
         return self.strategy.counters.stats(
-            self.bytes_per_pull, self.bytes_per_push, self.samples_per_window
+            self.bytes_per_pull, self.bytes_per_push, self.samples_per_window, gain
         )
 
     # ---- chief side -------------------------------------------------------
