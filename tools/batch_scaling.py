@@ -14,6 +14,7 @@ variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`, `curves.cs
         --outers default,diloco --workers 2,4,8 --n-sync 10 --outer-steps 1 --evals 160
 """
 
+import functools
 import math
 import os
 import sys
@@ -69,24 +70,40 @@ def scaled_optimizer(name, scale):
     return opt.__class__.from_config(config)
 
 
-def _model(setup, data, scale, steps_per_execution):
+def warmed_up_optimizer(name, rate, warmup_steps):
+    """The setup's optimizer at `rate`, reached linearly over the first `warmup_steps`."""
+    import keras
+
+    class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return rate * keras.ops.minimum(
+                1.0, (keras.ops.cast(step, "float32") + 1) / warmup_steps
+            )
+
+    config = harness.make_optimizer(name).get_config()
+    config["learning_rate"] = LinearWarmup()
+    return harness.make_optimizer(name).__class__.from_config(config)
+
+
+def _model(setup, data, scale, steps_per_execution, optimizer=None):
     _, model_name, opt, _, _, _ = harness.SETUPS[setup]
     model = harness.build_model(model_name, data)
     # One call of `train_function` runs `steps_per_execution` steps, in one tf.function.
     harness.compile_classifier(
-        model, scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
+        model, optimizer or scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
     )
     model.make_train_function()
     return model
 
 
-def large_batch(setup, data, multiple, scale, seed, steps, eval_every):
-    """Held-out points `(step, accuracy)` of batch `multiple * B` at `scale` x the rate."""
+def large_batch(setup, data, multiple, scale, seed, steps, eval_every, optimizer=None):
+    """Held-out points `(step, accuracy)` of batch `multiple * B` at `scale` x the rate
+    (or with `optimizer`, built after seeding)."""
     import keras
 
     batch = harness.SETUPS[setup][3] * multiple
     keras.utils.set_random_seed(seed)
-    model = _model(setup, data, scale, eval_every)
+    model = _model(setup, data, scale, eval_every, optimizer and optimizer())
     held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
     batches = iter(harness.train_dataset(data, batch, seed).repeat())
     points = []
@@ -167,6 +184,73 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
             points.append((step, held_out(center)[0]))
             next_eval += eval_every
     return points
+
+
+def ceiling(setup, data, seed, args):
+    """Rows of the best-rate ceiling: each batch size at each rate of `--rates`.
+
+    Every rate warms up linearly over 5% of batch B's steps (the same for every batch).
+    The target is the best batch-B final minus 1 point; a batch size's steps are its
+    fastest rate's to it. Batch N x B runs `2 / N` of batch B's steps.
+    """
+    steps = args.steps or harness.SETUPS[setup][4]
+    name, runs = harness.SETUPS[setup][2], []
+    for n in [1] + list(args.workers):
+        length = steps if n == 1 else int(steps * 2 / n)
+        every = max(1, min(length // 20, steps // args.evals))
+        for rate in args.rates:
+            make = functools.partial(warmed_up_optimizer, name, rate, max(1, steps // 20))
+            points = large_batch(setup, data, n, 1.0, seed, length, every, optimizer=make)
+            runs.append(dict(setup=setup, seed=seed, workers=n, rate=rate, points=points))
+            print(f"{setup} seed {seed} batch x{n} rate {rate:g}: final {points[-1][1]:.3f}")
+    base = [r for r in runs if r["workers"] == 1]
+    target = max(r["points"][-1][1] for r in base) - 0.01
+    rows = []
+    for r in runs:
+        rows.append(
+            dict(
+                {k: r[k] for k in ("setup", "seed", "workers", "rate")},
+                final_accuracy=r["points"][-1][1],
+                target=target,
+                steps_to_target=steps_to(r["points"], target),
+            )
+        )
+    base_steps = min(row["steps_to_target"] for row in rows if row["workers"] == 1)
+    for row in rows:
+        reached = row["steps_to_target"]
+        row["speedup"] = base_steps / reached if math.isfinite(reached) else 0.0
+    return rows
+
+
+def ceiling_summary(rows):
+    """`summary.md`'s lines for `--rates`: per setup and N, the best rate's speed-up."""
+    lines = ["Each batch size at its best rate (linear warm-up over 5% of steps):", ""]
+    table = []
+    for (setup, n), group in sorted(_groups(rows, ("setup", "workers")).items()):
+        best = {}
+        for row in group:
+            if row["speedup"] >= best.get(row["seed"], {}).get("speedup", -1):
+                best[row["seed"]] = row
+        cells = [best[s] for s in sorted(best)]
+        table.append(
+            [
+                setup,
+                f"{n} x B",
+                "/".join(f"{r['rate']:g}" for r in cells),
+                "/".join(str(r["steps_to_target"]) for r in cells),
+                f"{np.mean([r['speedup'] for r in cells]):.2f}x",
+                f"{cells[0]['target']:.3f}",
+            ]
+        )
+    head = ["setup", "batch", "best rate per seed", "steps to target", "ceiling", "target"]
+    return lines + harness.markdown_table(head, table)
+
+
+def _groups(rows, keys):
+    out = {}
+    for row in rows:
+        out.setdefault(tuple(row[k] for k in keys), []).append(row)
+    return out
 
 
 def steps_to(points, target):
@@ -344,6 +428,12 @@ def main(argv=None):
         default=0.5,
         help="sync_outer/async_outer run this share of plain's samples (steps x N / plain's)",
     )
+    p.add_argument(
+        "--rates",
+        type=harness.float_list,
+        default=None,
+        help="the ceiling instead: every batch size at each of these rates, with warm-up",
+    )
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
     p.add_argument(
@@ -367,6 +457,8 @@ def main(argv=None):
     if args.replot:
         plot(png, harness.read_csv(os.path.join(args.out, "curves.csv")))
         return 0
+    if args.rates:
+        return run_ceiling(args)
     rows, curves = [], []
     for setup in args.setups:
         data = harness.load_data(harness.SETUPS[setup][0])
@@ -379,6 +471,19 @@ def main(argv=None):
     lines = summary(rows)
     harness.write_lines(os.path.join(args.out, "summary.md"), lines)
     plot(png, [{k: str(v) for k, v in c.items()} for c in curves])
+    print("\n".join(lines))
+    return 0
+
+
+def run_ceiling(args):
+    rows = []
+    for setup in args.setups:
+        data = harness.load_data(harness.SETUPS[setup][0])
+        for seed in args.seeds:
+            rows += ceiling(setup, data, seed, args)
+    harness.write_csv(os.path.join(args.out, "ceiling.csv"), rows)
+    lines = ceiling_summary(rows)
+    harness.write_lines(os.path.join(args.out, "ceiling.md"), lines)
     print("\n".join(lines))
     return 0
 
