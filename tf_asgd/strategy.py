@@ -24,7 +24,7 @@ from tf_asgd.keras_glue.evaluation import validate_evaluation
 from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
 from tf_asgd.rules import update_rules
 from tf_asgd.rules.compression import as_compression, as_pull_compression
-from tf_asgd.runtime import python_inputs
+from tf_asgd.runtime import python_inputs, rounds
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
 
@@ -316,6 +316,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         connect_timeout=connect.DEFAULT_CONNECT_TIMEOUT,
         compression=None,
         pull_compression=None,
+        synchronous=False,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -334,6 +335,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         compression = as_compression(compression)
         pull_compression = as_pull_compression(pull_compression)
         tf_config.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
+        rounds.validate_synchronous(
+            synchronous,
+            staleness,
+            max_staleness,
+            windows_per_closure,
+            outer_optimizer,
+            cluster_resolver.cluster_spec().num_tasks("worker"),
+        )
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
         _stop_earlier_strategies()
@@ -353,6 +362,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.connect_timeout = connect_timeout
         self.compression = compression
         self.pull_compression = pull_compression
+        self.synchronous = synchronous
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
@@ -545,9 +555,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         return None if state is None else state.trainer
 
     def _outer_optimizer_for(self, push_rule):
-        """The outer optimizer a model's pushes get (see `outer_optimizer`)."""
+        """The outer optimizer a model's pushes get (see `outer_optimizer`);
+        refuses GEM in synchronous mode."""
+        if self.synchronous:
+            rounds.refuse_push_rule(push_rule)
         if self.outer_optimizer is not None:
             return self.outer_optimizer
         if push_rule is not None:
             return update_rules.OuterSGD()  # GEM: the paper's PS adds pushes as is
+        if self.synchronous:
+            return update_rules.default_synchronous_outer_optimizer(self.num_workers)
         return update_rules.default_outer_optimizer(self.num_workers)
