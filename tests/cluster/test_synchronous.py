@@ -44,11 +44,13 @@ def _window(theta, batches):
     return [w - theta[0], b - theta[1]]
 
 
-def _reference(init, log, x, y, opt, workers):
+def _reference(init, log, x, y, opt, workers, restarted=None):
     """The central weights after the rounds of `log` in NumPy: each round's
     windows from the same start, worker `i` reading the data set's batches
     from batch `i` on (it skips `i` before its first window), each push
-    through `update_rules.outer_step` by its ticket."""
+    through `update_rules.outer_step` by its ticket. `restarted`: `(worker,
+    index in log)`: that worker was restarted before the record at that
+    index, and its data stream starts again there."""
     batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
     batches = [(a.astype(np.float64), b.astype(np.float64)) for a, b in batches]
     theta = [v.astype(np.float64) for v in init]
@@ -56,11 +58,13 @@ def _reference(init, log, x, y, opt, workers):
     position = {w: w for w in range(workers)}
     ticket = 0
     by_round = {}
-    for record in log:  # in the order seen: each worker's windows in the order it ran them
-        by_round.setdefault(record.window_id // workers, []).append(record)
+    for k, record in enumerate(log):  # in the order seen: each worker's in the order it ran them
+        by_round.setdefault(record.window_id // workers, []).append((k, record))
     for r in sorted(by_round):
         start = [t.copy() for t in theta]
-        for record in by_round[r]:
+        for k, record in by_round[r]:
+            if restarted and record.worker == restarted[0] and k >= restarted[1]:
+                position[record.worker], restarted = record.worker, None  # a new iterator
             steps = record.samples // BATCH
             taken = [batches[(position[record.worker] + j) % BATCHES] for j in range(steps)]
             position[record.worker] += steps
@@ -148,6 +152,7 @@ def test_a_worker_killed_mid_round_leaves_every_window_applied_once(local_cluste
             per_worker_dataset_fn=tf_asgd.data.emulated_device_time(60),
         )
         model = _linear(strategy)
+        init = [np.asarray(v) for v in model.get_weights()]
         events = {}
 
         def inject():
@@ -182,6 +187,11 @@ def test_a_worker_killed_mid_round_leaves_every_window_applied_once(local_cluste
         assert int(model.optimizer.iterations.numpy()) == steps
         assert all(r.pushed and r.staleness == 0 for r in log)
         assert stats.max_staleness == 0
+        # The window lost with worker 0 ran again from its round's start.
+        opt = update_rules.default_synchronous_outer_optimizer(WORKERS)
+        expected = _reference(init, log, x, y, opt, WORKERS, restarted=(0, events["killed"]))
+        for got, want in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_synchronous_refuses_what_rounds_cannot_honour():
@@ -230,7 +240,7 @@ def test_the_strategy_refuses_before_connecting_and_gem_before_any_window(cluste
     with strategy.scope():
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
         model.compile(
-            tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.05)),
+            tf_asgd.optimizers.GEM(keras.optimizers.SGD(0.05, momentum=0.9)),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     with pytest.raises(ValueError, match="GEM"):
