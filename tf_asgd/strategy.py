@@ -159,6 +159,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     no staleness scaling), after a schedule over the first rounds: the user's
     optimizer stays unchanged and stable. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
+    With `synchronous=True` windows run in rounds instead: N windows from
+    the same central weights, one outer step on their pushes (see Args).
 
     The strategy keeps each model's state (its `WindowTrainer` and
     `Evaluator`, whether `fit` is running: `model_states`) by model, weakly:
@@ -238,6 +240,35 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             minus the copy, so nothing of its steps is lost; the central
             variables (what `fit` leaves in the model) stay float32. No
             memory on the PS. GEM's rule then sees the bfloat16 copy.
+        synchronous: `False` (the default): asynchronous windows, each
+            pushed as it finishes. `True`: training runs in rounds. In each
+            round N windows of `n_sync` steps (N = the number of workers;
+            normally one per worker) start from the same central weights,
+            those the previous round left, and the PS applies the outer
+            optimizer to the round's N pushes: their mean with
+            `OuterSGD(1 / N)`, one Nesterov step on their mean with
+            `DelayedNesterov(lr, momentum)` (DiLoCo). The chief schedules a
+            round's windows as N closures once every window of the previous
+            round has finished and copies the central variables on the PS
+            (one copy of the model there) for them to pull, so a window that
+            starts late or runs again after its worker was lost starts from
+            the same weights, and every push has staleness 0. A lost worker's
+            window runs again on another worker, exactly once; with no
+            worker left, the `connect_timeout` wait applies. An epoch is
+            still `steps_per_epoch` steps and rounds do not cross its end:
+            where fewer than `N * n_sync` steps are left, the epoch's last
+            round splits them over its N windows as evenly as possible (a
+            window may then be empty). A window whose update holds NaN/Inf stops `fit` with a
+            `FloatingPointError` (the round could not be a mean of N). The
+            default `outer_optimizer` is then
+            `update_rules.default_synchronous_outer_optimizer(num_workers)`.
+            Refused (`ValueError`): `staleness="dynsgd"` (nothing is stale:
+            it would scale by 1), `max_staleness`, a `windows_per_closure`
+            other than None or 1, an `OuterSGD` with momentum or a schedule (a
+            round's pushes would count unequally), a `DelayedNesterov` whose
+            `delay` is not N, a GEM optimizer (at `fit`) and Python-side
+            training data (at `fit`). When to choose it:
+            docs/guide/choosing.md.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
@@ -247,7 +278,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             spec that cannot be right (no host, a port outside 1-65535); an unknown `compression`
             codec (or a bad block or fraction); a `pull_compression` other
             than `"none"` and `"bf16"`; a cluster without a `ps` or a
-            `worker` task. Each is checked before connecting.
+            `worker` task; `synchronous` not a bool, or combined with an
+            option it refuses (see `synchronous`). Each is checked before
+            connecting.
         TypeError: `per_worker_dataset_fn` is not callable, `outer_optimizer`
             is not an `OuterSGD` or a `DelayedNesterov`, or `compression`
             (or `pull_compression`) is not `None`, a codec name or a
@@ -268,6 +301,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `None`).
         pull_compression: the `Compression` of pulls, likewise.
         connect_timeout: as given; may be set again later.
+        synchronous: as given.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
