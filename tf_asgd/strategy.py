@@ -369,14 +369,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         compression = as_compression(compression)
         pull_compression = as_pull_compression(pull_compression)
         tf_config.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
-        rounds.validate_synchronous(
-            synchronous,
-            staleness,
-            max_staleness,
-            windows_per_closure,
-            outer_optimizer,
-            cluster_resolver.cluster_spec().num_tasks("worker"),
-        )
+        workers = cluster_resolver.cluster_spec().num_tasks("worker")
+        options = (staleness, max_staleness, windows_per_closure, outer_optimizer, workers)
+        rounds.validate_synchronous(synchronous, *options)
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
         _stop_earlier_strategies()
