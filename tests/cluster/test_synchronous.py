@@ -254,3 +254,30 @@ def test_split_round():
     assert rounds.split_round(7, 2) == [4, 3]
     assert rounds.split_round(1, 3) == [1, 0, 0]
     assert rounds.split_round(12, 2, cycle=4) == [8, 4]
+
+
+def test_compression_validation_and_stats_work_in_rounds(cluster, flat):
+    """int8 pushes with error feedback, `fit`'s validation on the workers and
+    `model_stats` under synchronous rounds: every push at staleness 0, and the
+    held-out loss falls."""
+    (x, y), (xt, yt) = flat
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=5, synchronous=True, compression="int8"
+    )
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    history = model.fit(
+        x, y, batch_size=32, epochs=2, steps_per_epoch=20, validation_data=(xt, yt), verbose=0
+    )
+    stats = strategy.model_stats(model)
+    assert stats.windows == stats.applied == 8 and stats.max_staleness == 0
+    assert stats.bytes_pushed_per_window < stats.bytes_pulled_per_window  # int8 payloads
+    assert all(r.staleness == 0 for r in strategy.window_log(model))
+    assert history.history["val_loss"][-1] < history.history["val_loss"][0]
+    loss, accuracy = model.evaluate(xt, yt, verbose=0)
+    assert np.isfinite(loss) and accuracy == pytest.approx(history.history["val_accuracy"][-1])

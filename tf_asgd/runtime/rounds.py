@@ -102,6 +102,10 @@ class Rounds:
         self.steps = 0  # steps gathered for the next round
         self.window_ids = []  # the ids of the last round scheduled
 
+    def reset(self):
+        """Forgets the steps gathered (an epoch starts)."""
+        self.steps = 0
+
     def add(self, steps):
         """Gathers `steps` for the next round; returns whether it is full."""
         self.steps += steps

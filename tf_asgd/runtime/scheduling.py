@@ -400,6 +400,7 @@ class WindowTrainer:
         self.log.reset_metrics()
         self._epoch_step = 0
         self._logs = None
+        self.rounds and self.rounds.reset()  # steps left by a failed fit's round
 
     def finish(self):
         """Waits for every scheduled window; writes the epoch's metrics back.
