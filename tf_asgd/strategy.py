@@ -24,7 +24,7 @@ from tf_asgd.keras_glue.evaluation import validate_evaluation
 from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
 from tf_asgd.rules import update_rules
 from tf_asgd.rules.compression import as_compression, as_pull_compression
-from tf_asgd.runtime import python_inputs
+from tf_asgd.runtime import python_inputs, rounds
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
 
@@ -159,6 +159,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     no staleness scaling), after a schedule over the first rounds: the user's
     optimizer stays unchanged and stable. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
+    With `synchronous=True` windows run in rounds instead: N windows from
+    the same central weights, one outer step on their pushes (see Args).
 
     The strategy keeps each model's state (its `WindowTrainer` and
     `Evaluator`, whether `fit` is running: `model_states`) by model, weakly:
@@ -238,6 +240,35 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             minus the copy, so nothing of its steps is lost; the central
             variables (what `fit` leaves in the model) stay float32. No
             memory on the PS. GEM's rule then sees the bfloat16 copy.
+        synchronous: `False` (the default): asynchronous windows, each
+            pushed as it finishes. `True`: training runs in rounds. In each
+            round N windows of `n_sync` steps (N = the number of workers;
+            normally one per worker) start from the same central weights,
+            those the previous round left, and the PS applies the outer
+            optimizer to the round's N pushes: their mean with
+            `OuterSGD(1 / N)`, one Nesterov step on their mean with
+            `DelayedNesterov(lr, momentum)` (DiLoCo). The chief schedules a
+            round's windows as N closures once every window of the previous
+            round has finished and copies the central variables on the PS
+            (one copy of the model there) for them to pull, so a window that
+            starts late or runs again after its worker was lost starts from
+            the same weights, and every push has staleness 0. A lost worker's
+            window runs again on another worker, exactly once; with no
+            worker left, the `connect_timeout` wait applies. An epoch is
+            still `steps_per_epoch` steps and rounds do not cross its end:
+            where fewer than `N * n_sync` steps are left, the epoch's last
+            round splits them over its N windows as evenly as possible (a
+            window may then be empty). A window whose update holds NaN/Inf stops `fit` with a
+            `FloatingPointError` (the round could not be a mean of N). The
+            default `outer_optimizer` is then
+            `update_rules.default_synchronous_outer_optimizer(num_workers)`.
+            Refused (`ValueError`): `staleness="dynsgd"` (nothing is stale:
+            it would scale by 1), `max_staleness`, a `windows_per_closure`
+            other than None or 1, an `OuterSGD` with momentum or a schedule (a
+            round's pushes would count unequally), a `DelayedNesterov` whose
+            `delay` is not N, a GEM optimizer (at `fit`) and Python-side
+            training data (at `fit`). When to choose it:
+            docs/guide/choosing.md.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
@@ -247,7 +278,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             spec that cannot be right (no host, a port outside 1-65535); an unknown `compression`
             codec (or a bad block or fraction); a `pull_compression` other
             than `"none"` and `"bf16"`; a cluster without a `ps` or a
-            `worker` task. Each is checked before connecting.
+            `worker` task; `synchronous` not a bool, or combined with an
+            option it refuses (see `synchronous`). Each is checked before
+            connecting.
         TypeError: `per_worker_dataset_fn` is not callable, `outer_optimizer`
             is not an `OuterSGD` or a `DelayedNesterov`, or `compression`
             (or `pull_compression`) is not `None`, a codec name or a
@@ -268,6 +301,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `None`).
         pull_compression: the `Compression` of pulls, likewise.
         connect_timeout: as given; may be set again later.
+        synchronous: as given.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
@@ -316,6 +350,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         connect_timeout=connect.DEFAULT_CONNECT_TIMEOUT,
         compression=None,
         pull_compression=None,
+        synchronous=False,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -334,6 +369,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         compression = as_compression(compression)
         pull_compression = as_pull_compression(pull_compression)
         tf_config.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
+        workers = cluster_resolver.cluster_spec().num_tasks("worker")
+        options = (staleness, max_staleness, windows_per_closure, outer_optimizer, workers)
+        rounds.validate_synchronous(synchronous, *options)
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
         _stop_earlier_strategies()
@@ -353,6 +391,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.connect_timeout = connect_timeout
         self.compression = compression
         self.pull_compression = pull_compression
+        self.synchronous = synchronous
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
@@ -545,9 +584,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         return None if state is None else state.trainer
 
     def _outer_optimizer_for(self, push_rule):
-        """The outer optimizer a model's pushes get (see `outer_optimizer`)."""
+        """The outer optimizer a model's pushes get (see `outer_optimizer`);
+        refuses GEM in synchronous mode."""
+        if self.synchronous:
+            rounds.refuse_push_rule(push_rule)
         if self.outer_optimizer is not None:
             return self.outer_optimizer
         if push_rule is not None:
             return update_rules.OuterSGD()  # GEM: the paper's PS adds pushes as is
+        if self.synchronous:
+            return update_rules.default_synchronous_outer_optimizer(self.num_workers)
         return update_rules.default_outer_optimizer(self.num_workers)

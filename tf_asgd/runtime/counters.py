@@ -126,8 +126,8 @@ class PushCounters(tf.Module):
             tf.zeros([STALENESS_BINS], tf.int64), trainable=False, name="staleness_histogram"
         )
 
-    def take_ticket(self, pulled_version, push=None):
-        """Takes a version ticket; returns staleness tau (int64) and records it.
+    def take_ticket(self, pulled_version, push=None, round_size=1):
+        """Takes a version ticket; returns `(tau, ticket)` and records `tau`.
 
         Call under `tf.control_dependencies` on the window's update, so that the
         ticket is taken when the update exists, not at pull time.
@@ -137,10 +137,20 @@ class PushCounters(tf.Module):
             push: None, or a bool scalar: where false, no ticket is taken and
                 nothing is recorded (branch-free; the tau returned is then
                 meaningless).
+            round_size: pushes per synchronous round (1: asynchronous). The
+                pushes of a round start from one pull and make one step
+                together: `tau` counts only whole rounds between the pull and
+                the push (0 for each push of the round it pulled for).
+
+        Returns:
+            `(tau, ticket)`: the staleness and the push's 0-based version
+            ticket, int64 scalars.
         """
         count = tf.constant(1, tf.int64) if push is None else tf.cast(push, tf.int64)
-        ticket = self.version.assign_add(count, read_value=True)
-        tau = ticket - count - pulled_version
+        ticket = self.version.assign_add(count, read_value=True) - count
+        tau = ticket - pulled_version
+        if round_size > 1:
+            tau = tau // round_size * round_size
         bin_ = tf.clip_by_value(tau, 0, STALENESS_BINS - 1)
         record = [
             self.staleness_sum.assign_add(tau * count, read_value=False),
@@ -152,7 +162,7 @@ class PushCounters(tf.Module):
             ),
         ]
         with tf.control_dependencies(record):
-            return tf.identity(tau)
+            return tf.identity(tau), tf.identity(ticket)
 
     @tf.function
     def _read_all(self):

@@ -185,9 +185,11 @@ class Pull:
             `window_id` the window's id there.
         compression: the pull's `compression.Compression` (`"none"` or
             `"bf16"`); default none.
+        start: a `rounds.RoundStart` to read instead of the live variables
+            and version counter (synchronous rounds); None reads them live.
     """
 
-    def __init__(self, variables, shared, counters, replayed, compression=None):
+    def __init__(self, variables, shared, counters, replayed, compression=None, start=None):
         self.cdev = raw(counters.version).device
         self.num_variables, self.num_shared = len(variables), len(shared)
         self.owners = [i for i, v in enumerate(variables) for _ in shard_variables(raw(v))]
@@ -196,14 +198,16 @@ class Pull:
         # The dtype each piece travels in (bf16 for float32 under a bf16 pull).
         self._dtypes = [pull_dtype(p.dtype, compression) for p in pieces]
 
+        version = counters.version if start is None else start.version
+        sources = tensors if start is None else start.shared + start.pieces  # beside each
+
         def meta(window_id):
             tau = tf.constant(-1, tf.int64)  # filled in by `to_worker`
-            version = counters.version.read_value()
-            return PullMeta(tau, replayed(window_id), version).pack()
+            return PullMeta(tau, replayed(window_id), version.read_value()).pack()
 
         dtypes = [v.dtype for v in shared] + self._dtypes
         self._reads = [meta] + [
-            lambda _, v=v, t=t: tf.cast(v.read_value(), t) for v, t in zip(tensors, dtypes)
+            lambda _, v=v, t=t: tf.cast(v.read_value(), t) for v, t in zip(sources, dtypes)
         ]
         self.transfer = Transfer(
             [(self.cdev, [PullMeta.size()], tf.int64)]
@@ -400,6 +404,8 @@ class CentralVariables:
         slots: per variable, per shard, the outer state (`outer.create_slots`), `{}` for
             none; None: none anywhere.
         num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
+        round_size: pushes per synchronous round (the staleness counts whole
+            rounds: `counters.PushCounters.take_ticket`); 1 when asynchronous.
 
     Example:
 
@@ -423,6 +429,7 @@ class CentralVariables:
     outer_optimizer: typing.Any = None
     slots: typing.Any = None
     num_workers: int = 1
+    round_size: int = 1
 
     def push(self, updates, pulled_version):
         """Sends `updates` to the PS and applies them (`apply`).
@@ -546,7 +553,7 @@ class _PushPlan:
         c = self.central
         with tf.device(self.cdev):
             with tf.control_dependencies(landed):
-                tau = c.counters.take_ticket(pulled_version, push)
+                tau, ticket = c.counters.take_ticket(pulled_version, push, c.round_size)
             scale = tf.cast(
                 update_rules.staleness_scale(tau, c.rule, c.max_staleness, xp=tnp), tf.float64
             )
@@ -554,7 +561,6 @@ class _PushPlan:
             if push is not None:
                 scale = tf.where(push, scale, tf.zeros_like(scale))
                 dropped = dropped * tf.cast(push, tf.int64)
-            ticket = pulled_version + tau
             ops = [c.counters.dropped_stale.assign_add(dropped, read_value=False)]
             with tf.control_dependencies([tau]):
                 ops += list(extra_writes(tau, push)) if extra_writes else []

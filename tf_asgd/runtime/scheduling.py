@@ -30,6 +30,7 @@ from tf_asgd.runtime.push import (
     shard_variables,
 )
 from tf_asgd.runtime.records import WindowRecord
+from tf_asgd.runtime.rounds import Rounds
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 from tf_asgd.runtime.window_log import WindowLog
 
@@ -104,6 +105,9 @@ class WindowTrainer:
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
+        # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
+        synchronous = getattr(strategy, "synchronous", False)
+        self.rounds = Rounds(strategy.num_workers, strategy.n_sync) if synchronous else None
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
         self._iterator = None
         self._next_window_id = 0
@@ -178,7 +182,7 @@ class WindowTrainer:
         """
         self._iterator = iterator
         window_id = self._next_window_id
-        self._next_window_id += 1
+        self._next_window_id += self.rounds is None  # synchronous: ids by round (`_start_round`)
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
         steps = self._fit_state.steps_per_epoch
@@ -192,14 +196,18 @@ class WindowTrainer:
             if not num_steps:
                 return self._logs if self._logs is not None else {}
         self._epoch_step += num_steps
-        self._queue.append((num_steps, window_id))
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
-        if (
-            not steps
-            or left <= 0
-            or len(self._queue) >= self._closure_size(len(self._queue) + left)
-        ):
-            self._flush(left)
+        if self.rounds is not None:
+            if self.rounds.add(num_steps) or not steps or left <= 0:
+                self._start_round()
+        else:
+            self._queue.append((num_steps, window_id))
+            if (
+                not steps
+                or left <= 0
+                or len(self._queue) >= self._closure_size(len(self._queue) + left)
+            ):
+                self._flush(left)
         # The epoch's last window: its logs are the epoch's, as in Keras (the
         # epoch's end waits for these windows anyway).
         last = bool(steps) and left <= 0
@@ -268,6 +276,21 @@ class WindowTrainer:
             k = self._closure_size(len(self._queue) + left)
             windows, self._queue = self._queue[:k], self._queue[k:]
             self._schedule(windows)
+
+    def _start_round(self):
+        """Synchronous: the barrier (every window of the last round finished,
+        so each push of it is applied), the round's start captured on the PS
+        (`rounds.RoundStart`, which every window of the round pulls), then
+        the round's N windows scheduled, one closure each."""
+        self._drain(block=True)
+        cycle = optimizer_options.accumulation_steps(self.model.optimizer)
+        windows = self.rounds.take(self._iterator, self.log.records, self._next_window_id, cycle)
+        if windows:
+            self._next_window_id += len(windows)
+            self.window.prepare(self._iterator)  # errors before anything is traced
+            self.window.state.start_rounds().capture()
+            for window in windows:
+                self._schedule([window])
 
     def _schedule(self, windows, first=True):
         # Two small tensors: each argument costs the chief a conversion.
@@ -377,6 +400,7 @@ class WindowTrainer:
         self.log.reset_metrics()
         self._epoch_step = 0
         self._logs = None
+        self.rounds and self.rounds.reset()  # steps left by a failed fit's round
 
     def finish(self):
         """Waits for every scheduled window; writes the epoch's metrics back.
@@ -384,12 +408,17 @@ class WindowTrainer:
         Raises if every window of the epoch held NaN/Inf: training cannot
         progress, and spinning on would hide it.
         """
-        self._flush()
+        if self.rounds is None:
+            self._flush()
+        else:
+            self._start_round()  # what is gathered of a round (a stop mid-epoch)
         while True:
             self.coordinator.join()
             self._drain(block=True)  # may schedule windows a closure did not run
             if not self._pending:
                 break
+        if self.rounds is not None:
+            self.rounds.check(self.log.records)
         self._epoch_step = 0
         # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
         # ends `fit` as it would.)

@@ -151,6 +151,7 @@ class WindowFunction:
             self._trainer.strategy.counters,
             self.state.already_pushed,
             self._trainer.strategy.pull_compression,
+            self.state.round_start,  # synchronous: the round's start, not the live variables
         )
         self._push_round = PushRound(self._trainer, self.state, pull)
         with tf.device(pull.cdev):

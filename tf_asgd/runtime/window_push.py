@@ -49,6 +49,8 @@ class PushRound:
             trainer.outer,
             trainer.outer_slots,
             strategy.num_workers,
+            # A synchronous round's pushes are not stale to one another.
+            strategy.num_workers if getattr(strategy, "synchronous", False) else 1,
         )
 
     def run(self, outgoing, meta):

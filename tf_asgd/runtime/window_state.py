@@ -14,6 +14,7 @@ import tensorflow as tf
 from tf_asgd import internals
 from tf_asgd.runtime import optimizer_options
 from tf_asgd.runtime.push import PushCodec, device_of, raw, read
+from tf_asgd.runtime.rounds import RoundStart
 
 APPLIED_RING = 1 << 16  # window ids remembered on the PS (8 bytes each)
 
@@ -60,6 +61,7 @@ class WindowState:
 
     def __init__(self, trainer, own_train_step):
         self._trainer = trainer
+        self.round_start = None  # synchronous rounds: `start_rounds`
         model, strategy, push_rule = trainer.model, trainer.strategy, trainer.push_rule
         with strategy.scope():
             self.local_optimizer = (
@@ -81,6 +83,18 @@ class WindowState:
             self.applied_windows = tf.Variable(
                 tf.zeros([APPLIED_RING], tf.int64), trainable=False, name="applied_windows"
             )
+
+    def start_rounds(self):
+        """The `rounds.RoundStart` that synchronous windows pull, created on
+        first use (once the optimizer state exists; before the window is
+        traced)."""
+        if self.round_start is None:
+            strategy = self._trainer.strategy
+            with strategy.scope():
+                self.round_start = RoundStart(
+                    self._trainer.variables, self.shared_variables(), strategy.counters
+                )
+        return self.round_start
 
     def _create_residuals(self, strategy):
         """The push's codec and, under a lossy one, the error-feedback

@@ -1,0 +1,204 @@
+"""Synchronous rounds (`synchronous=True`): N windows from one start, one outer step.
+
+`Rounds` forms the chief's rounds (the epoch's steps in rounds of N windows); `RoundStart`
+is the copy of the central variables on the PS that every window of a round pulls;
+`validate_synchronous` refuses what rounds cannot honour exactly. How the barrier, the
+pulls and the staleness work: docs/architecture.md.
+"""
+
+import tensorflow as tf
+
+from tf_asgd.rules import update_rules
+from tf_asgd.runtime import python_inputs
+from tf_asgd.runtime.push import raw, shard_variables
+
+
+def validate_synchronous(synchronous, staleness, max_staleness, windows_per_closure, outer_opt, n):
+    """Refuses, before connecting, what synchronous rounds cannot honour exactly.
+
+    Args:
+        synchronous: the strategy's `synchronous` argument.
+        staleness: its `staleness` rule.
+        max_staleness: its `max_staleness`.
+        windows_per_closure: its `windows_per_closure`.
+        outer_opt: its `outer_optimizer` (None: the default).
+        n: the number of workers (pushes per round).
+
+    Raises:
+        ValueError: `synchronous` not a bool; with `synchronous=True`, a
+            staleness rule other than "none", a `max_staleness`, a
+            `windows_per_closure` other than None or 1, an `OuterSGD` with
+            momentum or a schedule, or a `DelayedNesterov` whose `delay` is
+            not the number of workers.
+    """
+    if not isinstance(synchronous, bool):
+        raise ValueError(f"synchronous must be True or False, got {synchronous!r}.")
+    if not synchronous:
+        return
+    refused = []
+    if staleness != "none":
+        refused.append(f"staleness={staleness!r} (every push of a round has staleness 0)")
+    if max_staleness is not None:
+        refused.append(f"max_staleness={max_staleness!r} (no push of a round is stale)")
+    if windows_per_closure not in (None, 1):
+        refused.append(
+            f"windows_per_closure={windows_per_closure!r} (each window of a round is a "
+            "closure of its own, pulled after the previous round)"
+        )
+    if isinstance(outer_opt, update_rules.OuterSGD) and (outer_opt.momentum or outer_opt.schedule):
+        refused.append(
+            f"{outer_opt!r} (momentum or a schedule would weigh a round's pushes unequally: "
+            "use OuterSGD(lr) without either, or DelayedNesterov(lr, momentum) for one "
+            "Nesterov step per round)"
+        )
+    if isinstance(outer_opt, update_rules.DelayedNesterov) and outer_opt.delay not in (None, n):
+        refused.append(
+            f"{outer_opt!r} (its momentum steps must close a round: delay None or {n}, the "
+            "number of workers)"
+        )
+    if refused:
+        raise ValueError("synchronous=True cannot be combined with " + "; ".join(refused) + ".")
+
+
+def refuse_push_rule(push_rule):
+    """Raises `ValueError` for a worker-side push rule (GEM) in synchronous mode:
+    GEM rescales each push against the asynchronous system's energy, which a
+    round of pushes from one start does not have."""
+    if push_rule is not None:
+        raise ValueError(
+            "synchronous=True cannot be combined with a GEM optimizer: GEM matches each "
+            "push's energy to the asynchronous system's, and a round's windows all start "
+            "from the same weights. Compile the model with its plain optimizer."
+        )
+
+
+def split_round(steps, num_windows, cycle=1):
+    """A round's `steps` over `num_windows` windows, as evenly as whole
+    `cycle`s (gradient accumulation) allow, the longer windows first; a
+    window is empty (0 steps) where fewer cycles than windows remain.
+
+    Examples:
+        >>> split_round(20, 2), split_round(5, 2), split_round(1, 3)
+        ([10, 10], [3, 2], [1, 0, 0])
+    """
+    units, extra = divmod(steps // cycle, num_windows)
+    return [(units + (i < extra)) * cycle for i in range(num_windows)]
+
+
+class Rounds:
+    """The chief's rounds: steps Keras asks for, gathered into rounds of
+    `num_workers` windows of `n_sync` steps. A round is due once it holds
+    `num_workers * n_sync` steps, or at an epoch's end (its last round then
+    splits the steps left over its windows: `split_round`); rounds never
+    cross an epoch's end.
+
+    Args:
+        num_workers: windows per round, N.
+        n_sync: local steps per window.
+    """
+
+    def __init__(self, num_workers, n_sync):
+        self.num_workers, self.n_sync = num_workers, n_sync
+        self.steps = 0  # steps gathered for the next round
+        self.window_ids = []  # the ids of the last round scheduled
+
+    def reset(self):
+        """Forgets the steps gathered (an epoch starts)."""
+        self.steps = 0
+
+    def add(self, steps):
+        """Gathers `steps` for the next round; returns whether it is full."""
+        self.steps += steps
+        return self.steps >= self.num_workers * self.n_sync
+
+    def take(self, iterator, records, first_id, cycle=1):
+        """After the barrier: checks the last round (`check`), then returns the
+        next round's windows, `[(steps, window id)]` with ids from `first_id`
+        on (None when no step is gathered).
+
+        Args:
+            iterator: the training data's iterator (Python-side data, which
+                the chief reads per Keras step, is refused: `ValueError`).
+            records: the `WindowRecord`s seen, newest last.
+            first_id: the first window's id.
+            cycle: the gradient-accumulation steps a window holds whole.
+        """
+        if python_inputs.is_feed(iterator):
+            raise ValueError(
+                "synchronous=True cannot train on Python-side data (a PyDataset, a generator, "
+                "a pipeline that calls Python); pass arrays or a tf.data.Dataset."
+            )
+        self.check(records)
+        if not self.steps:
+            return None
+        sizes = split_round(self.steps, self.num_workers, cycle)
+        self.steps = 0
+        self.window_ids = list(range(first_id, first_id + len(sizes)))
+        return list(zip(sizes, self.window_ids))
+
+    def check(self, records):
+        """After the barrier: raises `FloatingPointError` if a window of the
+        last round was not applied (its update held NaN/Inf): the round would
+        be a mean over fewer windows, and the outer optimizer's rounds would
+        slip. `records`: the `WindowRecord`s seen, newest last."""
+        ids = set(self.window_ids)
+        recent = records[-4 * self.num_workers :]
+        skipped = [r.window_id for r in recent if r.window_id in ids and not r.pushed]
+        if skipped:
+            raise FloatingPointError(
+                f"Synchronous training: window(s) {skipped} of a round computed updates with "
+                "NaN or Inf, so the round cannot apply the mean of its windows. Lower the "
+                "learning rate or check the data for NaN/Inf."
+            )
+        self.window_ids = []
+
+
+class RoundStart:
+    """The central variables as a round starts, on the PS: what every window of the round pulls.
+
+    A copy beside each central variable (or shard), each shared optimizer
+    variable (step counter, learning rate) and the version counter. The
+    chief `capture`s them between rounds, once every push of the previous
+    round is applied; a window pulls them instead of the live variables, so
+    a window that runs late, or again on another worker after its worker was
+    lost, starts from the same weights as the others of its round. Costs one
+    copy of the model on the PS.
+
+    Create under the strategy's scope.
+
+    Args:
+        variables: the central variables (Keras or TF, possibly sharded).
+        shared: the local optimizer's variables read from the PS at each pull.
+        counters: the strategy's `counters.PushCounters`.
+    """
+
+    def __init__(self, variables, shared, counters):
+        strategy = tf.distribute.get_strategy()
+        sources = [raw(v) for v in shared] + [s for v in variables for s in shard_variables(raw(v))]
+        self._pairs = []
+        for source in sources + [counters.version]:
+            with strategy.extended.colocate_vars_with(source):
+                copy = tf.Variable(
+                    tf.zeros(source.shape, source.dtype),
+                    trainable=False,
+                    name=f"{source.name.split(':')[0]}/round_start",
+                )
+            self._pairs.append((source, copy))
+        self.version = self._pairs[-1][1]
+        self.shared = [c for _, c in self._pairs[: len(shared)]]
+        self.pieces = [c for _, c in self._pairs[len(shared) : -1]]
+        self._capture = tf.function(self._copy, autograph=False)
+
+    def _copy(self):
+        ops = []
+        for source, copy in self._pairs:
+            with tf.device(copy.device):
+                ops.append(copy.assign(source.read_value(), read_value=False))
+        with tf.control_dependencies(ops):
+            return self.version.read_value()
+
+    def capture(self):
+        """Copies the central variables, shared optimizer variables and
+        version counter (on the PS; call between rounds). Returns the
+        version captured, once every copy is written."""
+        return int(self._capture().numpy())
