@@ -215,7 +215,7 @@ def outer_sgd(spec, workers):
 
 def _is_outer_rate(spec):
     try:
-        return spec == "default" or bool(parse_outer(spec))
+        return spec in ("default", "sync") or bool(parse_outer(spec))
     except ValueError:
         return False
 
@@ -233,6 +233,15 @@ def variant(row):
     if outer == "default":
         return codec
     return f"outer {outer}" if codec == "none" else f"{codec}, outer {outer}"
+
+
+def _outer_options(outer, workers):
+    """The strategy's keyword arguments for an `--outer-rates` value."""
+    if outer == "default":
+        return {}
+    if outer == "sync":  # synchronous rounds under their default outer optimizer
+        return {"synchronous": True}
+    return {"outer_optimizer": outer_sgd(outer, workers)}
 
 
 def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", outer="default"):
@@ -255,7 +264,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
         per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i),
         compression=push,
         pull_compression=pull,
-        **({} if outer == "default" else {"outer_optimizer": outer_sgd(outer, workers)}),
+        **_outer_options(outer, workers),
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
@@ -644,8 +653,8 @@ def main(argv=None):
         "--outer-rates",
         type=harness.str_list,
         default=["default"],
-        help="default (the strategy's) or constant per-push outer rates, as numbers or fractions "
-        "of the stability limit: e.g. default,0.5,0.667*limit",
+        help="default (the strategy's), sync (synchronous rounds) or constant per-push outer "
+        "rates, as numbers or fractions of the stability limit: e.g. default,sync,0.667*limit",
     )
     p.add_argument(
         "--bandwidth",
@@ -679,7 +688,7 @@ def main(argv=None):
     args.device_ms = harness.single(p, args, "device_ms")
     for rate in args.outer_rates:
         if not _is_outer_rate(rate):
-            p.error(f"--outer-rates: {rate!r} is neither 'default' nor a number > 0")
+            p.error(f"--outer-rates: {rate!r} is neither 'default', 'sync' nor a number > 0")
     for s in args.setups:
         if s not in harness.SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")
