@@ -36,6 +36,7 @@ def get_config():
     c.seed = 0
     # Asynchrony (tf_asgd.AsyncParameterServerStrategy).
     c.n_sync = 10
+    c.synchronous = False  # rounds of N windows from one start (needs gem off, staleness none)
     # Not the strategy's default ("none", with its outer rate): GEM's pushes get no outer
     # rate, and DynSGD scales the stale ones down (docs/launcher.md).
     c.staleness = "dynsgd"

@@ -302,6 +302,27 @@ def _free_ports(n):
     return ports
 
 
+def test_a_synchronous_run_from_the_config(tmp_path):
+    """`config.synchronous` reaches the strategy: rounds of 2 windows, none stale,
+    under the synchronous default's gain of N."""
+    proc = run_launcher(
+        [
+            *SHORT,
+            "--config.epochs=1",
+            "--config.synchronous=True",
+            "--config.gem.enabled=False",
+            "--config.staleness=none",
+            f"--workdir={tmp_path}/run",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "run" / "results.json") as f:
+        results = json.load(f)
+    # 20 steps of n_sync 10 on 2 workers: one round of 2 windows.
+    assert results["windows"] == results["applied"] == 2
+    assert results["max_staleness"] == 0 and results["num_workers"] == 2
+
+
 def test_tf_config_roles_on_loopback(tmp_path):
     """ps and worker tasks serve until SIGTERM; the chief trains against them."""
     p = _free_ports(3)

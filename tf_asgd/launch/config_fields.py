@@ -39,6 +39,8 @@ CONFIG_FIELDS = {
     "validate_every_epoch": "evaluate the test split after each epoch",
     "seed": "random seed (weights, data order)",
     "n_sync": "local steps per window between pull and push",
+    "synchronous": "rounds of N windows from the same weights and one outer step on their mean "
+    "(its default gain is N; refuses GEM and staleness rules) instead of asynchronous pushes",
     "staleness": "none (Downpour) | dynsgd (push scaled by 1/(staleness+1)); the strategy's "
     f"default is {STRATEGY_STALENESS}, configs/default.py sets {DEFAULT_CONFIG_STALENESS}: it "
     "trains with GEM, whose pushes get no outer rate, and DynSGD scales the stale ones down",

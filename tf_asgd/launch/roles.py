@@ -167,6 +167,7 @@ def make_strategy(config, resolver):
     return AsyncParameterServerStrategy(
         resolver,
         n_sync=config.n_sync,
+        synchronous=config.synchronous,
         staleness=config.staleness,
         max_staleness=config.max_staleness,
         outer_optimizer=make_outer_optimizer(config),
