@@ -256,7 +256,9 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
     data = _data(data_name)
     steps = int(round(args.budget * _steps(setup, args)))
     device_ms = _device_ms(setup, args)
-    device = tf_asgd.data.emulated_device_time(device_ms)
+    # Worker 0 a straggler at `--slow-worker` times the device time (1: none).
+    slow = {0: args.slow_worker} if args.slow_worker != 1 else None
+    device = tf_asgd.data.emulated_device_time(device_ms, slow)
     push, pull = parse_compression(compression)
     strategy = tf_asgd.AsyncParameterServerStrategy(
         cluster.resolver,
@@ -662,6 +664,12 @@ def main(argv=None):
         help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
     )
     p.add_argument("--budget", type=float, default=2.0, help="tf_asgd's samples over plain's")
+    p.add_argument(
+        "--slow-worker",
+        type=float,
+        default=1.0,
+        help="worker 0's device time as a multiple of the others' (a straggler; 1: none)",
+    )
     p.add_argument(
         "--plain-steps", type=int, default=None, help="plain Keras's steps (default: each setup's)"
     )
