@@ -565,7 +565,7 @@ def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _tool("time_to_accuracy.py").main(["--outer-rates", "0.5*n"])
     assert exit_info.value.code == 2
-    assert "neither 'default' nor a number > 0" in capsys.readouterr().err
+    assert "neither 'default', 'sync' nor a number > 0" in capsys.readouterr().err
 
 
 def test_batch_scaling_tool(tmp_path):
@@ -607,6 +607,36 @@ def test_batch_scaling_tool(tmp_path):
     os.remove(tmp_path / "accuracy_vs_steps.png")
     _run("batch_scaling.py", "--replot", "--out", str(tmp_path))  # from curves.csv alone
     _png(tmp_path / "accuracy_vs_steps.png")
+
+
+def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
+    """`sync_outer` through `OuterSGD(1/N)` is local SGD's averaging; `--rates` gives each
+    batch size its best rate, batch B's best at 1x."""
+    import numpy as np
+
+    tool = _tool("batch_scaling.py")
+    setup, data = "digits_adam", tool.harness.load_data("digits")
+    from tf_asgd.rules import update_rules
+
+    average = update_rules.OuterSGD(0.5)
+    rounds = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=False)
+    local = tool.local_sgd(setup, data, 2, 5, 0, 40, 10)
+    assert [s for s, _ in rounds] == [s for s, _ in local] == [10, 20, 30, 40]
+    np.testing.assert_allclose([a for _, a in rounds], [a for _, a in local], atol=0.01)
+    stale = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=True)
+    assert [s for s, _ in stale] == [10, 20, 30, 40] and stale != rounds
+    synchronous = update_rules.default_synchronous_outer_optimizer(4)
+    assert tool.outer_rule("default", 4, True) == synchronous
+    assert tool.outer_rule("dn:0.5:0.8", 4, False) == update_rules.DelayedNesterov(0.5, 0.8)
+
+    _run("batch_scaling.py", "--setups", setup, "--rates", "1e-3,4e-3", "--workers", "2",
+         "--steps", "60", "--evals", "6", "--out", str(tmp_path))  # fmt: skip
+    rows = _csv(tmp_path / "ceiling.csv", ["workers", "rate", "steps_to_target", "speedup"])
+    assert [(r["workers"], float(r["rate"])) for r in rows] == [
+        ("1", 1e-3), ("1", 4e-3), ("2", 1e-3), ("2", 4e-3)
+    ]  # fmt: skip
+    assert max(float(r["speedup"]) for r in rows if r["workers"] == "1") == 1.0
+    assert "| digits_adam | 2 x B |" in (tmp_path / "ceiling.md").read_text()
 
 
 def test_schedule_cases_tool_synchronous_twin(tmp_path):
