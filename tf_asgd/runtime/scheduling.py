@@ -182,7 +182,8 @@ class WindowTrainer:
         """
         self._iterator = iterator
         window_id = self._next_window_id
-        self._next_window_id += self.rounds is None  # synchronous: ids by round (`_start_round`)
+        if self.rounds is None:  # synchronous windows get their ids by round (`_start_round`)
+            self._next_window_id += 1
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
         steps = self._fit_state.steps_per_epoch
@@ -202,11 +203,8 @@ class WindowTrainer:
                 self._start_round()
         else:
             self._queue.append((num_steps, window_id))
-            if (
-                not steps
-                or left <= 0
-                or len(self._queue) >= self._closure_size(len(self._queue) + left)
-            ):
+            full = len(self._queue) >= self._closure_size(len(self._queue) + left)
+            if not steps or left <= 0 or full:
                 self._flush(left)
         # The epoch's last window: its logs are the epoch's, as in Keras (the
         # epoch's end waits for these windows anyway).
@@ -400,7 +398,8 @@ class WindowTrainer:
         self.log.reset_metrics()
         self._epoch_step = 0
         self._logs = None
-        self.rounds and self.rounds.reset()  # steps left by a failed fit's round
+        if self.rounds is not None:
+            self.rounds.reset()  # steps left by a failed fit's round
 
     def finish(self):
         """Waits for every scheduled window; writes the epoch's metrics back.
