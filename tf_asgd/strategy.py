@@ -241,33 +241,21 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             variables (what `fit` leaves in the model) stay float32. No
             memory on the PS. GEM's rule then sees the bfloat16 copy.
         synchronous: `False` (the default): asynchronous windows, each
-            pushed as it finishes. `True`: training runs in rounds. In each
-            round N windows of `n_sync` steps (N = the number of workers;
-            normally one per worker) start from the same central weights,
-            those the previous round left, and the PS applies the outer
-            optimizer to the round's N pushes: their mean with
-            `OuterSGD(1 / N)`, one Nesterov step on their mean with
-            `DelayedNesterov(lr, momentum)` (DiLoCo). The chief schedules a
-            round's windows as N closures once every window of the previous
-            round has finished and copies the central variables on the PS
-            (one copy of the model there) for them to pull, so a window that
-            starts late or runs again after its worker was lost starts from
-            the same weights, and every push has staleness 0. A lost worker's
-            window runs again on another worker, exactly once; with no
-            worker left, the `connect_timeout` wait applies. An epoch is
-            still `steps_per_epoch` steps and rounds do not cross its end:
-            where fewer than `N * n_sync` steps are left, the epoch's last
-            round splits them over its N windows as evenly as possible (a
-            window may then be empty). A window whose update holds NaN/Inf stops `fit` with a
-            `FloatingPointError` (the round could not be a mean of N). The
-            default `outer_optimizer` is then
-            `update_rules.default_synchronous_outer_optimizer(num_workers)`.
-            Refused (`ValueError`): `staleness="dynsgd"` (nothing is stale:
-            it would scale by 1), `max_staleness`, a `windows_per_closure`
-            other than None or 1, an `OuterSGD` with momentum or a schedule (a
-            round's pushes would count unequally), a `DelayedNesterov` whose
-            `delay` is not N, a GEM optimizer (at `fit`) and Python-side
-            training data (at `fit`). When to choose it:
+            pushed as it finishes. `True`: rounds. Each round's N windows
+            (N = the number of workers) start from the same central weights
+            and the PS applies the outer optimizer to their N pushes, all of
+            staleness 0: their mean with `OuterSGD(1 / N)`, one Nesterov step
+            on it with `DelayedNesterov` (DiLoCo). The default
+            `outer_optimizer` is then
+            `update_rules.default_synchronous_outer_optimizer(num_workers)`
+            (gain N). A lost worker's window runs again, exactly once; an
+            epoch's last round splits the steps left over its windows; a
+            NaN/Inf update stops `fit` with a `FloatingPointError`. Refused
+            (`ValueError`): a staleness rule, `max_staleness`,
+            `windows_per_closure` above 1, an `OuterSGD` with momentum or a
+            schedule, a `DelayedNesterov` whose `delay` is not N, and, at
+            `fit`, GEM and Python-side training data. How rounds work:
+            docs/architecture.md; when to choose them:
             docs/guide/choosing.md.
 
     Raises:

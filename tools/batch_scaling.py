@@ -62,12 +62,17 @@ QUICK = dict(
 )
 
 
-def scaled_optimizer(name, scale):
-    """The setup's optimizer with its learning rate times `scale`."""
+def _with_learning_rate(name, rate_of):
+    """The setup's optimizer with learning rate `rate_of(its own rate)`."""
     opt = harness.make_optimizer(name)
     config = opt.get_config()
-    config["learning_rate"] = float(config["learning_rate"]) * scale
+    config["learning_rate"] = rate_of(float(config["learning_rate"]))
     return opt.__class__.from_config(config)
+
+
+def scaled_optimizer(name, scale):
+    """The setup's optimizer with its learning rate times `scale`."""
+    return _with_learning_rate(name, lambda rate: rate * scale)
 
 
 def warmed_up_optimizer(name, rate, warmup_steps):
@@ -80,9 +85,7 @@ def warmed_up_optimizer(name, rate, warmup_steps):
                 1.0, (keras.ops.cast(step, "float32") + 1) / warmup_steps
             )
 
-    config = harness.make_optimizer(name).get_config()
-    config["learning_rate"] = LinearWarmup()
-    return harness.make_optimizer(name).__class__.from_config(config)
+    return _with_learning_rate(name, lambda _: LinearWarmup())
 
 
 def _model(setup, data, scale, steps_per_execution, optimizer=None):
