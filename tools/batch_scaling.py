@@ -152,10 +152,15 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
     windows end in round-robin order and each copy pulls right after its push, so every
     push is `workers - 1` pushes stale, as homogeneous workers make it. `steps` counts
     steps per copy (device times).
+
+    Returns:
+        `(points, noise)`: the held-out points, and (synchronous) the gradient noise scale
+        in windows over the first and the last quarter of the rounds, as the PS reads it
+        (`noise_scale.from_sums`); `(nan, nan)` when asynchronous.
     """
     import keras
 
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import noise_scale, update_rules
 
     batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
@@ -168,11 +173,19 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
         iter(harness.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
     ]
     points, next_eval = [], eval_every
+    sums, round_sum = [], 0.0  # per round: (pushes' squared norms, their sum's squared norm)
     for ticket in range(steps * workers // n_sync):
         i = ticket % workers
         copies[i].set_weights(starts[i])
         copies[i].train_function(feeds[i])
         pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]
+        flat = np.concatenate([g.ravel() for g in pushed]).astype(np.float64)
+        round_sum = flat if i == 0 else round_sum + flat
+        if i == 0:
+            sums.append([0.0, 0.0])
+        sums[-1][0] += float(flat @ flat)
+        if i == workers - 1:
+            sums[-1][1] = float(round_sum @ round_sum)
         center = list(center)
         for j, g in enumerate(pushed):
             center[j], state[j] = update_rules.outer_step(
@@ -186,7 +199,14 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
         if step >= next_eval:
             points.append((step, held_out(center)[0]))
             next_eval += eval_every
-    return points
+    if asynchronous or workers < 2:
+        return points, (math.nan, math.nan)
+    quarter = max(1, len(sums) // 4)
+    noise = tuple(
+        noise_scale.from_sums(*np.sum(part, axis=0), workers)
+        for part in (sums[:quarter], sums[-quarter:])
+    )
+    return points, noise
 
 
 def ceiling(setup, data, seed, args):
@@ -278,6 +298,7 @@ def run_setup(setup, data, seed, args):
         variants += [(m, n, h, o) for m in outers for h in args.n_sync for o in args.outers]
     rows, curves, target, base_steps = [], [], None, None
     for method, n, h, scaling in variants:
+        noise = (math.nan, math.nan)
         if method == "local_sgd":
             points = local_sgd(setup, data, n, h, seed, steps, every)
         elif method in ("sync_outer", "async_outer"):
@@ -285,7 +306,9 @@ def run_setup(setup, data, seed, args):
             per_worker = every * max(1, round(steps * args.outer_steps / n / every))
             asynchronous = method == "async_outer"
             opt = outer_rule(scaling, n, not asynchronous)
-            points = outer_rounds(setup, data, n, h, seed, per_worker, every, opt, asynchronous)
+            points, noise = outer_rounds(
+                setup, data, n, h, seed, per_worker, every, opt, asynchronous
+            )
         else:
             multiple = 1 if method == "lr_only" else n
             points = large_batch(setup, data, multiple, SCALINGS[scaling](n), seed, steps, every)
@@ -307,16 +330,48 @@ def run_setup(setup, data, seed, args):
             steps_to_target=reached,
             plain_steps_to_target=base_steps,
             speedup=base_steps / reached if math.isfinite(reached) else 0.0,
+            noise_scale_first=noise[0],
+            noise_scale_last=noise[1],
         )
         rows.append(row)
         curves += [dict(row, step=s, accuracy=a) for s, a in points]
         print(
             f"{setup} seed {seed} {method} N={n} n_sync={h} lr {scaling}: final "
             f"{row['final_accuracy']:.3f}, steps to {target:.3f}: {reached} "
-            f"(speed-up {row['speedup']:.2f}x)",
+            f"(speed-up {row['speedup']:.2f}x)" + _noise_text(noise),
             flush=True,
         )
     return rows, curves
+
+
+def _noise_text(noise):
+    if math.isnan(noise[0]):
+        return ""
+    return f"; noise scale {noise[0]:.3g} -> {noise[1]:.3g} windows"
+
+
+def noise_summary(rows):
+    """`summary.md`'s lines on the noise scale the synchronous runs read (if any)."""
+    table = []
+    for (setup, n, h, outer), runs in sorted(
+        _groups(
+            [r for r in rows if r["method"] == "sync_outer"],
+            ("setup", "workers", "n_sync", "lr_scaling"),
+        ).items()
+    ):
+        first = "/".join(f"{r['noise_scale_first']:.3g}" for r in runs)
+        last = "/".join(f"{r['noise_scale_last']:.3g}" for r in runs)
+        table.append([setup, str(n), str(h), outer, first, last])
+    if not table:
+        return []
+    lines = [
+        "",
+        "The gradient noise scale the synchronous runs' rounds gave, in windows "
+        "(`noise_scale.from_sums`), over their first and last quarter of rounds, per seed:",
+        "",
+    ]
+    head = ["setup", "N", "n_sync", "outer", "first quarter", "last quarter"]
+    return lines + harness.markdown_table(head, table)
 
 
 def summary(rows):
@@ -359,7 +414,7 @@ def summary(rows):
         f"- {s} seed {seed}: {r['final_accuracy']:.3f} / {r['plain_steps_to_target']}"
         for (s, seed), r in sorted(plain.items())
     ]
-    return lines
+    return lines + noise_summary(rows)
 
 
 def plot(path, curves):

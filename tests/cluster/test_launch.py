@@ -304,7 +304,8 @@ def _free_ports(n):
 
 def test_a_synchronous_run_from_the_config(tmp_path):
     """`config.synchronous` reaches the strategy: rounds of 2 windows, none stale,
-    under the synchronous default's gain of N."""
+    under the synchronous default's gain of N; the log and results give the
+    epoch's noise scale."""
     proc = run_launcher(
         [
             *SHORT,
@@ -321,6 +322,10 @@ def test_a_synchronous_run_from_the_config(tmp_path):
     # 20 steps of n_sync 10 on 2 workers: one round of 2 windows.
     assert results["windows"] == results["applied"] == 2
     assert results["max_staleness"] == 0 and results["num_workers"] == 2
+    assert results["history"]["noise_scale"] == [results["noise_scale"]]
+    assert (
+        "gradient noise scale" in proc.stderr and "over the last epoch's 1 round(s)" in proc.stderr
+    )
 
 
 def test_tf_config_roles_on_loopback(tmp_path):

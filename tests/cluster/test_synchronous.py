@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tf_asgd
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import noise_scale, update_rules
 from tf_asgd.runtime import rounds
 
 WORKERS, N_SYNC, BATCH, LR = 2, 5, 8, 0.05
@@ -44,13 +44,14 @@ def _window(theta, batches):
     return [w - theta[0], b - theta[1]]
 
 
-def _reference(init, log, x, y, opt, workers, restarted=None):
+def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None):
     """The central weights after the rounds of `log` in NumPy: each round's
     windows from the same start, worker `i` reading the data set's batches
     from batch `i` on (it skips `i` before its first window), each push
     through `update_rules.outer_step` by its ticket. `restarted`: `(worker,
     index in log)`: that worker was restarted before the record at that
-    index, and its data stream starts again there."""
+    index, and its data stream starts again there. `displacements`: a list
+    that gets each round's windows' displacements, flat, in round order."""
     batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
     batches = [(a.astype(np.float64), b.astype(np.float64)) for a, b in batches]
     theta = [v.astype(np.float64) for v in init]
@@ -69,6 +70,10 @@ def _reference(init, log, x, y, opt, workers, restarted=None):
             taken = [batches[(position[record.worker] + j) % BATCHES] for j in range(steps)]
             position[record.worker] += steps
             update = _window(start, taken)
+            if displacements is not None:
+                if len(displacements) <= r:
+                    displacements.append([])
+                displacements[r].append(np.concatenate([u.ravel() for u in update]))
             for i in range(2):
                 theta[i], state[i] = update_rules.outer_step(
                     opt, theta[i], -update[i], state[i], ticket, workers
@@ -105,9 +110,22 @@ def test_rounds_follow_the_numpy_mean_of_windows(cluster, outer_optimizer):
     assert all(r.pushed and not r.replayed and r.staleness == 0 for r in log)
     assert stats.max_staleness == 0 and stats.mean_staleness == 0.0
     assert all(r.samples == N_SYNC * BATCH for r in log)
-    expected = _reference(init, log, x, y, outer_optimizer, WORKERS)
+    windows = []
+    expected = _reference(init, log, x, y, outer_optimizer, WORKERS, displacements=windows)
     for got, want in zip(model.get_weights(), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if isinstance(outer_optimizer, update_rules.DelayedNesterov):
+        # The noise scale of the last epoch's 2 rounds, from the PS's sums, is the
+        # NumPy one: the pushes' squared norms and their rounds' sums.
+        last = np.asarray(windows[-2:])  # rounds x windows x parameters
+        push_sq = float(np.sum(last**2))
+        round_sq = float(np.sum(np.sum(last, axis=1) ** 2))
+        want = noise_scale.from_sums(push_sq, round_sq, WORKERS)
+        assert stats.noise_scale_rounds == 2 and np.isfinite(want)
+        assert stats.noise_scale == pytest.approx(want, rel=1e-3)
+        assert "noise scale" in repr(stats)
+    else:  # no round buffer: not measured
+        assert stats.noise_scale_rounds == 0 and np.isnan(stats.noise_scale)
 
 
 def test_an_epoch_that_is_not_whole_rounds_ends_with_shorter_windows(cluster):

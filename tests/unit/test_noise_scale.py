@@ -48,3 +48,27 @@ def test_bad_arguments():
         noise_scale.round_estimates(1.0, 1.0, 1)
     with pytest.raises(ValueError, match="decay"):
         noise_scale.NoiseScale(decay=1.0)
+
+
+def test_the_sums_the_ps_keeps_give_the_mean_over_rounds():
+    """`from_sums` over whole rounds (what the PS accumulates) equals the running
+    mean's estimate of the same rounds, and recovers tr(Sigma) / |G|^2."""
+    rng = np.random.default_rng(1)
+    workers, dim = 4, 20
+    running = noise_scale.NoiseScale()
+    push_sq = round_sq = 0.0
+    for _ in range(2000):
+        windows = 0.5 + rng.normal(scale=1.5, size=(workers, dim))
+        running.update(windows)
+        push_sq += float(np.sum(windows**2))
+        round_sq += float(np.sum(np.sum(windows, axis=0) ** 2))
+    value = noise_scale.from_sums(push_sq, round_sq, workers)
+    assert value == pytest.approx(running.value, rel=1e-9)
+    assert value == pytest.approx(dim * 1.5**2 / (dim * 0.25), rel=0.05)  # 9 windows
+    assert np.isnan(noise_scale.from_sums(0.0, 0.0, workers))
+
+
+def test_workers_that_pay():
+    assert noise_scale.workers_that_pay(9.3) == 9
+    assert noise_scale.workers_that_pay(0.1) == 1
+    assert noise_scale.workers_that_pay(float("nan")) is None

@@ -131,6 +131,7 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         max_staleness=stats.max_staleness,
         dropped_stale=stats.dropped_stale,
         dropped_nonfinite=stats.dropped_nonfinite,
+        noise_scale=stats.noise_scale,
         num_workers=len(resolver.cluster_spec().as_dict().get("worker", [])),
         wall_seconds=time.time() - t_start,
         history={k: [float(x) for x in v] for k, v in history.history.items()},
@@ -146,7 +147,23 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         results["wall_seconds"],
         manager.latest_checkpoint,
     )
+    log_noise_scale(stats)
     return results
+
+
+def log_noise_scale(stats):
+    """Logs the last epoch's gradient noise scale and the workers that pay, where measured."""
+    if not stats.noise_scale_rounds:
+        return
+    pay = stats.workers_that_pay
+    logging.info(
+        "gradient noise scale %.3g windows over the last epoch's %d round(s): %s",
+        stats.noise_scale,
+        stats.noise_scale_rounds,
+        f"about {pay} worker(s) pay about linearly; more pay less (docs/defaults.md)"
+        if pay
+        else "the windows did not agree enough to measure it",
+    )
 
 
 def prepare_workdir(workdir, resume):

@@ -13,6 +13,8 @@ taken, as the paper does. In windows, `B_simple` is how many workers a round can
 before another one stops paying almost linearly.
 """
 
+import math
+
 import numpy as np
 
 
@@ -42,26 +44,75 @@ def round_estimates(small_sq, large_sq, workers):
     return signal, noise
 
 
+def from_sums(push_sq, round_sq, workers):
+    """The simple noise scale, in windows, from sums over whole rounds.
+
+    What the PS accumulates (`outer.NOISE_SUMS`): the squared norms of every push
+    of some rounds, and of each round's sum of pushes. Averaged per round, these are
+    `N * small` and `N^2 * large` of `round_estimates`; the number of rounds cancels
+    in the ratio.
+
+    Args:
+        push_sq: the sum of the pushes' squared norms over the rounds.
+        round_sq: the sum, over the same rounds, of the squared norm of each round's
+            sum of N pushes.
+        workers: N, the pushes a round, at least 2.
+
+    Returns:
+        `tr(Sigma) / |G|^2` in windows: `nan` where no push was summed, `inf` where
+        the signal estimate is not positive (the pushes agree less than noise would).
+
+    Examples:
+        >>> from_sums(8.0, 32.0, 4)  # 4 equal pushes of norm 1 a round: no noise
+        0.0
+        >>> from_sums(8.0, 8.0, 4)  # sums no larger than the parts: all noise
+        inf
+    """
+    if not push_sq:
+        return float("nan")
+    signal, noise = round_estimates(push_sq / workers, round_sq / workers**2, workers)
+    return noise / signal if signal > 0 else float("inf")
+
+
+def workers_that_pay(noise_scale):
+    """How many workers pay about linearly: the noise scale in windows, rounded, at least 1.
+
+    At N workers a round's rounds to a target fall by `(1 + B) / (1 + B / N)` against
+    one worker (McCandlish et al.'s model, `B` the noise scale in windows): close to N
+    while `N << B`, half of N at `N = B`, and little more beyond. `None` where the noise
+    scale is not a finite number.
+
+    Examples:
+        >>> workers_that_pay(5.4), workers_that_pay(0.2), workers_that_pay(float("inf"))
+        (5, 1, None)
+    """
+    if not math.isfinite(noise_scale):
+        return None
+    return max(1, int(round(noise_scale)))
+
+
 class NoiseScale:
     """A running estimate of the simple noise scale, in windows (McCandlish et al. 2018).
 
-    Example:
-        >>> import numpy as np
-        >>> rng = np.random.default_rng(0)
-        >>> estimate = NoiseScale()
-        >>> for _ in range(2000):  # signal 1 in each of 4 dims, noise variance 2 per dim
-        ...     _ = estimate.update(1.0 + rng.normal(scale=np.sqrt(2.0), size=(8, 4)))
-        >>> round(estimate.value, 1)  # tr(Sigma) / |G|^2 = 8 / 4
-        2.0
+        Example:
+            >>> import math
 
-    Args:
-        decay: the exponential moving average's decay per round (0: the plain mean of
-            every round so far).
+    import numpy as np
+            >>> rng = np.random.default_rng(0)
+            >>> estimate = NoiseScale()
+            >>> for _ in range(2000):  # signal 1 in each of 4 dims, noise variance 2 per dim
+            ...     _ = estimate.update(1.0 + rng.normal(scale=np.sqrt(2.0), size=(8, 4)))
+            >>> round(estimate.value, 1)  # tr(Sigma) / |G|^2 = 8 / 4
+            2.0
 
-    Attributes:
-        value: `tr(Sigma) / |G|^2` of the averages so far, in windows (`inf` while the
-            averaged signal is not positive, `nan` before the first round).
-        rounds: rounds seen.
+        Args:
+            decay: the exponential moving average's decay per round (0: the plain mean of
+                every round so far).
+
+        Attributes:
+            value: `tr(Sigma) / |G|^2` of the averages so far, in windows (`inf` while the
+                averaged signal is not positive, `nan` before the first round).
+            rounds: rounds seen.
     """
 
     def __init__(self, decay=0.0):

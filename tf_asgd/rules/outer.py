@@ -13,21 +13,35 @@ import tensorflow as tf
 
 from tf_asgd.rules import update_rules
 
+NOISE_SUMS = ("noise_push_sq", "noise_round_sq")  # scalar slots: `noise_scale.from_sums`
 
-def create_slots(opt, shard):
+
+def create_slots(opt, shard, noise_sums=False):
     """The outer state of one PS variable (or shard): `{slot name: tf.Variable}`.
 
     Call under the strategy's scope; the slots are colocated with `shard`.
+
+    Args:
+        opt: `update_rules.OuterSGD` or `update_rules.DelayedNesterov`.
+        shard: the PS variable (or shard of one).
+        noise_sums: with a `DelayedNesterov`, also two float64 scalars (`NOISE_SUMS`):
+            the sum of every push's squared norm on this shard, and of every group's
+            (the buffer's total as it is taken). The gradient noise scale is read from
+            them (`noise_scale.from_sums`).
     """
     strategy = tf.distribute.get_strategy()
     slots = {}
+    prefix = shard.name.split(":")[0]
     with strategy.extended.colocate_vars_with(shard):
         for name in opt.slots:
             slots[name] = tf.Variable(
-                tf.zeros(shard.shape, shard.dtype),
-                trainable=False,
-                name=f"{shard.name.split(':')[0]}/outer_{name}",
+                tf.zeros(shard.shape, shard.dtype), trainable=False, name=f"{prefix}/outer_{name}"
             )
+        if noise_sums and isinstance(opt, update_rules.DelayedNesterov):
+            for name in NOISE_SUMS:
+                slots[name] = tf.Variable(
+                    tf.zeros([], tf.float64), trainable=False, name=f"{prefix}/{name}"
+                )
     return slots
 
 
@@ -89,4 +103,11 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     new = old + due * ((mu - 1.0) * old - lr * taken)
     with tf.control_dependencies([take]):
         set_velocity = velocity.assign_add(new - old, read_value=False)
-    return [take, set_velocity, shard.assign_add(-lr * g + due * mu * new, read_value=False)]
+    ops = [take, set_velocity, shard.assign_add(-lr * g + due * mu * new, read_value=False)]
+    if NOISE_SUMS[0] in slots:
+        push_sq, group_sq = (tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in (g, taken))
+        ops += [
+            slots[name].assign_add(value, read_value=False)
+            for name, value in zip(NOISE_SUMS, (push_sq, group_sq))
+        ]
+    return ops

@@ -10,6 +10,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from tf_asgd.rules import noise_scale
+
 STALENESS_BINS = 256  # histogram bins; the last one also counts anything larger
 
 
@@ -46,6 +48,13 @@ class AsyncStats:
             the effective learning rate over plain averaging (1.0). N under the
             synchronous default, about 1 under the asynchronous one
             (docs/defaults.md).
+        noise_scale: the gradient noise scale of the last finished epoch's
+            synchronous rounds, in windows (McCandlish et al. 2018,
+            `rules.noise_scale`): about how many workers' windows a round can
+            average before another worker stops paying about linearly. `nan`
+            where it is not measured (asynchronous pushes, an outer optimizer
+            without a round buffer, before an epoch has ended).
+        noise_scale_rounds: the rounds `noise_scale` was read from.
 
     Example:
 
@@ -71,6 +80,14 @@ class AsyncStats:
     bytes_pulled_per_sample: float = 0.0
     bytes_pushed_per_sample: float = 0.0
     outer_gain: float = 1.0
+    noise_scale: float = float("nan")
+    noise_scale_rounds: int = 0
+
+    @property
+    def workers_that_pay(self):
+        """`noise_scale.workers_that_pay(noise_scale)`: the workers that pay about
+        linearly by the last epoch's noise scale (None where it is not measured)."""
+        return noise_scale.workers_that_pay(self.noise_scale)
 
     def __repr__(self):
         # A summary (the histogram's counts by staleness where not zero), not
@@ -85,16 +102,27 @@ class AsyncStats:
             f"dropped_stale={self.dropped_stale}, dropped_nonfinite={self.dropped_nonfinite},\n"
             f"           staleness mean {self.mean_staleness:.2f} max {self.max_staleness} "
             f"(pushes by staleness {{{counts}}}), pulled {_megabytes(self.bytes_pulled)}, "
-            f"pushed {_megabytes(self.bytes_pushed)}, outer gain {self.outer_gain:.2f})"
+            f"pushed {_megabytes(self.bytes_pushed)}, outer gain {self.outer_gain:.2f}"
+            f"{self._noise_summary()})"
         )
+
+    def _noise_summary(self):
+        if not self.noise_scale_rounds:
+            return ""
+        rounds = self.noise_scale_rounds
+        return f",\n           noise scale {self.noise_scale:.3g} windows ({rounds} rounds)"
 
     def as_logs(self):
         """Windows pushed and mean staleness, for Keras logs (progress bar, History).
 
         Returns:
-            A dict `{"windows": windows, "staleness": mean_staleness}`.
+            A dict `{"windows": windows, "staleness": mean_staleness}`, with
+            `"noise_scale"` where it is measured.
         """
-        return {"windows": self.windows, "staleness": self.mean_staleness}
+        logs = {"windows": self.windows, "staleness": self.mean_staleness}
+        if self.noise_scale_rounds:
+            logs["noise_scale"] = self.noise_scale
+        return logs
 
 
 def _megabytes(n):

@@ -2,13 +2,15 @@
 
 `Rounds` forms the chief's rounds (the epoch's steps in rounds of N windows); `RoundStart`
 is the copy of the central variables on the PS that every window of a round pulls;
-`validate_synchronous` refuses what rounds cannot honour exactly. How the barrier, the
-pulls and the staleness work: docs/architecture.md.
+`validate_synchronous` refuses what rounds cannot honour exactly; `NoiseSums` reads the
+gradient noise scale from the rounds' pushes. How the barrier, the pulls and the staleness
+work: docs/architecture.md.
 """
 
+import numpy as np
 import tensorflow as tf
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import noise_scale, outer, update_rules
 from tf_asgd.runtime import python_inputs
 from tf_asgd.runtime.push import raw, shard_variables
 
@@ -101,6 +103,7 @@ class Rounds:
         self.num_workers, self.n_sync = num_workers, n_sync
         self.steps = 0  # steps gathered for the next round
         self.window_ids = []  # the ids of the last round scheduled
+        self.count = 0  # rounds taken
 
     def reset(self):
         """Forgets the steps gathered (an epoch starts)."""
@@ -133,6 +136,7 @@ class Rounds:
             return None
         sizes = split_round(self.steps, self.num_workers, cycle)
         self.steps = 0
+        self.count += 1
         self.window_ids = list(range(first_id, first_id + len(sizes)))
         return list(zip(sizes, self.window_ids))
 
@@ -202,3 +206,63 @@ class RoundStart:
         version counter (on the PS; call between rounds). Returns the
         version captured, once every copy is written."""
         return int(self._capture().numpy())
+
+
+class NoiseSums:
+    """The gradient noise scale of an epoch's rounds, read from the PS's sums.
+
+    Under a `DelayedNesterov` whose delay is the round, each trainable shard's outer
+    slots hold two float64 sums (`outer.NOISE_SUMS`): the pushes' squared norms and
+    the rounds' (the buffer's total as a round closes). The chief reads them, summed
+    on each PS, at an epoch's start and end; their growth over the epoch gives its
+    noise scale (`noise_scale.from_sums`). Costs two scalar reads per epoch.
+
+    Args:
+        slots: the model's outer slots, per variable, per shard (`outer.create_slots`).
+        num_workers: N, the pushes a round.
+
+    Attributes:
+        value: the last finished epoch's noise scale, in windows (`nan` before one).
+        rounds: the rounds it was read from.
+    """
+
+    def __init__(self, slots, num_workers):
+        self.num_workers = num_workers
+        self._by_device = {}
+        for per_variable in slots:
+            for shard_slots in per_variable:
+                if outer.NOISE_SUMS[0] in shard_slots:
+                    pair = [shard_slots[name] for name in outer.NOISE_SUMS]
+                    self._by_device.setdefault(pair[0].device, []).append(pair)
+        self._read = tf.function(self._sums, autograph=False)
+        self._start = None  # (sums, rounds) as the epoch started
+        self.value, self.rounds = float("nan"), 0
+
+    def __bool__(self):
+        return bool(self._by_device)
+
+    def _sums(self):
+        parts = []
+        for device, pairs in self._by_device.items():
+            with tf.device(device):  # one tensor back from each PS
+                parts.append(
+                    tf.stack([tf.add_n([p[i].read_value() for p in pairs]) for i in (0, 1)])
+                )
+        return tf.add_n(parts)
+
+    def start_epoch(self, rounds):
+        """Reads the sums as an epoch starts (`rounds`: `Rounds.count` then)."""
+        if self:
+            self._start = (self._read().numpy(), rounds)
+
+    def end_epoch(self, rounds):
+        """Reads the sums as an epoch ends, after its last round (`rounds`: `Rounds.count`
+        then); sets `value` from the epoch's rounds, if it had any."""
+        if not self or self._start is None:
+            return
+        sums, first = self._start
+        push_sq, round_sq = np.asarray(self._read().numpy()) - sums
+        self._start = None
+        if rounds > first and push_sq > 0:
+            self.value = noise_scale.from_sums(push_sq, round_sq, self.num_workers)
+            self.rounds = rounds - first

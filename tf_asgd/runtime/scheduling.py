@@ -30,7 +30,7 @@ from tf_asgd.runtime.push import (
     shard_variables,
 )
 from tf_asgd.runtime.records import WindowRecord
-from tf_asgd.runtime.rounds import Rounds
+from tf_asgd.runtime.rounds import NoiseSums, Rounds
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 from tf_asgd.runtime.window_log import WindowLog
 
@@ -88,25 +88,16 @@ class WindowTrainer:
                     "`AsyncParameterServerStrategy.scope()`. Create and compile "
                     "the model inside `with strategy.scope():`."
                 )
-        # The outer optimizer's state, per variable and PS shard, beside it;
-        # non-trainable variables (e.g. moving statistics) get none.
         self.outer = outer_optimizer
-        n_train = len(model.trainable_variables)
-        with strategy.scope():
-            self.outer_slots = [
-                [
-                    outer.create_slots(self.outer, shard) if i < n_train else {}
-                    for shard in shard_variables(raw(v))
-                ]
-                for i, v in enumerate(self.variables)
-            ]
+        synchronous = getattr(strategy, "synchronous", False)
+        self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
         # Tracked there, so a checkpoint of the model can hold them.
         strategy.outer_state(model).slots = self.outer_slots
+        self.noise = NoiseSums(self.outer_slots, strategy.num_workers)
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
-        synchronous = getattr(strategy, "synchronous", False)
         self.rounds = Rounds(strategy.num_workers, strategy.n_sync) if synchronous else None
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
         self._iterator = None
@@ -163,9 +154,11 @@ class WindowTrainer:
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
         gain = update_rules.outer_gain(self.outer, self.strategy.num_workers)
-        return self.strategy.counters.stats(
+        stats = self.strategy.counters.stats(
             self.bytes_per_pull, self.bytes_per_push, self.samples_per_window, gain
         )
+        stats.noise_scale, stats.noise_scale_rounds = self.noise.value, self.noise.rounds
+        return stats
 
     # ---- chief side -------------------------------------------------------
 
@@ -400,6 +393,7 @@ class WindowTrainer:
         self._logs = None
         if self.rounds is not None:
             self.rounds.reset()  # steps left by a failed fit's round
+            self.noise.start_epoch(self.rounds.count)
 
     def finish(self):
         """Waits for every scheduled window; writes the epoch's metrics back.
@@ -418,6 +412,7 @@ class WindowTrainer:
                 break
         if self.rounds is not None:
             self.rounds.check(self.log.records)
+            self.noise.end_epoch(self.rounds.count)
         self._epoch_step = 0
         # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
         # ends `fit` as it would.)
@@ -431,6 +426,22 @@ class WindowTrainer:
         for var, value in zip(self.model.metrics_variables, self.log.metric_values()):
             var.assign(value)
         return self.log.logs(counters=self.stats().as_logs())
+
+
+def _create_outer_slots(model, strategy, opt, synchronous):
+    """The outer optimizer's state per variable and PS shard, beside it (`outer.create_slots`;
+    with the noise sums when `synchronous`); non-trainable variables (e.g. moving
+    statistics) get none."""
+    n_train = len(model.trainable_variables)
+    variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+    with strategy.scope():
+        return [
+            [
+                outer.create_slots(opt, shard, synchronous) if i < n_train else {}
+                for shard in shard_variables(raw(v))
+            ]
+            for i, v in enumerate(variables)
+        ]
 
 
 def validate_windows_per_closure(value):
