@@ -167,11 +167,12 @@ class WorkersLostError(ClusterUnreachableError):
 class ClusterTaskLostError(RuntimeError):
     """Training stopped because a cluster task could not be reached.
 
-    Raised by the launcher (`python -m tf_asgd.launch`) when the chief loses
-    contact with a parameter server, or with every worker, during training
-    (`tf.errors.UnavailableError`). A `RuntimeError`; its message names the
-    unreachable tasks (or says that the link failed) and the checkpoint to
-    `--resume` from.
+    Raised by `fit` and `evaluate` when a parameter server is lost (killed, or
+    restarted and so without its variables), from TF's error; and by the
+    launcher (`python -m tf_asgd.launch`) when the chief loses contact with a
+    parameter server, or with every worker, during training. A `RuntimeError`;
+    its message names the lost tasks (or says that the link failed) and how to
+    go on (the launcher: the checkpoint to `--resume` from).
     """
 
 

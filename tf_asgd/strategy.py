@@ -383,6 +383,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
+        self.cluster_spec = (
+            cluster_resolver.cluster_spec().as_dict()
+        )  # what a lost task is named by
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)

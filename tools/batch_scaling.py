@@ -28,7 +28,9 @@ METHODS = ("large_batch", "local_sgd", "lr_only", "sync_outer", "async_outer")
 OUTER_HELP = (
     "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
     "synchronous or asynchronous), "
-    "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), or dn:LR:MOMENTUM"
+    "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, or "
+    "gain:F (DelayedNesterov with momentum 0.9 and a gain of F x N, in either mode), or "
+    "adaptive (each round's gain from the rounds' noise scale: noise_scale.round_gain)"
 )
 
 
@@ -47,6 +49,10 @@ def outer_rule(name, workers, synchronous):
     if name.startswith("dn:"):
         lr, momentum = (float(v) for v in name.split(":")[1:])
         return update_rules.DelayedNesterov(lr, momentum)
+    if name == "adaptive":  # outer_rounds sets the gain per round from the noise scale
+        return name
+    if name.startswith("gain:"):
+        return update_rules.DelayedNesterov(float(name[5:]) * workers * 0.1, 0.9)
     raise ValueError(f"Unknown outer rule {name!r}; {OUTER_HELP}.")
 
 
@@ -174,8 +180,14 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
     ]
     points, next_eval = [], eval_every
     sums, round_sum = [], 0.0  # per round: (pushes' squared norms, their sum's squared norm)
+    adaptive, ema = outer == "adaptive", np.zeros(2)
     for ticket in range(steps * workers // n_sync):
         i = ticket % workers
+        if adaptive and i == 0:
+            if sums:
+                ema = 0.9 * ema + np.asarray(sums[-1])
+            scale = noise_scale.from_sums(*ema, workers) if sums else math.nan
+            outer = update_rules.nesterov_with_gain(noise_scale.round_gain(scale, workers), workers)
         copies[i].set_weights(starts[i])
         copies[i].train_function(feeds[i])
         pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]

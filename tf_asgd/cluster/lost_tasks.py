@@ -2,9 +2,12 @@
 
 When the chief loses contact with the cluster (`tf.errors.UnavailableError`),
 `task_lost_error` probes every task's port and names those that refuse a
-connection, with the checkpoint to `--resume` from.
+connection, with the checkpoint to `--resume` from. `ps_lost_error` does the same
+for a parameter server lost during `fit` or `evaluate` in any script, restarted
+or not.
 """
 
+import re
 import socket
 import time
 
@@ -54,5 +57,81 @@ def task_lost_error(error, cluster, manager, epoch_var):
     return ClusterTaskLostError(
         f"Training stopped: lost contact with the cluster ({what}). The parameter "
         "servers hold the central variables, so training cannot go on without "
-        f"one. {where} (TensorFlow said: {str(error).splitlines()[0][:300]})"
+        f"one. {where} (TensorFlow said: {_first_line(error)})"
     )
+
+
+# What TF says when an op meets a restarted task (a new incarnation on the old address).
+RESTARTED_SIGNS = (
+    "was probably restarted",
+    "Perhaps the worker was restarted",
+    "some remote workers have been restarted",
+    "Unable to find the relevant tensor remote_handle",
+)
+_PS_DEVICE = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+
+
+def lost_ps(error, cluster):
+    """The PS tasks `error` shows lost, `["ps:0 (localhost:1234, ...)", ...]`; empty if none.
+
+    A TF error (`UnavailableError`, `AbortedError`, `InvalidArgumentError`) that names
+    a PS device, or that says a task was restarted, is a PS's loss when a PS of
+    `cluster` (a dict) refuses connections or the error names one. A restarted PS
+    answers again but has lost its variables.
+    """
+    import tensorflow as tf
+
+    kinds = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.InvalidArgumentError)
+    if not isinstance(error, kinds) or not cluster.get("ps"):
+        return []
+    text = str(error)
+    named = sorted({int(i) for i in _PS_DEVICE.findall(text)})
+    restarted = any(sign in text for sign in RESTARTED_SIGNS)
+    if not named and not restarted:
+        return []
+    down = {d.split(" ")[0] for d in unreachable_tasks({"ps": cluster["ps"]})}
+    lost = []
+    for i, address in enumerate(cluster["ps"]):
+        task = f"ps:{i}"
+        if task in down:
+            lost.append(f"{task} ({address}, which refuses connections)")
+        elif i in named:
+            lost.append(f"{task} ({address}, {'restarted' if restarted else 'lost'})")
+    if restarted and not lost:  # TF did not say which one
+        lost.append(f"one of {', '.join(f'ps:{i}' for i in range(len(cluster['ps'])))} (restarted)")
+    return lost
+
+
+def ps_lost_error(error, cluster):
+    """A `ClusterTaskLostError` for a PS lost during `fit` or `evaluate`, or None.
+
+    Args:
+        error: the error `fit` or `evaluate` raised.
+        cluster: the cluster spec, a dict.
+
+    Returns:
+        The error to raise from `error` (None: not a PS's loss).
+    """
+    lost = lost_ps(error, cluster)
+    if not lost:
+        return None
+    return ClusterTaskLostError(
+        f"Training stopped: lost parameter server {', '.join(lost)}. The parameter servers "
+        "hold the central variables, and a PS that comes back has lost them, so training "
+        "cannot go on with this strategy. Restore the model from a checkpoint on a new "
+        "strategy (keras.callbacks.BackupAndRestore, or tf_asgd.launch's --resume, which "
+        "does this; docs/faults.md). "
+        f"(TensorFlow said: {_first_line(error)})"
+    )
+
+
+_STATUS_LINE = re.compile(r"\b(?:UNAVAILABLE|ABORTED|INVALID_ARGUMENT|CANCELLED):\s*(.+)")
+
+
+def _first_line(error):
+    """What a TF error's message says first, at most 300 characters: its first status
+    line (`UNAVAILABLE: Socket closed`), else its first line."""
+    text = str(error)
+    found = _STATUS_LINE.search(text)
+    line = found.group(0) if found else (text.strip().splitlines() or [""])[0]
+    return line.strip()[:300]

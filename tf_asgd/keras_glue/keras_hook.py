@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tf_asgd import internals
+from tf_asgd.cluster import lost_tasks
 from tf_asgd.runtime import optimizer_options, python_inputs
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
@@ -135,6 +136,9 @@ def _fit(original, model, *args, **kwargs):
         result = original(model, **kwargs)
         failed = False
         return result
+    except tf.errors.OpError as e:
+        _raise_if_ps_lost(e, strategy)
+        raise
     finally:
         model.steps_per_execution = users_steps_per_execution
         state.end_fit()
@@ -142,6 +146,13 @@ def _fit(original, model, *args, **kwargs):
             _join(strategy.coordinator, state.trainer, failed)
         finally:
             python_inputs.end_fit(model, state.trainer)
+
+
+def _raise_if_ps_lost(error, strategy):
+    """Raises `ClusterTaskLostError` from `error` where it is a PS's loss (`fit`, `evaluate`)."""
+    lost = lost_tasks.ps_lost_error(error, strategy.cluster_spec)
+    if lost is not None:
+        raise lost from error
 
 
 def _refuse_compile_options(model, strategy):
@@ -442,7 +453,11 @@ def _evaluate(original, model, *args, **kwargs):
         extra = dict(kw.pop("kwargs", {}))
         extra.pop("_use_cached_eval_dataset", None)
         if not extra:
-            done, result = evaluator.evaluate(**kw)
+            try:
+                done, result = evaluator.evaluate(**kw)
+            except tf.errors.OpError as e:
+                _raise_if_ps_lost(e, _strategy_of(model))
+                raise
             if done:
                 return result
     return _on_chief(original, model, *args, **kwargs)

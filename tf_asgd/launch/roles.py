@@ -26,8 +26,9 @@ from absl import logging
 
 from tf_asgd.cluster import task_server
 from tf_asgd.cluster.local_cluster import LocalCluster
-from tf_asgd.cluster.lost_tasks import task_lost_error
+from tf_asgd.cluster.lost_tasks import lost_ps, task_lost_error
 from tf_asgd.cluster.tf_config import make_resolver, tf_config_role
+from tf_asgd.errors import ClusterTaskLostError
 from tf_asgd.launch.config_fields import CHECKPOINT_DIR, used_workdir_message
 from tf_asgd.launch.input_pipeline import load_data_arrays, make_data, ten_crop_evaluate
 from tf_asgd.launch.run_parts import (
@@ -255,9 +256,12 @@ def checkpoint_on_stop(manager, step_fn, stop, cluster, epoch_var):
             # InvalidArgumentError REPLACED BY KeyboardInterrupt").
             checkpoint_on_interrupt(manager, step_fn)
             raise KeyboardInterrupt(f"signal {stop.signum}") from e
-        if isinstance(
-            e, tf.errors.UnavailableError
-        ):  # includes the coordinator's PSUnavailableError
+        if isinstance(e, ClusterTaskLostError):  # a PS lost in `fit`: name the checkpoint too
+            e = e.__cause__ or e
+        if isinstance(e, tf.errors.OpError) and (
+            isinstance(e, tf.errors.UnavailableError)  # the coordinator's PSUnavailableError too
+            or lost_ps(e, cluster)
+        ):
             raise task_lost_error(e, cluster, manager, epoch_var) from e
         raise
 

@@ -91,6 +91,30 @@ def workers_that_pay(noise_scale):
     return max(1, int(round(noise_scale)))
 
 
+def round_gain(noise_scale, workers):
+    """The step of a round of N windows, over one window's: `(1 + B) / (1 + B / N)`.
+
+    McCandlish et al.'s best rate at batch `b` is `eps_max / (1 + B / b)` (`B` the
+    noise scale); from one window to N it grows by this ratio: about N while the
+    windows are mostly noise (`B >> N`, the linear scaling rule), about 1 where they
+    agree (`B << 1`: averaging).
+
+    Args:
+        noise_scale: `B`, in windows (`nan`: not measured yet, gain 1; `inf`: N).
+        workers: N.
+
+    Examples:
+        >>> round_gain(4.0, 8), round_gain(float("inf"), 8), round_gain(float("nan"), 8)
+        (3.3333333333333335, 8.0, 1.0)
+    """
+    if math.isnan(noise_scale):
+        return 1.0
+    if math.isinf(noise_scale):
+        return float(workers)
+    b = max(0.0, noise_scale)
+    return (1.0 + b) / (1.0 + b / workers)
+
+
 class NoiseScale:
     """A running estimate of the simple noise scale, in windows (McCandlish et al. 2018).
 

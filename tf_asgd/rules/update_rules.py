@@ -397,8 +397,25 @@ def default_synchronous_outer_optimizer(num_workers):
     n = int(num_workers)
     if n <= 1:
         return OuterSGD(1.0)
-    lr = min(1.0, round(n * (1.0 - SYNC_OUTER_MOMENTUM), 12))
-    return DelayedNesterov(lr, max(SYNC_OUTER_MOMENTUM, 1.0 - lr / n), delay=n)
+    return nesterov_with_gain(n, n)
+
+
+def nesterov_with_gain(gain, delay):
+    """A `DelayedNesterov` whose gain `learning_rate / (1 - momentum)` is `gain`.
+
+    Momentum 0.9 and rate `gain / 10` up to a gain of 10, then rate 1 and
+    momentum `1 - 1 / gain` (`default_synchronous_outer_optimizer`).
+
+    Args:
+        gain: at least 1.
+        delay: the `DelayedNesterov`'s delay (pushes a round).
+
+    Examples:
+        >>> nesterov_with_gain(4, 4)
+        DelayedNesterov(learning_rate=0.4, momentum=0.9, delay=4)
+    """
+    lr = min(1.0, round(gain * (1.0 - SYNC_OUTER_MOMENTUM), 12))
+    return DelayedNesterov(lr, max(SYNC_OUTER_MOMENTUM, 1.0 - lr / gain), delay=delay)
 
 
 def outer_gain(opt, num_workers):

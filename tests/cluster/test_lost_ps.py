@@ -1,0 +1,124 @@
+"""A parameter server lost during `fit` or `evaluate` in a user's own script: the error
+names it, as `ClusterTaskLostError`, and says how to go on; nothing hangs."""
+
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import tf_asgd
+from tf_asgd.cluster import lost_tasks
+
+pytestmark = pytest.mark.usefixtures("hang_guard")
+
+
+def _sharded_model(strategy):
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+class _KillPs(keras.callbacks.Callback):
+    """SIGKILLs ps:0 after `at` Keras steps, and restarts it `after` seconds later."""
+
+    def __init__(self, cluster, at=20, after=2.0):
+        super().__init__()
+        self.cluster, self.at, self.after = cluster, at, after
+        self.events, self.thread = {}, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.thread is None and batch >= self.at:
+            self.cluster.kill_task("ps:0")
+            self.events["killed"] = time.monotonic()
+            self.thread = threading.Thread(target=self._restart, daemon=True)
+            self.thread.start()
+
+    def _restart(self):
+        time.sleep(self.after)
+        try:
+            self.cluster.restart_task("ps:0")
+            self.events["restarted"] = time.monotonic()
+        except BaseException as e:  # reported by the test
+            self.events["error"] = e
+
+
+def test_a_ps_killed_mid_fit_and_restarted_is_named_by_fit_and_evaluate(local_cluster, digits):
+    """2 workers, 2 PS and a variable split over both; ps:0 SIGKILLed mid-`fit` and
+    restarted 2 s later: `fit` raises `ClusterTaskLostError` naming ps:0 and its address
+    within 30 s of the kill, from TF's error; `evaluate` once it is back says it was
+    restarted; the cluster closes with no task left."""
+    import tensorflow as tf
+
+    (x, y), (xt, yt) = digits
+    with local_cluster(2, 2, own=True, shared_process=False) as cluster:
+        pids = cluster.pids()
+        partitioner = tf.distribute.experimental.partitioners.MaxSizePartitioner(
+            max_shard_bytes=1024
+        )
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver,
+            n_sync=5,
+            variable_partitioner=partitioner,
+            per_worker_dataset_fn=tf_asgd.data.emulated_device_time(20),
+        )
+        model = _sharded_model(strategy)
+        assert any(len(getattr(v.value, "variables", [])) > 1 for v in model.weights)  # sharded
+        kill = _KillPs(cluster)
+        with pytest.raises(tf_asgd.ClusterTaskLostError) as info:
+            model.fit(
+                x, y, batch_size=32, epochs=50, steps_per_epoch=40, callbacks=[kill], verbose=0
+            )
+        raised = time.monotonic()
+        address = cluster.cluster_spec["ps"][0]
+        message = str(info.value)
+        assert f"lost parameter server ps:0 ({address}" in message, message
+        assert "ps:1" not in message and "--resume" in message
+        assert isinstance(info.value.__cause__, tf.errors.OpError)
+        assert raised - kill.events["killed"] < 30
+        kill.thread.join(60)
+        assert "restarted" in kill.events, kill.events
+        with pytest.raises(tf_asgd.ClusterTaskLostError) as again:
+            model.evaluate(xt, yt, verbose=0)
+        assert f"ps:0 ({address}, restarted)" in str(again.value)  # it answers again
+        assert "ps:1" not in str(again.value)
+    assert not [p for p in pids.values() if _alive(p)]
+
+
+def _alive(pid):
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_errors_that_are_not_a_ps_loss_are_left_alone():
+    import tensorflow as tf
+
+    cluster = {"ps": ["localhost:1"], "worker": ["localhost:2"]}
+    worker = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:0: Socket closed")
+    assert lost_tasks.ps_lost_error(worker, cluster) is None
+    assert lost_tasks.ps_lost_error(ValueError("/job:ps/replica:0/task:0"), cluster) is None
+    restarted = tf.errors.AbortedError(
+        None, None, "Unable to find a context_id (1). Perhaps the worker was restarted, or ..."
+    )
+    error = lost_tasks.ps_lost_error(restarted, cluster)
+    assert "ps:0 (localhost:1, which refuses connections)" in str(error)
+    assert "TensorFlow said: Unable to find a context_id" in str(error)
+    assert np.all([isinstance(error, RuntimeError)])
