@@ -29,7 +29,7 @@ OUTER_HELP = (
     "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
     "synchronous or asynchronous), "
     "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, or "
-    "gain:F (DelayedNesterov with momentum 0.9 and a gain of F x N, in either mode), or "
+    "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
     "adaptive (each round's gain from the rounds' noise scale: noise_scale.round_gain)"
 )
 
@@ -52,7 +52,7 @@ def outer_rule(name, workers, synchronous):
     if name == "adaptive":  # outer_rounds sets the gain per round from the noise scale
         return name
     if name.startswith("gain:"):
-        return update_rules.DelayedNesterov(float(name[5:]) * workers * 0.1, 0.9)
+        return update_rules.nesterov_with_gain(float(name[5:]) * workers, None)
     raise ValueError(f"Unknown outer rule {name!r}; {OUTER_HELP}.")
 
 

@@ -619,15 +619,18 @@ def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     from tf_asgd.rules import update_rules
 
     average = update_rules.OuterSGD(0.5)
-    rounds = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=False)
+    rounds, noise = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=False)
     local = tool.local_sgd(setup, data, 2, 5, 0, 40, 10)
     assert [s for s, _ in rounds] == [s for s, _ in local] == [10, 20, 30, 40]
     np.testing.assert_allclose([a for _, a in rounds], [a for _, a in local], atol=0.01)
-    stale = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=True)
+    assert all(v >= 0 for v in noise)  # the rounds' noise scale, first and last quarter
+    stale, none = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=True)
     assert [s for s, _ in stale] == [10, 20, 30, 40] and stale != rounds
+    assert all(np.isnan(none))  # asynchronous pushes: not measured
     synchronous = update_rules.default_synchronous_outer_optimizer(4)
     assert tool.outer_rule("default", 4, True) == synchronous
     assert tool.outer_rule("dn:0.5:0.8", 4, False) == update_rules.DelayedNesterov(0.5, 0.8)
+    assert tool.outer_rule("gain:0.5", 4, False) == update_rules.nesterov_with_gain(2.0, None)
 
     _run("batch_scaling.py", "--setups", setup, "--rates", "1e-3,4e-3", "--workers", "2",
          "--steps", "60", "--evals", "6", "--out", str(tmp_path))  # fmt: skip
