@@ -97,7 +97,8 @@ def round_gain(noise_scale, workers):
     McCandlish et al.'s best rate at batch `b` is `eps_max / (1 + B / b)` (`B` the
     noise scale); from one window to N it grows by this ratio: about N while the
     windows are mostly noise (`B >> N`, the linear scaling rule), about 1 where they
-    agree (`B << 1`: averaging).
+    agree (`B << 1`: averaging). Measured as a round's gain and not chosen: slower than
+    the synchronous default's N (docs/defaults.md).
 
     Args:
         noise_scale: `B`, in windows (`nan`: not measured yet, gain 1; `inf`: N).
