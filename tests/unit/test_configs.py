@@ -76,10 +76,10 @@ def test_the_help_states_the_default_outer_rate_the_code_computes():
             update_rules.default_outer_learning_rate(n), rel=1e-12
         ), n
     assert f"{update_rules.default_outer_learning_rate(8):.3f}" == config_fields.OUTER_RATE_AT_8
-    # The margin and the limit the help names are the code's.
-    assert "2/3 of the stability limit 2 sin(pi/(4N-2))" in help_text
-    assert update_rules.STABILITY_MARGIN == pytest.approx(2 / 3)
+    # The limit the help names is the code's, and the default is inside it.
+    assert "inside the stability limit 2 sin(pi/(4N-2))" in help_text
     for n in (1, 2, 8, 64):
+        assert update_rules.default_outer_learning_rate(n) <= update_rules.stability_limit(n)
         assert _formula("2 sin(pi/(4N-2))", n) == pytest.approx(update_rules.stability_limit(n))
 
 

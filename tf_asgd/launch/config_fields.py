@@ -17,8 +17,8 @@ MODELS = (
 # The defaults the help states that the code computes; tests/unit/test_configs.py checks
 # each against the code (this module cannot import it: it loads NumPy and TensorFlow).
 # `update_rules.default_outer_learning_rate(N)`, written as its docstring writes it:
-OUTER_RATE_FORMULA = "max(1/N, min(1/4, 1/sqrt(2N), 2/3 * 2 sin(pi/(4N-2))))"
-OUTER_RATE_AT_8 = "0.139"  # the formula at N = 8
+OUTER_RATE_FORMULA = "1/N"
+OUTER_RATE_AT_8 = "0.125"  # the formula at N = 8
 STRATEGY_STALENESS = "none"  # `AsyncParameterServerStrategy(staleness=...)`'s default
 DEFAULT_CONFIG_STALENESS = "dynsgd"  # configs/default.py's
 # Every field of configs/default.py (tests/unit/test_configs.py checks the keys).
@@ -49,8 +49,8 @@ CONFIG_FIELDS = {
     "optimizer.learning_rate": "learning rate of every worker's optimizer",
     "optimizer.momentum": "SGD momentum (sgd only)",
     "outer.name": "the PS's outer optimizer: default (each push of N workers scaled by "
-    f"{OUTER_RATE_FORMULA}: 2/3 of the stability limit 2 sin(pi/(4N-2)), at most 1/4 and "
-    f"1/sqrt(2N), at least 1/N ({OUTER_RATE_AT_8} at 8 workers), after a schedule over the "
+    f"{OUTER_RATE_FORMULA}, the average ({OUTER_RATE_AT_8} at 8 workers), inside the "
+    "stability limit 2 sin(pi/(4N-2)); on 3 and 4 workers after a rise and fall over the "
     "first pushes; GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
     "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
     "delayed_nesterov 0.7)",
