@@ -15,6 +15,7 @@ variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`, `curves.cs
 """
 
 import functools
+import heapq
 import math
 import os
 import sys
@@ -149,7 +150,27 @@ def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
     return points
 
 
-def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, asynchronous):
+def window_ends(workers, n_sync, windows, slow, asynchronous):
+    """`(copy, time)` per window in the order they end, on a simulated clock in steps of
+    a fast copy; copy 0 takes `slow` times as long a step. Asynchronous: each copy starts
+    its next window when its last ends (equal copies end in round-robin order).
+    Synchronous: a round ends when its slowest window does."""
+    if not asynchronous:
+        length = n_sync * max(1.0, slow)
+        return [(k % workers, (k // workers + 1) * length) for k in range(windows)]
+    clock = [(n_sync * (slow if i == 0 else 1.0), i) for i in range(workers)]
+    heapq.heapify(clock)
+    ends = []
+    for _ in range(windows):
+        t, i = heapq.heappop(clock)
+        ends.append((i, t))
+        heapq.heappush(clock, (t + n_sync * (slow if i == 0 else 1.0), i))
+    return ends
+
+
+def outer_rounds(
+    setup, data, workers, n_sync, seed, steps, eval_every, outer, asynchronous, slow=1.0
+):
     """Held-out points of `workers` copies whose windows an outer rule applies.
 
     Each window is `n_sync` steps of the user's optimizer on one copy; its push (the
@@ -157,7 +178,8 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
     Synchronous: every copy starts a round from the same central weights. Asynchronous:
     windows end in round-robin order and each copy pulls right after its push, so every
     push is `workers - 1` pushes stale, as homogeneous workers make it. `steps` counts
-    steps per copy (device times).
+    steps per copy (device times). With copy 0 `slow` times slower (`window_ends`), the
+    windows end in simulated time and the points are at that time, in fast steps.
 
     Returns:
         `(points, noise)`: the held-out points, and (synchronous) the gradient noise scale
@@ -181,8 +203,8 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
     points, next_eval = [], eval_every
     sums, round_sum = [], 0.0  # per round: (pushes' squared norms, their sum's squared norm)
     adaptive, ema = outer == "adaptive", np.zeros(2)
-    for ticket in range(steps * workers // n_sync):
-        i = ticket % workers
+    ends = window_ends(workers, n_sync, steps * workers // n_sync, slow, asynchronous)
+    for ticket, (i, end) in enumerate(ends):
         if adaptive and i == 0:
             if sums:
                 ema = 0.9 * ema + np.asarray(sums[-1])
@@ -191,13 +213,14 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
         copies[i].set_weights(starts[i])
         copies[i].train_function(feeds[i])
         pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]
-        flat = np.concatenate([g.ravel() for g in pushed]).astype(np.float64)
-        round_sum = flat if i == 0 else round_sum + flat
-        if i == 0:
-            sums.append([0.0, 0.0])
-        sums[-1][0] += float(flat @ flat)
-        if i == workers - 1:
-            sums[-1][1] = float(round_sum @ round_sum)
+        if not asynchronous:  # the rounds' noise sums (`noise_scale.from_sums`)
+            flat = np.concatenate([g.ravel() for g in pushed]).astype(np.float64)
+            round_sum = flat if i == 0 else round_sum + flat
+            if i == 0:
+                sums.append([0.0, 0.0])
+            sums[-1][0] += float(flat @ flat)
+            if i == workers - 1:
+                sums[-1][1] = float(round_sum @ round_sum)
         center = list(center)
         for j, g in enumerate(pushed):
             center[j], state[j] = update_rules.outer_step(
@@ -207,7 +230,7 @@ def outer_rounds(setup, data, workers, n_sync, seed, steps, eval_every, outer, a
             starts[i] = center
         elif i == workers - 1:
             starts = [center] * workers
-        step = (ticket + 1) * n_sync // workers
+        step = (ticket + 1) * n_sync // workers if slow == 1 else int(end)
         if step >= next_eval:
             points.append((step, held_out(center)[0]))
             next_eval += eval_every
@@ -319,7 +342,7 @@ def run_setup(setup, data, seed, args):
             asynchronous = method == "async_outer"
             opt = outer_rule(scaling, n, not asynchronous)
             points, noise = outer_rounds(
-                setup, data, n, h, seed, per_worker, every, opt, asynchronous
+                setup, data, n, h, seed, per_worker, every, opt, asynchronous, args.slow_worker
             )
         else:
             multiple = 1 if method == "lr_only" else n
@@ -344,6 +367,7 @@ def run_setup(setup, data, seed, args):
             speedup=base_steps / reached if math.isfinite(reached) else 0.0,
             noise_scale_first=noise[0],
             noise_scale_last=noise[1],
+            slow_worker=args.slow_worker,
         )
         rows.append(row)
         curves += [dict(row, step=s, accuracy=a) for s, a in points]
@@ -420,6 +444,12 @@ def summary(rows):
         "0 for a seed that never reached it; reached/seeds; finals at the same steps).",
         "",
     ]
+    slow = {r.get("slow_worker", 1.0) for r in rows} - {1.0}
+    if slow:
+        lines[-1:-1] = [
+            f"Copy 0 took {', '.join(f'{x:g}' for x in sorted(slow))} times as long a step: "
+            "the N-copy rows are in simulated time, in steps of a fast copy.",
+        ]
     lines += harness.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
     lines += ["", "Plain Keras (batch B): final / steps to the target, per seed:", ""]
     lines += [
@@ -508,6 +538,13 @@ def main(argv=None):
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
     p.add_argument(
         "--replot", action="store_true", help="redraw the plot from --out's curves.csv only"
+    )
+    p.add_argument(
+        "--slow-worker",
+        type=float,
+        default=1.0,
+        help="sync_outer/async_outer: copy 0 takes this many times as long a step, on a "
+        "simulated clock; points and speed-ups are then in simulated time (1: none)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run")
     args = p.parse_args(argv)
