@@ -115,6 +115,14 @@ def test_errors_that_are_not_a_ps_loss_are_left_alone():
     worker = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:0: Socket closed")
     assert lost_tasks.ps_lost_error(worker, cluster) is None
     assert lost_tasks.ps_lost_error(ValueError("/job:ps/replica:0/task:0"), cluster) is None
+    bad_argument = tf.errors.InvalidArgumentError(
+        None, None, "Incompatible shapes: [3] vs. [4] on /job:ps/replica:0/task:0/device:CPU:0"
+    )
+    assert lost_tasks.ps_lost_error(bad_argument, cluster) is None
+    stale_handle = tf.errors.InvalidArgumentError(
+        None, None, "... or some remote workers have been restarted. [Op:AssignVariableOp]"
+    )
+    assert "ps:0" in str(lost_tasks.ps_lost_error(stale_handle, cluster))
     restarted = tf.errors.AbortedError(
         None, None, "Unable to find a context_id (1). Perhaps the worker was restarted, or ..."
     )

@@ -74,9 +74,9 @@ _PS_DEVICE = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
 def lost_ps(error, cluster):
     """The PS tasks `error` shows lost, `["ps:0 (localhost:1234, ...)", ...]`; empty if none.
 
-    A TF error (`UnavailableError`, `AbortedError`, `InvalidArgumentError`) that names
-    a PS device, or that says a task was restarted, is a PS's loss when a PS of
-    `cluster` (a dict) refuses connections or the error names one. A restarted PS
+    An `UnavailableError` or `AbortedError` that names a PS device, or any of these and
+    an `InvalidArgumentError` that says a task was restarted, is a PS's loss when a PS
+    of `cluster` (a dict) refuses connections or the error names one. A restarted PS
     answers again but has lost its variables.
     """
     import tensorflow as tf
@@ -87,8 +87,8 @@ def lost_ps(error, cluster):
     text = str(error)
     named = sorted({int(i) for i in _PS_DEVICE.findall(text)})
     restarted = any(sign in text for sign in RESTARTED_SIGNS)
-    if not named and not restarted:
-        return []
+    if not restarted and (not named or isinstance(error, tf.errors.InvalidArgumentError)):
+        return []  # an op's own bad argument on a PS is not the PS's loss
     down = {d.split(" ")[0] for d in unreachable_tasks({"ps": cluster["ps"]})}
     lost = []
     for i, address in enumerate(cluster["ps"]):
