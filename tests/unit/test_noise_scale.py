@@ -72,3 +72,12 @@ def test_workers_that_pay():
     assert noise_scale.workers_that_pay(9.3) == 9
     assert noise_scale.workers_that_pay(0.1) == 1
     assert noise_scale.workers_that_pay(float("nan")) is None
+
+
+def test_the_module_examples_run():
+    """The docstrings' examples are the module's own numbers (a docstring a bad edit
+    broke would lose them silently)."""
+    import doctest
+
+    failures, tried = doctest.testmod(noise_scale)
+    assert failures == 0 and tried >= 9

@@ -187,3 +187,11 @@ def test_delayed_nesterov_is_diloco_over_each_group():
 def test_bad_outer_configuration(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_the_update_rules_examples_run():
+    """The docstrings' examples (the default rates, the gains) are what the code computes."""
+    import doctest
+
+    failures, tried = doctest.testmod(update_rules)
+    assert failures == 0 and tried >= 20

@@ -119,25 +119,23 @@ def round_gain(noise_scale, workers):
 class NoiseScale:
     """A running estimate of the simple noise scale, in windows (McCandlish et al. 2018).
 
-        Example:
-            >>> import math
+    Example:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> estimate = NoiseScale()
+        >>> for _ in range(2000):  # signal 1 in each of 4 dims, noise variance 2 per dim
+        ...     _ = estimate.update(1.0 + rng.normal(scale=np.sqrt(2.0), size=(8, 4)))
+        >>> round(estimate.value, 1)  # tr(Sigma) / |G|^2 = 8 / 4
+        2.0
 
-    import numpy as np
-            >>> rng = np.random.default_rng(0)
-            >>> estimate = NoiseScale()
-            >>> for _ in range(2000):  # signal 1 in each of 4 dims, noise variance 2 per dim
-            ...     _ = estimate.update(1.0 + rng.normal(scale=np.sqrt(2.0), size=(8, 4)))
-            >>> round(estimate.value, 1)  # tr(Sigma) / |G|^2 = 8 / 4
-            2.0
+    Args:
+        decay: the exponential moving average's decay per round (0: the plain mean of
+            every round so far).
 
-        Args:
-            decay: the exponential moving average's decay per round (0: the plain mean of
-                every round so far).
-
-        Attributes:
-            value: `tr(Sigma) / |G|^2` of the averages so far, in windows (`inf` while the
-                averaged signal is not positive, `nan` before the first round).
-            rounds: rounds seen.
+    Attributes:
+        value: `tr(Sigma) / |G|^2` of the averages so far, in windows (`inf` while the
+            averaged signal is not positive, `nan` before the first round).
+        rounds: rounds seen.
     """
 
     def __init__(self, decay=0.0):
