@@ -383,21 +383,19 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         # (The strategy's `cluster_resolver` property is None for TF's
         # ParameterServerStrategy: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
-        self.cluster_spec = (
-            cluster_resolver.cluster_spec().as_dict()
-        )  # what a lost task is named by
+        # The cluster as a dict: what a lost task is named by.
+        self.cluster_spec = cluster_resolver.cluster_spec().as_dict()
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         _connected.add(self)
         # TF waits for a lost worker without a bound; this bounds it by connect_timeout.
         self._reconnection_watch = lost_workers.ReconnectionWatch(
-            self, self.coordinator, cluster_resolver.cluster_spec().as_dict()
+            self, self.coordinator, self.cluster_spec
         )
         coordinator = weakref.ref(self.coordinator)
         cluster_lib.before_stop(
-            cluster_resolver.cluster_spec().as_dict(),
-            lambda: internals.stop_coordinator(coordinator()),
+            self.cluster_spec, lambda: internals.stop_coordinator(coordinator())
         )
         with self.scope():
             self.counters = PushCounters()

@@ -7,7 +7,6 @@ gradient noise scale from the rounds' pushes. How the barrier, the pulls and the
 work: docs/architecture.md.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from tf_asgd.rules import noise_scale, outer, update_rules
@@ -214,8 +213,9 @@ class NoiseSums:
     Under a `DelayedNesterov` whose delay is the round, each trainable shard's outer
     slots hold two float64 sums (`outer.NOISE_SUMS`): the pushes' squared norms and
     the rounds' (the buffer's total as a round closes). The chief reads them, summed
-    on each PS, at an epoch's start and end; their growth over the epoch gives its
-    noise scale (`noise_scale.from_sums`). Costs two scalar reads per epoch.
+    on each PS, once before the first epoch and at each epoch's end; their growth over
+    the epoch gives its noise scale (`noise_scale.from_sums`). Costs one scalar read per
+    PS per epoch.
 
     Args:
         slots: the model's outer slots, per variable, per shard (`outer.create_slots`).
@@ -251,18 +251,19 @@ class NoiseSums:
         return tf.add_n(parts)
 
     def start_epoch(self, rounds):
-        """Reads the sums as an epoch starts (`rounds`: `Rounds.count` then)."""
-        if self:
+        """Reads the sums before the first epoch (`rounds`: `Rounds.count` then); later
+        epochs start from the last one's end."""
+        if self and self._start is None:
             self._start = (self._read().numpy(), rounds)
 
     def end_epoch(self, rounds):
         """Reads the sums as an epoch ends, after its last round (`rounds`: `Rounds.count`
-        then); sets `value` from the epoch's rounds, if it had any."""
+        then); sets `value` from the rounds since the last end, if there were any."""
         if not self or self._start is None:
             return
         sums, first = self._start
-        push_sq, round_sq = np.asarray(self._read().numpy()) - sums
-        self._start = None
+        self._start = (self._read().numpy(), rounds)
+        push_sq, round_sq = self._start[0] - sums
         if rounds > first and push_sq > 0:
             self.value = noise_scale.from_sums(push_sq, round_sq, self.num_workers)
             self.rounds = rounds - first
