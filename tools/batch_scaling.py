@@ -29,9 +29,10 @@ METHODS = ("large_batch", "local_sgd", "lr_only", "sync_outer", "async_outer")
 OUTER_HELP = (
     "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
     "synchronous or asynchronous), "
-    "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, or "
+    "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, "
     "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
-    "adaptive (each round's gain from the rounds' noise scale: noise_scale.round_gain)"
+    "adaptive (synchronous: each round's gain from the rounds' noise scale, "
+    "noise_scale.round_gain)"
 )
 
 
