@@ -24,10 +24,11 @@ def create_slots(opt, shard, noise_sums=False):
     Args:
         opt: `update_rules.OuterSGD` or `update_rules.DelayedNesterov`.
         shard: the PS variable (or shard of one).
-        noise_sums: with a `DelayedNesterov`, also two float64 scalars (`NOISE_SUMS`):
-            the sum of every push's squared norm on this shard, and of every group's
-            (the buffer's total as it is taken). The gradient noise scale is read from
-            them (`noise_scale.from_sums`).
+        noise_sums: synchronous rounds, with a `DelayedNesterov`: the chief takes each
+            round's momentum step (`close_round`), and two float64 scalars
+            (`NOISE_SUMS`) sum every push's squared norm on this shard and every
+            round's. The gradient noise scale is read from them
+            (`noise_scale.from_sums`).
     """
     strategy = tf.distribute.get_strategy()
     slots = {}
@@ -90,11 +91,18 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
                 use_nesterov=opt.nesterov,
             )
         ]
+    buffer = slots["buffer"]
+    if NOISE_SUMS[0] in slots:  # synchronous: `close_round` takes the momentum step
+        push_sq = tf.reduce_sum(tf.cast(g, tf.float64) ** 2)
+        return [
+            buffer.assign_add(g, read_value=False),
+            shard.assign_add(-lr * g, read_value=False),
+            slots[NOISE_SUMS[0]].assign_add(push_sq, read_value=False),
+        ]
     # Delayed Nesterov, written without branches: `due` is 1 for the pushes
     # whose ticket closes a group of `delay`, else 0.
     delay = opt.delay or num_workers
     due = tf.cast(tf.equal((ticket + 1) % delay, 0), dtype)
-    buffer = slots["buffer"]
     total = buffer.assign_add(g, read_value=True)
     taken = due * total
     # Subtracting what was read keeps any concurrent push's add for the next group.
@@ -103,11 +111,40 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     new = old + due * ((mu - 1.0) * old - lr * taken)
     with tf.control_dependencies([take]):
         set_velocity = velocity.assign_add(new - old, read_value=False)
-    ops = [take, set_velocity, shard.assign_add(-lr * g + due * mu * new, read_value=False)]
-    if NOISE_SUMS[0] in slots:
-        push_sq, group_sq = (tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in (g, taken))
-        ops += [
-            slots[name].assign_add(value, read_value=False)
-            for name, value in zip(NOISE_SUMS, (push_sq, group_sq))
+    return [take, set_velocity, shard.assign_add(-lr * g + due * mu * new, read_value=False)]
+
+
+def close_round(opt, shard, slots, num_workers):
+    """Ops of a synchronous round's momentum step on `shard`, once every push of the
+    round is applied (the chief runs them at the round's barrier): the step the push
+    whose ticket closes the group takes under `apply`, on the whole round's buffer.
+
+    Taken by the chief, not by the round's last ticket: pushes of one round reach
+    the PS concurrently, and the last ticket's push may add to the buffer before an
+    earlier ticket's does, which would leave that window out of the round's step.
+
+    Args:
+        opt: the `update_rules.DelayedNesterov`.
+        shard: the PS variable (or shard of one).
+        slots: its `create_slots(opt, shard, noise_sums=True)`.
+        num_workers: the cluster's worker count (the default delay).
+
+    Returns:
+        A list of ops.
+    """
+    dtype = shard.dtype
+    lr = tf.cast(effective_learning_rate(opt, num_workers, 0), dtype)
+    mu = tf.constant(opt.momentum, dtype)
+    buffer, velocity = slots["buffer"], slots["velocity"]
+    taken = buffer.read_value()
+    with tf.control_dependencies([taken]):
+        new = mu * velocity.read_value() - lr * taken
+    with tf.control_dependencies([new]):
+        return [
+            buffer.assign_sub(taken, read_value=False),
+            velocity.assign(new, read_value=False),
+            shard.assign_add(mu * new, read_value=False),
+            slots[NOISE_SUMS[1]].assign_add(
+                tf.reduce_sum(tf.cast(taken, tf.float64) ** 2), read_value=False
+            ),
         ]
-    return ops

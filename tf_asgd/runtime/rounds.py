@@ -96,13 +96,22 @@ class Rounds:
     Args:
         num_workers: windows per round, N.
         n_sync: local steps per window.
+        close: what takes a round's outer step once its pushes are applied (a
+            `RoundClose`), or None where the pushes take it.
     """
 
-    def __init__(self, num_workers, n_sync):
+    def __init__(self, num_workers, n_sync, close=None):
         self.num_workers, self.n_sync = num_workers, n_sync
         self.steps = 0  # steps gathered for the next round
         self.window_ids = []  # the ids of the last round scheduled
         self.count = 0  # rounds taken
+        self._close, self._open = close, False
+
+    def close(self):
+        """After the barrier: the last round's outer step (`RoundClose`), once."""
+        if self._open and self._close is not None:
+            self._close()
+        self._open = False
 
     def reset(self):
         """Forgets the steps gathered (an epoch starts)."""
@@ -136,6 +145,7 @@ class Rounds:
         sizes = split_round(self.steps, self.num_workers, cycle)
         self.steps = 0
         self.count += 1
+        self._open = True
         self.window_ids = list(range(first_id, first_id + len(sizes)))
         return list(zip(sizes, self.window_ids))
 
@@ -205,6 +215,34 @@ class RoundStart:
         version counter (on the PS; call between rounds). Returns the
         version captured, once every copy is written."""
         return int(self._capture().numpy())
+
+
+class RoundClose:
+    """A synchronous round's momentum step, taken by the chief at the barrier
+    (`outer.close_round` on every shard that has a round buffer).
+
+    Args:
+        shards: `(shard, its outer slots)` pairs, the slots from
+            `outer.create_slots(..., noise_sums=True)`.
+        opt: the `update_rules.DelayedNesterov`.
+        num_workers: N.
+    """
+
+    def __init__(self, shards, opt, num_workers):
+        self._shards = [(s, slots) for s, slots in shards if outer.NOISE_SUMS[0] in slots]
+        self._opt, self._num_workers = opt, num_workers
+        self._run = tf.function(self._ops, autograph=False)
+
+    def __bool__(self):
+        return bool(self._shards)
+
+    def _ops(self):
+        for shard, slots in self._shards:
+            with tf.device(shard.device):
+                outer.close_round(self._opt, shard, slots, self._num_workers)
+
+    def __call__(self):
+        self._run()
 
 
 class NoiseSums:

@@ -30,7 +30,7 @@ from tf_asgd.runtime.push import (
     shard_variables,
 )
 from tf_asgd.runtime.records import WindowRecord
-from tf_asgd.runtime.rounds import NoiseSums, Rounds
+from tf_asgd.runtime.rounds import NoiseSums, RoundClose, Rounds
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 from tf_asgd.runtime.window_log import WindowLog
 
@@ -98,7 +98,7 @@ class WindowTrainer:
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
-        self.rounds = Rounds(strategy.num_workers, strategy.n_sync) if synchronous else None
+        self.rounds = _rounds(self, outer_optimizer) if synchronous else None
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
         self._iterator = None
         self._next_window_id = 0
@@ -274,6 +274,7 @@ class WindowTrainer:
         (`rounds.RoundStart`, which every window of the round pulls), then
         the round's N windows scheduled, one closure each."""
         self._drain(block=True)
+        self.rounds.close()
         cycle = optimizer_options.accumulation_steps(self.model.optimizer)
         windows = self.rounds.take(self._iterator, self.log.records, self._next_window_id, cycle)
         if windows:
@@ -411,6 +412,7 @@ class WindowTrainer:
             if not self._pending:
                 break
         if self.rounds is not None:
+            self.rounds.close()
             self.rounds.check(self.log.records)
             self.noise.end_epoch(self.rounds.count)
         self._epoch_step = 0
@@ -442,6 +444,18 @@ def _create_outer_slots(model, strategy, opt, synchronous):
             ]
             for i, v in enumerate(variables)
         ]
+
+
+def _rounds(trainer, opt):
+    """The synchronous `Rounds` of `trainer`, whose outer step the chief takes at each
+    barrier (`RoundClose`) where the shards keep a round buffer."""
+    shards = [
+        pair
+        for v, slots in zip(trainer.variables, trainer.outer_slots)
+        for pair in zip(shard_variables(raw(v)), slots)
+    ]
+    close = RoundClose(shards, opt, trainer.strategy.num_workers)
+    return Rounds(trainer.strategy.num_workers, trainer.strategy.n_sync, close or None)
 
 
 def validate_windows_per_closure(value):
