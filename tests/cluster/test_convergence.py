@@ -32,11 +32,13 @@ def test_eight_workers_with_momentum_sgd_do_not_collapse(local_cluster):
     """8 workers, n_sync 10, SGD(0.05, momentum 0.9), 2x the samples of plain
     Keras's 3000 steps of batch 100 (which reaches 0.930 to 0.933). At 1/4 a
     push (above the stability limit of 8 workers, 0.209) the same run rose
-    to 0.86 and fell 17.6 points below its best; the default stays inside."""
+    to 0.86 and fell 17.6 points below its best; the default (the average, 1/8)
+    stays inside. Its finals measured 0.891 and 0.880, so the bar (0.85) sits
+    between them and a collapse's."""
     keras.utils.set_random_seed(0)
     with local_cluster(8, 1, own=True, shared_process=True) as cluster:
         curve = _held_out_curve(cluster, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
     after_first_quarter = curve[len(curve) // 4 :]
     running_best = np.maximum.accumulate(curve)[len(curve) // 4 :]
     assert np.max(running_best - after_first_quarter) <= 0.05, curve
-    assert curve[-1] >= 0.88, curve
+    assert curve[-1] >= 0.85, curve
