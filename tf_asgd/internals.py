@@ -743,3 +743,118 @@ def order_coordinator_stop(coordinator, before):
         tf_stop()
 
     handler.stop = stop
+
+
+# ---- Recovering a restarted PS inside fit (ps_recovery.py) ---------------------
+# TF has no public way to move a live variable to a new resource: a PS that comes
+# back has lost its resources, the chief's handles to them are refused after the
+# reconnection, and every function that captured one must be traced again. The
+# facts behind each step: docs/ps_recovery.md.
+
+
+def on_variable_created(strategy, callback):
+    """Calls `callback(variable)` for every variable `strategy`'s scope creates from now
+    on: the scope's creator calls `extended._create_variable` (TF has no public hook)."""
+    extended = strategy.extended
+    create = extended._create_variable
+
+    def _create_variable(next_creator, **kwargs):
+        variable = create(next_creator, **kwargs)
+        callback(variable)
+        return variable
+
+    extended._create_variable = _create_variable
+
+
+def resource_variables(variable):
+    """The `ResourceVariable`s that hold `variable` under the strategy's wrappers
+    (`ShardedVariable.variables`, the `_v` of `AggregatingVariable` and `CachingVariable`)."""
+    if is_sharded(variable):
+        return [r for shard in variable.variables for r in resource_variables(shard)]
+    inner = getattr(variable, "_v", None)
+    if inner is not None and inner is not variable:
+        return resource_variables(inner)
+    return [variable]
+
+
+def wrappers_of(variable):
+    """The strategy's wrappers around `variable`'s resource variables (the objects that
+    may cache a read: `CachingVariable._cache`)."""
+    if is_sharded(variable):
+        return [w for shard in variable.variables for w in wrappers_of(shard)]
+    inner = getattr(variable, "_v", None)
+    if inner is not None and inner is not variable:
+        return [variable] + wrappers_of(inner)
+    return []
+
+
+def server_def():
+    """The chief's cluster definition once connected: what reconnects it to a PS that
+    came back (`context.update_server_def`; TF keeps it privately)."""
+    from tensorflow.python.eager import context
+
+    return context.get_server_def()
+
+
+def reconnect(server_def):
+    """Connects the chief (and, through it, every task) again with `server_def`: each
+    task gets a new eager context, so a restarted PS answers ops again."""
+    from tensorflow.python.eager import context
+
+    context.context().update_server_def(server_def)
+
+
+def new_resource(variable, value):
+    """Gives `variable` (a `ResourceVariable`) a new resource on its device holding `value`:
+    the old handle is refused once the PS that held it has restarted."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.device(variable.device):
+        handle = resource_variable_ops._variable_handle_from_shape_and_dtype(
+            shape=variable.shape,
+            dtype=variable.dtype,
+            shared_name=None,
+            name=variable._shared_name or "Variable",
+            graph_mode=False,
+        )
+        resource_variable_ops.assign_variable_op(
+            handle, tf.convert_to_tensor(value, variable.dtype)
+        )
+    variable._handle = handle
+    variable._cached_value = None
+
+
+def forget_cached_read(wrapper):
+    """Drops a wrapper's cached read of its variable (`CachingVariable._cache`)."""
+    if hasattr(wrapper, "_cache"):
+        wrapper._cache = None
+
+
+def retrace_every_function():
+    """Clears the traces of every `tf.function` in this process, so each is traced again
+    on its next call: a trace captured the handles of the variables (TF has no public
+    `clear cache`; `Function._function_cache` holds the traces)."""
+    import gc
+
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    cleared = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, polymorphic_function.Function):
+            obj._function_cache.clear()
+            cleared += 1
+    return cleared
+
+
+def wait_for_closures(coordinator, timeout):
+    """Waits up to `timeout` seconds until no closure of `coordinator` runs or waits,
+    swallowing their errors (the queue raises each once). Returns whether it emptied."""
+    closures = coordinator._cluster.closure_queue
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if closures.wait(timeout=max(0.01, deadline - time.monotonic())):
+                return True
+        except tf.errors.OpError:
+            continue
+    return False

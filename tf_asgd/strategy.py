@@ -24,7 +24,7 @@ from tf_asgd.keras_glue.evaluation import validate_evaluation
 from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
 from tf_asgd.rules import update_rules
 from tf_asgd.rules.compression import as_compression, as_pull_compression
-from tf_asgd.runtime import python_inputs, rounds
+from tf_asgd.runtime import ps_recovery, python_inputs, rounds
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
 
@@ -257,6 +257,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `fit`, GEM and Python-side training data. How rounds work:
             docs/architecture.md; when to choose them:
             docs/guide/choosing.md.
+        snapshot_every: seconds between snapshots of the central state (every
+            PS variable, read on the chief where no push is half applied): 60
+            by default; `None` takes none. A PS lost during asynchronous `fit`
+            and answering again on its address (restarted, or a pod back on
+            its name) within `connect_timeout` is recovered in the run: the
+            whole cluster goes back to the newest snapshot, the pushes since
+            it are rolled back (`strategy.recoveries` counts them), and `fit`
+            goes on. Without a snapshot, in synchronous mode, or past
+            `connect_timeout`, `fit` stops with `tf_asgd.ClusterTaskLostError`.
+            See docs/faults.md.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
@@ -290,6 +300,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         pull_compression: the `Compression` of pulls, likewise.
         connect_timeout: as given; may be set again later.
         synchronous: as given.
+        snapshot_every: as given; may be set again later.
+        recoveries: a `ps_recovery.Recovery` per PS recovered during `fit`.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
         counters: the `counters.PushCounters` on the PS.
@@ -339,6 +351,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         compression=None,
         pull_compression=None,
         synchronous=False,
+        snapshot_every=ps_recovery.DEFAULT_SNAPSHOT_EVERY,
     ):
         # Validate everything before connecting, so bad input changes nothing.
         if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
@@ -360,12 +373,12 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         workers = cluster_resolver.cluster_spec().num_tasks("worker")
         options = (staleness, max_staleness, windows_per_closure, outer_optimizer, workers)
         rounds.validate_synchronous(synchronous, *options)
+        ps_recovery.validate_snapshot_every(snapshot_every)
         connect.wait_for_cluster(cluster_resolver, connect_timeout)  # TF's own wait has no bound
         keras_hook.install()
         _stop_earlier_strategies()
-        # Connecting starts this process's gRPC server and, on first use, TF's
-        # devices: start-up lines (the server's address, a failed cuInit where
-        # there is no CUDA driver) are dropped, anything else is shown.
+        # Connecting starts this process's gRPC server and TF's devices: their start-up
+        # lines (the address, a failed cuInit) are dropped, anything else is shown.
         with tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()):
             super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
         self.n_sync = n_sync
@@ -380,8 +393,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.compression = compression
         self.pull_compression = pull_compression
         self.synchronous = synchronous
-        # (The strategy's `cluster_resolver` property is None for TF's
-        # ParameterServerStrategy: count from the resolver given.)
+        # (TF's `cluster_resolver` property is None here: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
         # The cluster as a dict: what a lost task is named by.
         self.cluster_spec = cluster_resolver.cluster_spec().as_dict()
@@ -397,6 +409,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         cluster_lib.before_stop(
             self.cluster_spec, lambda: internals.stop_coordinator(coordinator())
         )
+        # Registers every variable the scope creates from now on, the counters first.
+        self.ps_recovery = ps_recovery.PSRecovery(self, snapshot_every)
         with self.scope():
             self.counters = PushCounters()
         self.model_states = ModelStates(self, self._outer_optimizer_for)
@@ -415,6 +429,23 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     def connect_timeout(self, value):
         connect.validate_connect_timeout(value)
         self._connect_timeout = value
+
+    @property
+    def snapshot_every(self):
+        """Seconds between snapshots of the central state (None: none; see the class's
+        Args). May be set again; a value that is not None or a positive number raises
+        `ValueError` (and leaves it unchanged)."""
+        return self.ps_recovery.snapshot_every
+
+    @snapshot_every.setter
+    def snapshot_every(self, value):
+        ps_recovery.validate_snapshot_every(value)
+        self.ps_recovery.snapshot_every = value
+
+    @property
+    def recoveries(self):
+        """A `ps_recovery.Recovery` per parameter server recovered during `fit`."""
+        return list(self.ps_recovery.recoveries)
 
     @property
     def evaluation(self):

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_asgd import internals
 from tf_asgd.cluster import lost_tasks
-from tf_asgd.runtime import optimizer_options, python_inputs
+from tf_asgd.runtime import optimizer_options, ps_recovery, python_inputs
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
@@ -128,6 +128,7 @@ def _fit(original, model, *args, **kwargs):
         python_inputs.start_fit(model, feed)
     state = strategy.model_states.get_or_create(model)
     state.start_fit(kwargs["steps_per_epoch"])
+    strategy.ps_recovery.start_fit()
     # One Keras "execution" is one window of n_sync steps, for this fit only.
     users_steps_per_execution = model.steps_per_execution
     model.steps_per_execution = strategy.n_sync
@@ -420,13 +421,13 @@ def _make_train_function(original, model, force=False):
     if model.train_function is not None and not force:
         return model.train_function
     trainer = _window_trainer(model)
-    model.train_function = trainer.train_function
+    model.train_function = ps_recovery.train_function(trainer, _strategy_of(model).ps_recovery)
     return model.train_function
 
 
 def _get_metrics_result_or_logs(original, model, logs):
     if _fitting_state(model) is not None:
-        logs = _window_trainer(model).finish()
+        logs = ps_recovery.finish(_window_trainer(model), _strategy_of(model).ps_recovery)
         python_inputs.end_epoch(model)  # a PyDataset's on_epoch_end, where Keras calls it
         return logs
     return original(model, logs)

@@ -42,6 +42,8 @@ class WindowRecord(typing.NamedTuple):
             (-1 where unknown).
         samples: the samples its local steps trained on (the batches' sizes
             summed; 0 for a replay).
+        rolled_back: True where a parameter server's recovery undid its push
+            (it was applied after the snapshot the cluster went back to).
 
     Example:
 
@@ -66,6 +68,7 @@ class WindowRecord(typing.NamedTuple):
     started_at: float = float("nan")  # time.time() on the worker when the window started
     window_id: int = -1  # the chief's id of the window (unique; a re-run keeps it)
     samples: int = 0  # samples its local steps trained on (0 for a replay)
+    rolled_back: bool = False  # its push was undone by a PS's recovery (ps_recovery.py)
 
 
 class WindowResultLayout:

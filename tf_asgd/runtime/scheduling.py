@@ -266,7 +266,11 @@ class WindowTrainer:
         while self._queue:
             k = self._closure_size(len(self._queue) + left)
             windows, self._queue = self._queue[:k], self._queue[k:]
-            self._schedule(windows)
+            try:
+                self._schedule(windows)
+            except Exception:
+                self._queue = windows + self._queue  # still to run (`abandon` finds them)
+                raise
 
     def _start_round(self):
         """Synchronous: the barrier (every window of the last round finished,
@@ -291,7 +295,7 @@ class WindowTrainer:
         plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
         budget = self._budget(len(windows))
         if python_inputs.is_feed(self._iterator):
-            function, args, windows = self._fed_closure(windows, plan, budget)
+            function, args, windows = _fed_closure(self, windows, plan, budget)
             if not windows:
                 return
         else:
@@ -312,33 +316,6 @@ class WindowTrainer:
         if first:
             self.closure_sizes.append(len(windows))
 
-    def _fed_closure(self, windows, plan, budget):
-        """`(concrete function, args, windows)` of a closure of `windows` on
-        batches the chief read (`python_inputs.ChiefFeed`): they travel as its
-        first argument. Windows of an earlier, failed fit (whose batches are
-        gone) are dropped from `windows`."""
-        feed = self._iterator
-        if not all(feed.holds(w) for _, w in windows):
-            windows = [(n, w) for n, w in windows if feed.holds(w)]
-            if not windows:
-                return None, None, windows
-            plan = np.zeros_like(plan)
-            plan[0] = -1
-            plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
-        args = (
-            feed.pack([w for _, w in windows]),
-            tf.constant(plan),
-            tf.constant([len(windows), budget], tf.float64),
-        )
-        concrete = self._fed_concrete.get(feed.key)
-        if concrete is None:
-            self.window.prepare(None, feed.element_spec)  # errors before anything is traced
-            function = python_inputs.window_on_sent_batches(self.window, feed.element_spec)
-            concrete = self._fed_concrete[feed.key] = function.get_concrete_function(
-                feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([2], tf.float64)
-            )
-        return concrete, args, windows
-
     def _drain(self, block, keep=0):
         """Records finished closures' windows in the order they finish; with
         `block`, waits until at most `keep` closures are unfinished. Windows a
@@ -350,15 +327,16 @@ class WindowTrainer:
         while True:
             ready = [p for p in self._pending if internals.remote_value_ready(p[0])]
             for item in ready:
-                self._pending.remove(item)
                 rv, windows, budget = item
-                try:
+                try:  # a failed closure stays pending: `abandon` or `drop_failed` takes it
                     rows = np.asarray(rv.fetch()).reshape(-1, self.layout.size)
                 except tf.errors.UnavailableError:
                     if internals.remote_value_failed(rv):
                         raise
+                    self._pending.remove(item)
                     self._result_lost(windows)
                     continue
+                self._pending.remove(item)
                 for row, (steps, window_id) in zip(rows, windows):
                     self.log.record(row, window_id, steps)
                 if python_inputs.is_feed(self._iterator):
@@ -380,6 +358,28 @@ class WindowTrainer:
             len(windows),
         )
         self._schedule(windows, first=False)
+
+    def logs_so_far(self):
+        """The logs `train_function` last returned (`{}` before any)."""
+        return self._logs if self._logs is not None else {}
+
+    def quiesce(self):
+        """Schedules every queued window and waits until each has finished: no push is
+        then half applied (a PS snapshot's moment, `ps_recovery`). Asynchronous only."""
+        self._flush()
+        self._drain(block=True)
+
+    def abandon(self):
+        """Forgets every queued and scheduled window (a PS's loss failed them) and the
+        traces that captured the old PS variables; returns the windows, `(steps, id)`."""
+        windows = [w for _, ws, _ in self._pending for w in ws] + self._queue
+        self._pending, self._queue = [], []
+        self._concrete, self._fed_concrete = None, {}
+        return windows
+
+    def requeue(self, windows):
+        """Queues `windows` (`(steps, id)`) to train again, before any other."""
+        self._queue = list(windows) + self._queue
 
     def drop_failed(self):
         """Forgets the scheduled closures that failed (after a failed `fit`,
@@ -428,6 +428,34 @@ class WindowTrainer:
         for var, value in zip(self.model.metrics_variables, self.log.metric_values()):
             var.assign(value)
         return self.log.logs(counters=self.stats().as_logs())
+
+
+def _fed_closure(trainer, windows, plan, budget):
+    """`(concrete function, args, windows)` of `trainer`'s closure of `windows` on
+    batches the chief read (`python_inputs.ChiefFeed`): they travel as its
+    first argument. Windows of an earlier, failed fit (whose batches are
+    gone) are dropped from `windows`."""
+    feed = trainer._iterator
+    if not all(feed.holds(w) for _, w in windows):
+        windows = [(n, w) for n, w in windows if feed.holds(w)]
+        if not windows:
+            return None, None, windows
+        plan = np.zeros_like(plan)
+        plan[0] = -1
+        plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
+    args = (
+        feed.pack([w for _, w in windows]),
+        tf.constant(plan),
+        tf.constant([len(windows), budget], tf.float64),
+    )
+    concrete = trainer._fed_concrete.get(feed.key)
+    if concrete is None:
+        trainer.window.prepare(None, feed.element_spec)  # errors before anything is traced
+        function = python_inputs.window_on_sent_batches(trainer.window, feed.element_spec)
+        concrete = trainer._fed_concrete[feed.key] = function.get_concrete_function(
+            feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([2], tf.float64)
+        )
+    return concrete, args, windows
 
 
 def _create_outer_slots(model, strategy, opt, synchronous):

@@ -96,6 +96,17 @@ class WindowLog:
         else:
             self._metric_sum = [a + b for a, b in zip(self._metric_sum, values)]
 
+    def roll_back(self, since):
+        """Marks the records from index `since` on as rolled back (a PS's recovery undid
+        their pushes); returns those that had pushed."""
+        undone = self.records[since:]
+        rolled = [r._replace(rolled_back=True) for r in undone]
+        self.records[since:] = rolled
+        by_id = {id(old): new for old, new in zip(undone, rolled)}
+        self.epoch_records = [by_id.get(id(r), r) for r in self.epoch_records]
+        self._ticketed -= sum(r.staleness >= 0 for r in undone)
+        return [r for r in rolled if r.pushed and not r.replayed]
+
     def _metric_results(self, state):
         """The model's metric results for metric-variable values `state`."""
         mapping = list(zip(self.model.metrics_variables, state))

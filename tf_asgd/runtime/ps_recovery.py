@@ -1,0 +1,260 @@
+"""A parameter server lost during `fit`, recovered inside `fit`.
+
+The chief keeps a snapshot of every PS variable (the model, the optimizer, the outer
+slots, the push counters, the ring of applied windows), read where no push is half
+applied: at each `fit`'s start, then at the first quiet moment every `snapshot_every`
+seconds. When a PS is lost, the chief waits (at most `connect_timeout`) for it to answer
+on its address, reconnects, gives every PS variable on every PS a new resource holding
+the snapshot (so no shard is newer than another), drops the traces that captured the old
+ones, and `fit` goes on. The pushes applied since the snapshot are rolled back (counted,
+marked in the window log); they and the windows in flight train again under their own
+ids, which the restored ring of applied ids does not hold, so none is applied twice.
+The TF facts behind each step: docs/ps_recovery.md.
+"""
+
+import dataclasses
+import logging
+import time
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from tf_asgd import internals
+from tf_asgd.cluster import connect, lost_tasks
+
+log = logging.getLogger("tf_asgd")
+
+# Seconds between snapshots. Each costs a read of the central state and, inside an
+# epoch, a drain of the scheduled windows (results/ps_recovery measures both).
+DEFAULT_SNAPSHOT_EVERY = 60.0
+PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One lost parameter server's recovery inside `fit` (`strategy.recoveries`).
+
+    Attributes:
+        lost: the PS tasks found lost, e.g. `["ps:0 (localhost:1234, restarted)"]`.
+        waited_s: seconds from the error until every PS answered again.
+        restore_s: seconds to reconnect, restore the snapshot and reach the workers.
+        snapshot_age_s: how old the snapshot was when the PS was lost.
+        rolled_back: pushes applied since the snapshot, undone: their records stay in
+            the window log, marked `rolled_back`, and their windows train again.
+        in_flight: windows scheduled and unfinished when the PS was lost: they train
+            again (none of them stays applied).
+        version: the version counter after the recovery (the snapshot's).
+    """
+
+    lost: list
+    waited_s: float
+    restore_s: float
+    snapshot_age_s: float
+    rolled_back: int
+    in_flight: int
+    version: int
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """The central state at one moment training passed through."""
+
+    variables: list  # weakrefs to the PS `ResourceVariable`s
+    values: list  # their NumPy values, in that order
+    taken_at: float  # time.monotonic()
+    marks: weakref.WeakKeyDictionary  # trainer -> length of its window log then
+    nbytes: int
+
+
+class PSRecovery:
+    """The snapshots of a strategy's central state, and the recovery from them.
+
+    Args:
+        strategy: the `AsyncParameterServerStrategy`, just connected: every variable
+            its scope creates from now on is registered here.
+        snapshot_every: seconds between snapshots (None: never, so a lost PS stops
+            `fit` with `ClusterTaskLostError`).
+
+    Attributes:
+        recoveries: a `Recovery` per recovered PS loss.
+        snapshots: `(seconds, bytes)` of each snapshot taken.
+    """
+
+    def __init__(self, strategy, snapshot_every):
+        self._strategy = weakref.ref(strategy)
+        self.snapshot_every = snapshot_every
+        self._created = []  # weakrefs to every variable the scope created
+        internals.on_variable_created(strategy, lambda v: self._created.append(weakref.ref(v)))
+        self._server_def = internals.server_def()
+        self.snapshot = None
+        self.recoveries = []
+        self.snapshots = []
+
+    def _ps_variables(self):
+        """Every live variable of the scope as `(top-level variable, its resource
+        variables on a PS)`."""
+        live = [v for v in (r() for r in self._created) if v is not None]
+        self._created = [weakref.ref(v) for v in live]
+        return [(v, [r for r in internals.resource_variables(v) if _on_ps(r)]) for v in live]
+
+    def start_fit(self):
+        """Makes a snapshot due: the next quiet moment of the `fit` starting takes one."""
+        self.snapshot = None
+
+    def due(self):
+        """Whether a snapshot should be taken at the next quiet moment."""
+        if self.snapshot_every is None:
+            return False
+        return self.snapshot is None or (
+            time.monotonic() - self.snapshot.taken_at >= self.snapshot_every
+        )
+
+    def take(self, trainer):
+        """Reads every PS variable (no push may be in flight: `trainer.quiesce()`)."""
+        start = time.perf_counter()
+        variables = [r for _, rs in self._ps_variables() for r in rs]
+        values = [np.asarray(r.read_value()) for r in variables]
+        marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
+        nbytes = int(sum(v.nbytes for v in values))
+        self.snapshot = Snapshot(
+            [weakref.ref(r) for r in variables], values, time.monotonic(), marks, nbytes
+        )
+        self.snapshots.append((time.perf_counter() - start, nbytes))
+
+    def recover(self, error, trainer):
+        """Recovers from `error` where it is a PS's loss and a snapshot exists; else
+        raises (`ClusterTaskLostError` for a PS's loss, `error` itself otherwise).
+
+        Returns:
+            The `Recovery`.
+        """
+        strategy = self._strategy()
+        lost = lost_tasks.lost_ps(error, strategy.cluster_spec)
+        if not lost:
+            raise error
+        if self.snapshot is None or strategy.synchronous:
+            raise lost_tasks.ps_lost_error(error, strategy.cluster_spec) from error
+        start = time.monotonic()
+        age = start - self.snapshot.taken_at
+        log.warning(
+            "Lost parameter server %s; waiting up to %g s for it to answer again, then "
+            "going back to the snapshot of %.1f s ago.",
+            ", ".join(lost),
+            strategy.connect_timeout,
+            age,
+        )
+        try:
+            in_flight = trainer.abandon()
+            deadline = start + strategy.connect_timeout
+            internals.wait_for_closures(strategy.coordinator, deadline - time.monotonic())
+            ps = [("ps", i, a) for i, a in enumerate(strategy.cluster_spec["ps"])]
+            connect.wait_for_tasks(ps, max(0.1, deadline - time.monotonic()))
+            answered = time.monotonic()
+            self._restore()
+            self._reach_workers(strategy, deadline)
+        except Exception as e:
+            raise lost_tasks.ps_lost_error(error, strategy.cluster_spec) from e
+        rolled = trainer.log.roll_back(self.snapshot.marks.get(trainer, len(trainer.window_log)))
+        # Both train again, under their own ids: none is in the restored ring of applied ids.
+        n_sync = strategy.n_sync
+        trainer.requeue([(n_sync, r.window_id) for r in rolled] + in_flight)
+        version = int(strategy.counters.version.numpy())
+        done = Recovery(
+            lost,
+            answered - start,
+            time.monotonic() - answered,
+            age,
+            len(rolled),
+            len(in_flight),
+            version,
+        )
+        self.recoveries.append(done)
+        log.warning(
+            "Recovered parameter server %s in %.1f s (it answered after %.1f s): the cluster "
+            "went back to the snapshot of %.1f s before: %d push(es) rolled back; they and "
+            "the %d window(s) in flight train again; version %d.",
+            ", ".join(lost),
+            done.waited_s + done.restore_s,
+            done.waited_s,
+            age,
+            done.rolled_back,
+            done.in_flight,
+            version,
+        )
+        return done
+
+    def _restore(self):
+        """Reconnects, then gives every snapshot variable a new resource with its value."""
+        internals.reconnect(self._server_def)
+        for ref, value in zip(self.snapshot.variables, self.snapshot.values):
+            variable = ref()
+            if variable is not None:
+                internals.new_resource(variable, value)
+        for top, _ in self._ps_variables():
+            for wrapper in internals.wrappers_of(top):
+                internals.forget_cached_read(wrapper)
+        internals.retrace_every_function()
+
+    def _reach_workers(self, strategy, deadline):
+        """Waits until every worker reads the PS again: right after a reconnection the
+        workers' own channels to a restarted PS back off for seconds."""
+        version = strategy.counters.version
+        probe = tf.function(lambda: version.read_value() + 0, autograph=False)
+        while True:
+            values = [strategy.coordinator.schedule(probe) for _ in range(strategy.num_workers)]
+            try:
+                for value in values:
+                    value.fetch()
+                return
+            except tf.errors.OpError:
+                internals.wait_for_closures(strategy.coordinator, 5.0)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(PROBE_RETRY_S)
+
+
+def _on_ps(variable):
+    try:
+        return "/job:ps" in variable.device
+    except (AttributeError, ValueError, RuntimeError):  # a per-worker variable has no one device
+        return False
+
+
+def train_function(trainer, recovery):
+    """`trainer.train_function` for Keras, with snapshots taken when due and a lost PS
+    recovered (the windows then in flight are lost; the epoch goes on)."""
+
+    def run(iterator):
+        try:
+            if recovery.due() and not trainer.strategy.synchronous:
+                trainer.quiesce()
+                recovery.take(trainer)
+            return trainer.train_function(iterator)
+        except tf.errors.OpError as e:
+            recovery.recover(e, trainer)
+            return trainer.logs_so_far()
+
+    return run
+
+
+def finish(trainer, recovery, attempts=3):
+    """`trainer.finish()` (the epoch's end), with a lost PS recovered and the end retried."""
+    for attempt in range(attempts):
+        try:
+            return trainer.finish()
+        except tf.errors.OpError as e:
+            if attempt == attempts - 1:
+                raise
+            recovery.recover(e, trainer)
+
+
+def validate_snapshot_every(value):
+    """Raises `ValueError` unless `value` is None or a positive finite number of seconds."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < np.inf:
+        raise ValueError(
+            f"snapshot_every must be None (no snapshots) or a positive number of seconds, "
+            f"got {value!r}."
+        )
