@@ -1,7 +1,8 @@
 """What tests share besides fixtures: the repository root, the digits model's compile, a
 flattened-digits MLP and its seeded compile (for comparisons with plain Keras), the
-supported versions as internals.py states them, a bounded call for error-path tests, and
-a fit whose only worker is killed in the middle of a closure."""
+supported versions as internals.py states them, a bounded call for error-path tests, a
+fit whose only worker is killed in the middle of a closure, and a callback that kills a
+task mid-`fit` and restarts it."""
 
 import ast
 import contextlib
@@ -214,3 +215,32 @@ def worker_killed_mid_closure(local_cluster, digits, **strategy_options):
         assert stats.windows == steps == sum(r.pushed for r in log)
         assert int(model.optimizer.iterations.numpy()) == steps * n_sync
         yield strategy, model, steps
+
+
+class KillTask(keras.callbacks.Callback):
+    """SIGKILLs `task` of `cluster` after `at` windows of `fit` (Keras's batch-level calls),
+    then restarts it on its port `after` seconds later (None: never), in a thread;
+    `events` holds when each happened (monotonic), or the restart's error."""
+
+    def __init__(self, cluster, task="ps:0", at=20, after=2.0):
+        super().__init__()
+        self.cluster, self.task, self.at, self.after = cluster, task, at, after
+        self.events, self.thread, self.windows = {}, None, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.windows += 1
+        if self.thread is None and self.windows >= self.at:
+            self.cluster.kill_task(self.task)
+            self.events["killed"] = time.monotonic()
+            self.thread = threading.Thread(target=self._restart, daemon=True)
+            self.thread.start()
+
+    def _restart(self):
+        if self.after is None:
+            return
+        time.sleep(self.after)
+        try:
+            self.cluster.restart_task(self.task)
+            self.events["restarted"] = time.monotonic()
+        except BaseException as e:  # reported by the test
+            self.events["error"] = e

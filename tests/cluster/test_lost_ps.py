@@ -1,7 +1,6 @@
 """A parameter server lost during `fit` or `evaluate` in a user's own script: the error
 names it, as `ClusterTaskLostError`, and says how to go on; nothing hangs."""
 
-import threading
 import time
 
 import keras
@@ -10,6 +9,8 @@ import pytest
 
 import tf_asgd
 from tf_asgd.cluster import lost_tasks
+
+from helpers import KillTask
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
 
@@ -32,35 +33,12 @@ def _sharded_model(strategy):
     return model
 
 
-class _KillPs(keras.callbacks.Callback):
-    """SIGKILLs ps:0 after `at` Keras steps, and restarts it `after` seconds later."""
-
-    def __init__(self, cluster, at=20, after=2.0):
-        super().__init__()
-        self.cluster, self.at, self.after = cluster, at, after
-        self.events, self.thread = {}, None
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.thread is None and batch >= self.at:
-            self.cluster.kill_task("ps:0")
-            self.events["killed"] = time.monotonic()
-            self.thread = threading.Thread(target=self._restart, daemon=True)
-            self.thread.start()
-
-    def _restart(self):
-        time.sleep(self.after)
-        try:
-            self.cluster.restart_task("ps:0")
-            self.events["restarted"] = time.monotonic()
-        except BaseException as e:  # reported by the test
-            self.events["error"] = e
-
-
 def test_a_ps_killed_mid_fit_and_restarted_is_named_by_fit_and_evaluate(local_cluster, digits):
-    """2 workers, 2 PS and a variable split over both; ps:0 SIGKILLed mid-`fit` and
-    restarted 2 s later: `fit` raises `ClusterTaskLostError` naming ps:0 and its address
-    within 30 s of the kill, from TF's error; `evaluate` once it is back says it was
-    restarted; the cluster closes with no task left."""
+    """2 workers, 2 PS and a variable split over both, no snapshots (`snapshot_every=None`,
+    so no recovery); ps:0 SIGKILLed mid-`fit` and restarted 2 s later: `fit` raises
+    `ClusterTaskLostError` naming ps:0 and its address within 30 s of the kill, from TF's
+    error; `evaluate` once it is back says it was restarted; the cluster closes with no
+    task left."""
     import tensorflow as tf
 
     (x, y), (xt, yt) = digits
@@ -74,10 +52,11 @@ def test_a_ps_killed_mid_fit_and_restarted_is_named_by_fit_and_evaluate(local_cl
             n_sync=5,
             variable_partitioner=partitioner,
             per_worker_dataset_fn=tf_asgd.data.emulated_device_time(20),
+            snapshot_every=None,
         )
         model = _sharded_model(strategy)
         assert any(len(getattr(v.value, "variables", [])) > 1 for v in model.weights)  # sharded
-        kill = _KillPs(cluster)
+        kill = KillTask(cluster)
         with pytest.raises(tf_asgd.ClusterTaskLostError) as info:
             model.fit(
                 x, y, batch_size=32, epochs=50, steps_per_epoch=40, callbacks=[kill], verbose=0

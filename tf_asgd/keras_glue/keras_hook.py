@@ -454,14 +454,26 @@ def _evaluate(original, model, *args, **kwargs):
         extra = dict(kw.pop("kwargs", {}))
         extra.pop("_use_cached_eval_dataset", None)
         if not extra:
-            try:
-                done, result = evaluator.evaluate(**kw)
-            except tf.errors.OpError as e:
-                _raise_if_ps_lost(e, _strategy_of(model))
-                raise
+            done, result = _evaluate_on_workers(evaluator, model, kw)
             if done:
                 return result
     return _on_chief(original, model, *args, **kwargs)
+
+
+def _evaluate_on_workers(evaluator, model, kw):
+    """`evaluator.evaluate(**kw)`; during `fit` (its validation) a lost PS is recovered
+    (`ps_recovery`) and the evaluation runs again, else it is named."""
+    strategy = _strategy_of(model)
+    state = strategy.model_states.get(model)
+    trainer = state.trainer if state is not None and state.fitting else None
+    try:
+        return evaluator.evaluate(**kw)
+    except tf.errors.OpError as e:
+        if trainer is None:
+            _raise_if_ps_lost(e, strategy)
+            raise
+        strategy.ps_recovery.recover(e, trainer)
+    return evaluator.evaluate(**kw)
 
 
 def _on_chief(original, model, *args, **kwargs):

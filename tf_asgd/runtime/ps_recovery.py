@@ -124,17 +124,15 @@ class PSRecovery:
 
     def recover(self, error, trainer):
         """Recovers from `error` where it is a PS's loss and a snapshot exists; else
-        raises (`ClusterTaskLostError` for a PS's loss, `error` itself otherwise).
+        raises `error` (`fit` names a lost PS in a `ClusterTaskLostError`).
 
         Returns:
             The `Recovery`.
         """
         strategy = self._strategy()
         lost = lost_tasks.lost_ps(error, strategy.cluster_spec)
-        if not lost:
+        if not lost or self.snapshot is None or strategy.synchronous:
             raise error
-        if self.snapshot is None or strategy.synchronous:
-            raise lost_tasks.ps_lost_error(error, strategy.cluster_spec) from error
         start = time.monotonic()
         age = start - self.snapshot.taken_at
         log.warning(
@@ -154,7 +152,8 @@ class PSRecovery:
             self._restore()
             self._reach_workers(strategy, deadline)
         except Exception as e:
-            raise lost_tasks.ps_lost_error(error, strategy.cluster_spec) from e
+            log.warning("Could not recover parameter server %s: %s", ", ".join(lost), e)
+            raise error from e
         rolled = trainer.log.roll_back(self.snapshot.marks.get(trainer, len(trainer.window_log)))
         # Both train again, under their own ids: none is in the restored ring of applied ids.
         n_sync = strategy.n_sync
@@ -239,14 +238,19 @@ def train_function(trainer, recovery):
 
 
 def finish(trainer, recovery, attempts=3):
-    """`trainer.finish()` (the epoch's end), with a lost PS recovered and the end retried."""
+    """`trainer.finish()` (the epoch's end), with a lost PS recovered and the end retried,
+    and a snapshot taken when due (free here: every window has finished)."""
     for attempt in range(attempts):
         try:
-            return trainer.finish()
+            logs = trainer.finish()
+            break
         except tf.errors.OpError as e:
             if attempt == attempts - 1:
                 raise
             recovery.recover(e, trainer)
+    if recovery.due() and not trainer.strategy.synchronous:
+        recovery.take(trainer)
+    return logs
 
 
 def validate_snapshot_every(value):

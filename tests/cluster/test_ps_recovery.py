@@ -1,0 +1,139 @@
+"""A parameter server lost during `fit` is recovered inside `fit` (`ps_recovery`): the
+run completes, every window is applied exactly once, the log reports the rollback, and
+where recovery is impossible `fit` stops with the clear error within its bound."""
+
+import logging
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+
+from helpers import KillTask
+
+pytestmark = pytest.mark.usefixtures("hang_guard")
+
+EPOCHS, STEPS, N_SYNC = 10, 40, 5
+
+
+def _sharded_strategy(cluster, **options):
+    """2 PS tasks with each large variable split over both (a shard per 1 KiB)."""
+    partitioner = tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=1024)
+    return tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver,
+        n_sync=N_SYNC,
+        variable_partitioner=partitioner,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(20),
+        **options,
+    )
+
+
+def _model(strategy, seed):
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+def _fit(model, digits, callbacks=()):
+    (x, y), (xt, yt) = digits
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=EPOCHS,
+        steps_per_epoch=STEPS,
+        callbacks=list(callbacks),
+        verbose=0,
+    )
+    return history, model.evaluate(xt, yt, verbose=0)[1]
+
+
+def test_a_ps_killed_mid_fit_and_restarted_is_recovered_and_fit_completes(
+    local_cluster, digits, caplog
+):
+    """2 workers, 2 PS, a variable split over both; ps:0 SIGKILLed mid-`fit` and restarted
+    2 s later: `fit` completes every epoch with no user action; one recovery, logged with
+    its rollback; every window of the fit is applied exactly once (`version` equals the
+    pushes applied, and the applied window ids are the fit's ids, each once); held-out
+    accuracy within 1 point of a fault-free run on the same cluster."""
+    with local_cluster(2, 2, own=True, shared_process=False) as cluster:
+        pids = cluster.pids()
+        strategy = _sharded_strategy(cluster, snapshot_every=1.0)
+        model = _model(strategy, seed=1)
+        assert any(len(getattr(v.value, "variables", [])) > 1 for v in model.weights)  # sharded
+        kill = KillTask(cluster, "ps:0", at=25)
+        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+            history, faulted = _fit(model, digits, [kill])
+        assert "restarted" in kill.events, kill.events
+        assert len(history.history["loss"]) == EPOCHS
+        (recovery,) = strategy.recoveries
+        assert recovery.lost[0].startswith("ps:0 (") and recovery.waited_s < 30
+        assert 0 < recovery.rolled_back + recovery.in_flight
+        assert any("Recovered parameter server ps:0" in r.message for r in caplog.records)
+        assert any(
+            f"{recovery.rolled_back} push(es) rolled back" in r.message for r in caplog.records
+        )
+
+        stats = strategy.model_stats(model)
+        version = int(strategy.counters.version.numpy())
+        assert stats.windows == stats.applied == version == EPOCHS * STEPS // N_SYNC
+        log = strategy.window_log(model)
+        applied = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
+        assert sorted(applied) == list(range(EPOCHS * STEPS // N_SYNC))  # each once
+        assert sum(r.rolled_back for r in log) >= recovery.rolled_back
+
+        # The same fit without a fault, on the same cluster (the counters go on).
+        free = _model(strategy, seed=1)
+        _, fault_free = _fit(free, digits)
+        assert abs(faulted - fault_free) <= 0.01, (faulted, fault_free)
+        assert faulted > 0.9
+    assert not [p for p in pids.values() if _alive(p)]
+
+
+def test_a_ps_that_does_not_come_back_stops_fit_within_the_bound(local_cluster, digits):
+    """ps:0 SIGKILLed mid-`fit` and never restarted, `connect_timeout=5`: `fit` raises
+    `ClusterTaskLostError` naming ps:0, within the bound plus the time to notice."""
+    with local_cluster(2, 2, own=True, shared_process=False) as cluster:
+        strategy = _sharded_strategy(cluster, snapshot_every=1.0, connect_timeout=5)
+        model = _model(strategy, seed=2)
+        kill = KillTask(cluster, "ps:0", at=10, after=None)
+        with pytest.raises(tf_asgd.ClusterTaskLostError) as info:
+            _fit(model, digits, [kill])
+        assert time.monotonic() - kill.events["killed"] < 5 + 25
+        assert "ps:0" in str(info.value) and "--resume" in str(info.value)
+        assert not strategy.recoveries
+
+
+def _alive(pid):
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_snapshot_every_is_validated_before_connecting():
+    cluster = tf.train.ClusterSpec({"ps": ["localhost:1"], "worker": ["localhost:2"]})
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(cluster, rpc_layer="grpc")
+    for bad in (0, -1.0, float("inf"), True, "60"):
+        with pytest.raises(ValueError, match="snapshot_every"):
+            tf_asgd.AsyncParameterServerStrategy(resolver, snapshot_every=bad)
+    assert np.isfinite(tf_asgd.runtime.ps_recovery.DEFAULT_SNAPSHOT_EVERY)
