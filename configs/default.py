@@ -45,6 +45,8 @@ def get_config():
     c.windows_per_closure = 0  # automatic
     c.compression = "none"  # pushes: none | bf16 | int8 | topk (1%)
     c.pull_compression = "none"  # pulls: none | bf16
+    # A PS lost mid-run is recovered from the newest snapshot (a local run restarts it).
+    c.snapshot_every = 60.0  # seconds; 0 = none: a lost PS stops the run (--resume)
     c.outer = config_dict.ConfigDict()  # the PS's outer optimizer
     c.outer.name = "default"
     c.outer.learning_rate = 0.0

@@ -616,6 +616,20 @@ def pythonify_logs(logs):
     return keras_pythonify_logs(logs)
 
 
+def train_batch_ends_inline(callback_list):
+    """Whether a Keras `CallbackList` calls its callbacks' `on_train_batch_end` in `fit`'s
+    thread (else in a thread of its own, where no callback overrides it: Keras's private
+    `_async_train`)."""
+    return not getattr(callback_list, "_async_train", False)
+
+
+def flush_callbacks(callback_list):
+    """Waits for a `CallbackList`'s batch-end calls dispatched to its thread, as Keras's
+    own `on_epoch_end` does first (private `_flush_futures`)."""
+    if getattr(callback_list, "_async_train", False):
+        callback_list._flush_futures()
+
+
 def flatten_metrics_in_order(model, logs):
     """`evaluate`'s list (or single value) of metric results, in Keras's order
     (`Trainer._flatten_metrics_in_order`, no public API)."""

@@ -212,10 +212,41 @@ def _results(workdir):
         return json.load(f)
 
 
+def test_ps_killed_is_restarted_and_recovered_and_the_run_completes(tmp_path):
+    """The launcher's local run restarts a SIGKILLed PS on its port; the strategy recovers
+    it from its snapshot and the run trains to its last epoch, with no --resume."""
+    workdir = str(tmp_path / "run")
+    epochs = 12
+    launch = Launch(
+        [*FAST, f"--config.epochs={epochs}", "--config.snapshot_every=1", f"--workdir={workdir}"]
+    )
+    try:
+        launch.wait_for("saved checkpoint", count=3)
+        job = launch.cluster_pids()
+        os.kill(launch.pids()["ps:0"], signal.SIGKILL)
+    finally:
+        log = launch.finish(timeout=180)
+    assert launch.proc.returncode == 0, _tail(log)
+    assert re.search(r"ps:0 exited \(signal SIGKILL\); restarting it on its port", log), _tail(log)
+    m = re.search(r"Recovered parameter server ps:0 .*: (\d+) push\(es\) rolled back", log)
+    assert m, _tail(log)
+    assert "--resume" not in log
+    restarted = re.search(r"ps:0 restarted \(pid (\d+)\)", log)
+    assert restarted, _tail(log)
+    assert_all_stopped([*job, int(restarted.group(1))])
+    r = _results(workdir)
+    accuracy = r["test_accuracy"]
+    print(f"PS killed and recovered: {m.group(1)} push(es) rolled back, accuracy {accuracy:.3f}")
+    assert r["epochs"] == epochs and r["test_accuracy"] >= 0.95
+
+
 def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path):
+    """With snapshots off (`snapshot_every=0`) a lost PS stops the run with the newest
+    checkpoint named, and --resume continues from it."""
     workdir = str(tmp_path / "run")
     epochs = 16  # with margin: the resumed workers restart their GEM state (12 ended at 0.942 once)
-    launch = Launch([*FAST, f"--config.epochs={epochs}", f"--workdir={workdir}"])
+    no_snapshots = [*FAST, "--config.snapshot_every=0"]
+    launch = Launch([*no_snapshots, f"--config.epochs={epochs}", f"--workdir={workdir}"])
     try:
         launch.wait_for("saved checkpoint", count=3)
         job = launch.cluster_pids()
@@ -235,7 +266,9 @@ def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path)
     assert_all_stopped(job)
 
     # --resume: a fresh cluster, central variables, version and epoch restored.
-    second, log2 = _run([*FAST, f"--config.epochs={epochs}", "--resume", f"--workdir={workdir}"])
+    second, log2 = _run(
+        [*no_snapshots, f"--config.epochs={epochs}", "--resume", f"--workdir={workdir}"]
+    )
     assert second.proc.returncode == 0, log2[-3000:]
     assert_all_stopped(second.cluster_pids())
     _, epoch, version = _resumed(log2)

@@ -13,6 +13,7 @@ Example:
 import atexit
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -372,3 +373,58 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RestartLostTasks:
+    """Restarts each task of `job` whose process exits, on its old port, until stopped:
+    what a job controller does for a pod. The launcher's local runs use it for their
+    parameter servers, which the strategy then recovers (`runtime.ps_recovery`).
+
+    Args:
+        cluster: a `LocalCluster` with `shared_process=False`.
+        job: the tasks' job, e.g. "ps".
+        poll_secs: how often the processes are looked at.
+
+    Attributes:
+        restarted: the names of the tasks restarted, in order.
+    """
+
+    def __init__(self, cluster, job, poll_secs=0.5):
+        self.cluster, self.job, self.poll_secs = cluster, job, poll_secs
+        self.restarted = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tf_asgd_restarts", daemon=True)
+
+    def start(self):
+        """Starts watching; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self):
+        """Stops watching (waits for a restart under way)."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        log = logging.getLogger("tf_asgd")
+        while not self._stop.wait(self.poll_secs):
+            for task in self.cluster.tasks():
+                proc = self.cluster._procs.get(task)
+                if not task.startswith(self.job + ":") or proc is None or proc.poll() is None:
+                    continue
+                log.warning(
+                    "%s exited (%s); restarting it on its port", task, _exit_reason(proc.returncode)
+                )
+                try:
+                    self.cluster.restart_task(task)
+                    self.restarted.append(task)
+                    log.warning("%s restarted (pid %d)", task, self.cluster.pids()[task])
+                except (RuntimeError, OSError) as e:
+                    log.warning("Could not restart %s: %s", task, e)
+                    return
+
+
+def _exit_reason(code):
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"

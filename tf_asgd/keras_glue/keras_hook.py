@@ -556,6 +556,7 @@ def install():
     _wrap("_maybe_symbolic_build", _symbolic_build)
     _wrap("train_on_batch", _train_on_batch)
     _wrap_batch_ends()
+    _recover_in_callbacks()
     _installed = True
 
 
@@ -574,7 +575,47 @@ def _wrap_batch_ends():
         state = _fitting_state(model) if ours else None
         if state is not None and state.trainer is not None:
             batch = min(batch, state.trainer.last_step())
+            if internals.train_batch_ends_inline(self):
+                return _call_each(self, model, "on_train_batch_end", batch, logs)
         return original(self, batch, logs)
 
     on_train_batch_end._asgd_original = original
     keras.callbacks.CallbackList.on_train_batch_end = on_train_batch_end
+
+
+def _recover_in_callbacks():
+    """Wraps `keras.callbacks.CallbackList.on_epoch_begin` and `on_epoch_end` (public):
+    during a `fit` of one of our models each callback is called in turn, and one whose
+    own reads of the central variables meet a lost PS (TensorBoard reading the learning
+    rate, a checkpoint's save, a learning-rate schedule's assign) is called again once
+    the PS is recovered (`ps_recovery`). Other callback lists are called unchanged."""
+    for name in ("on_epoch_begin", "on_epoch_end"):
+        original = getattr(keras.callbacks.CallbackList, name)
+        setattr(keras.callbacks.CallbackList, name, _each_recovering(name, original))
+
+
+def _each_recovering(name, original):
+    @functools.wraps(original)
+    def method(self, epoch, logs=None):
+        model = getattr(self, "model", None)
+        if not (isinstance(model, keras.Model) and _ours(model) and _fitting_state(model)):
+            return original(self, epoch, logs)
+        if name == "on_epoch_end":
+            internals.flush_callbacks(self)
+        return _call_each(self, model, name, epoch, logs)
+
+    method._asgd_original = original
+    return method
+
+
+def _call_each(callback_list, model, name, index, logs):
+    """Calls `name(index, logs)` of each callback of `callback_list`, as Keras does; one
+    that raises a PS's loss is called again after the recovery (else it raises)."""
+    logs = internals.pythonify_logs(logs)
+    for callback in callback_list.callbacks:
+        hook = getattr(callback, name)
+        try:
+            hook(index, logs)
+        except tf.errors.OpError as e:
+            ps_recovery.recover_during_fit(model, e)
+            hook(index, logs)

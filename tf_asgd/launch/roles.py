@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tf_asgd.cluster import task_server
+from tf_asgd.cluster import local_cluster, task_server
 from tf_asgd.cluster.local_cluster import LocalCluster
 from tf_asgd.cluster.lost_tasks import lost_ps, task_lost_error
 from tf_asgd.cluster.tf_config import make_resolver, tf_config_role
@@ -193,6 +193,7 @@ def make_strategy(config, resolver):
         windows_per_closure=config.windows_per_closure or None,
         compression=config.compression,
         pull_compression=config.pull_compression,
+        snapshot_every=config.snapshot_every or None,
     )
 
 
@@ -320,11 +321,17 @@ def run_local(config, workdir, resume=False, stop=None):
             local.pids(),
             local.fork_server_pid,
         )
+        restarts = None
+        if config.snapshot_every and not shared:  # a lost PS is recovered once it is back
+            restarts = local_cluster.RestartLostTasks(local, "ps").start()
         try:
             return train_and_evaluate(config, workdir, local.resolver, resume=resume, stop=stop)
         except BaseException as e:
             release_frames(e)
             raise
+        finally:
+            if restarts is not None:
+                restarts.stop()
 
 
 def release_frames(error):

@@ -130,8 +130,10 @@ class PSRecovery:
             The `Recovery`.
         """
         strategy = self._strategy()
-        lost = lost_tasks.lost_ps(error, strategy.cluster_spec)
-        if not lost or self.snapshot is None or strategy.synchronous:
+        if self.snapshot is None or strategy.synchronous:
+            raise error
+        lost = lost_tasks.lost_ps(error, strategy.cluster_spec) or self._probe(error)
+        if not lost:
             raise error
         start = time.monotonic()
         age = start - self.snapshot.taken_at
@@ -183,6 +185,28 @@ class PSRecovery:
         )
         return done
 
+    def _probe(self, error):
+        """The PS tasks that fail a read of one of their variables, where `error` may be
+        a PS's loss that names none (`Socket closed`: the PS came back before anyone
+        asked); `[]` for other errors."""
+        kinds = (tf.errors.UnavailableError, tf.errors.AbortedError)
+        restarted = any(sign in str(error) for sign in lost_tasks.RESTARTED_SIGNS)
+        if not isinstance(error, kinds) and not restarted:
+            return []
+        one_per_task = {}
+        for ref in self.snapshot.variables:
+            variable = ref()
+            if variable is not None:
+                one_per_task.setdefault(_ps_task(variable.device), variable)
+        lost = []
+        for task, variable in sorted(one_per_task.items()):
+            try:
+                variable.read_value()
+            except tf.errors.OpError:
+                address = self._strategy().cluster_spec["ps"][task]
+                lost.append(f"ps:{task} ({address}, which lost its variables)")
+        return lost
+
     def _restore(self):
         """Reconnects, then gives every snapshot variable a new resource with its value."""
         internals.reconnect(self._server_def)
@@ -211,6 +235,11 @@ class PSRecovery:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(PROBE_RETRY_S)
+
+
+def _ps_task(device):
+    """The index of the PS task of `device` ("/job:ps/replica:0/task:1/device:CPU:0": 1)."""
+    return int(device.split("/task:")[1].split("/")[0])
 
 
 def _on_ps(variable):
@@ -251,6 +280,25 @@ def finish(trainer, recovery, attempts=3):
     if recovery.due() and not trainer.strategy.synchronous:
         recovery.take(trainer)
     return logs
+
+
+def recover_during_fit(model, error):
+    """Recovers from `error` raised by the chief's own work on `model`'s central variables
+    during its `fit` (a callback's checkpoint save), else raises `error`.
+
+    Args:
+        model: a Keras model whose `fit` runs under an `AsyncParameterServerStrategy`.
+        error: the `tf.errors.OpError` raised.
+
+    Returns:
+        The `Recovery`; do the work again.
+    """
+    strategy = internals.model_strategy(model)
+    states = getattr(strategy, "model_states", None)
+    state = states.get(model) if states is not None else None
+    if state is None or not state.fitting or state.trainer is None:
+        raise error
+    return strategy.ps_recovery.recover(error, state.trainer)
 
 
 def validate_snapshot_every(value):
