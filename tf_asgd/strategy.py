@@ -257,11 +257,13 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `fit`, GEM and Python-side training data. How rounds work:
             docs/architecture.md; when to choose them:
             docs/guide/choosing.md.
-        snapshot_every: seconds between snapshots of the central state (every
-            PS variable, read on the chief where no push is half applied): 60
-            by default; `None` takes none. A PS lost during asynchronous `fit`
-            and answering again on its address (restarted, or a pod back on
-            its name) within `connect_timeout` is recovered in the run: the
+        snapshot_every: the longest time between snapshots of the central
+            state (every PS variable, read on the chief where no push is half
+            applied), in seconds: 60 by default; `None` takes none. Within it a
+            snapshot is taken as often as costs at most 1% of the time. A PS
+            lost during asynchronous `fit` and answering again on its address
+            (restarted, or a pod back on its name) within `connect_timeout` is
+            recovered in the run: the
             whole cluster goes back to the newest snapshot, the pushes since
             it are rolled back (`strategy.recoveries` counts them), and `fit`
             goes on. Without a snapshot, in synchronous mode, or past

@@ -2,14 +2,15 @@
 
 The chief keeps a snapshot of every PS variable (the model, the optimizer, the outer
 slots, the push counters, the ring of applied windows), read where no push is half
-applied: at each `fit`'s start, then at the first quiet moment every `snapshot_every`
-seconds. When a PS is lost, the chief waits (at most `connect_timeout`) for it to answer
-on its address, reconnects, gives every PS variable on every PS a new resource holding
-the snapshot (so no shard is newer than another), drops the traces that captured the old
-ones, and `fit` goes on. The pushes applied since the snapshot are rolled back (counted,
-marked in the window log); they and the windows in flight train again under their own
-ids, which the restored ring of applied ids does not hold, so none is applied twice.
-The TF facts behind each step: docs/ps_recovery.md.
+applied: at each `fit`'s start, then as often as costs at most `SNAPSHOT_BUDGET` of the
+time, and at least every `snapshot_every` seconds. When a PS is lost, the chief waits
+(at most `connect_timeout`) for it to answer on its address, reconnects, gives every PS
+variable on every PS a new resource holding the snapshot (so no shard is newer than
+another), drops the traces that captured the old ones, and `fit` goes on. The pushes
+applied since the snapshot are rolled back (counted, marked in the window log); they and
+the windows in flight train again under their own ids, which the restored ring of
+applied ids does not hold, so none is applied twice. The TF facts behind each step:
+docs/ps_recovery.md.
 """
 
 import dataclasses
@@ -25,9 +26,13 @@ from tf_asgd.cluster import connect, lost_tasks
 
 log = logging.getLogger("tf_asgd")
 
-# Seconds between snapshots. Each costs a read of the central state and, inside an
-# epoch, a drain of the scheduled windows (results/ps_recovery measures both).
+# The longest time between snapshots, in seconds.
 DEFAULT_SNAPSHOT_EVERY = 60.0
+# Within it, a snapshot is due once the time since the last one is the last one's cost
+# (the chief's wait for the windows in flight, then the read) over this share: a fresh
+# snapshot, and so a short rollback, for as little as the budget allows. A small model
+# is read in about 0.05 s, so every 5 s (results/ps_recovery).
+SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
 
 
@@ -73,12 +78,13 @@ class PSRecovery:
     Args:
         strategy: the `AsyncParameterServerStrategy`, just connected: every variable
             its scope creates from now on is registered here.
-        snapshot_every: seconds between snapshots (None: never, so a lost PS stops
-            `fit` with `ClusterTaskLostError`).
+        snapshot_every: the longest time between snapshots, in seconds (None: none, so
+            a lost PS stops `fit` with `ClusterTaskLostError`).
 
     Attributes:
         recoveries: a `Recovery` per recovered PS loss.
-        snapshots: `(seconds, bytes)` of each snapshot taken.
+        snapshots: `(read seconds, seconds waited for the windows in flight, bytes)` of
+            each snapshot taken.
     """
 
     def __init__(self, strategy, snapshot_every):
@@ -90,6 +96,7 @@ class PSRecovery:
         self.snapshot = None
         self.recoveries = []
         self.snapshots = []
+        self._cost = 0.0  # seconds the last snapshot took, with the wait before it
 
     def _ps_variables(self):
         """Every live variable of the scope as `(top-level variable, its resource
@@ -106,12 +113,14 @@ class PSRecovery:
         """Whether a snapshot should be taken at the next quiet moment."""
         if self.snapshot_every is None:
             return False
-        return self.snapshot is None or (
-            time.monotonic() - self.snapshot.taken_at >= self.snapshot_every
-        )
+        if self.snapshot is None:
+            return True
+        interval = min(self.snapshot_every, self._cost / SNAPSHOT_BUDGET)
+        return time.monotonic() - self.snapshot.taken_at >= interval
 
-    def take(self, trainer):
-        """Reads every PS variable (no push may be in flight: `trainer.quiesce()`)."""
+    def take(self, trainer, waited=0.0):
+        """Reads every PS variable (no push may be in flight: `trainer.quiesce()`, which
+        took `waited` seconds)."""
         start = time.perf_counter()
         variables = [r for _, rs in self._ps_variables() for r in rs]
         values = [np.asarray(r.read_value()) for r in variables]
@@ -120,7 +129,9 @@ class PSRecovery:
         self.snapshot = Snapshot(
             [weakref.ref(r) for r in variables], values, time.monotonic(), marks, nbytes
         )
-        self.snapshots.append((time.perf_counter() - start, nbytes))
+        seconds = time.perf_counter() - start
+        self.snapshots.append((seconds, waited, nbytes))
+        self._cost = seconds + waited
 
     def recover(self, error, trainer):
         """Recovers from `error` where it is a PS's loss and a snapshot exists; else
@@ -256,8 +267,9 @@ def train_function(trainer, recovery):
     def run(iterator):
         try:
             if recovery.due() and not trainer.strategy.synchronous:
+                start = time.perf_counter()
                 trainer.quiesce()
-                recovery.take(trainer)
+                recovery.take(trainer, waited=time.perf_counter() - start)
             return trainer.train_function(iterator)
         except tf.errors.OpError as e:
             recovery.recover(e, trainer)
