@@ -659,3 +659,20 @@ def test_schedule_cases_tool_synchronous_twin(tmp_path):
     assert 0 < row["sync"] < 1 and 0 < row["plain"] < 1 and row["sync"] != row["plain"]
     gap = 100 * (row["sync"] - row["plain"])
     assert f"| to_zero | sync | 1 | {gap:+.1f} |" in (tmp_path / "summary.md").read_text()
+
+
+def test_ps_recovery_tool(tmp_path):
+    """Snapshot cost side by side, and one PS killed halfway through a fit against the same
+    fit without a fault: every window applied once, the recovery counted."""
+    _run("ps_recovery.py", "--mode", "cost,faults", "--models", "gem_convnet", "--rounds", "1",
+         "--seconds", "1", "--setups", "digits_convnet", "--workers", "2", "--seeds", "0",
+         "--out", str(tmp_path))  # fmt: skip
+    cost = _csv(tmp_path / "cost.csv", ["model", "snapshot_every", "samples_per_s", "read_s"])
+    assert [r["snapshot_every"] for r in cost] == ["off", "60.0", "2.0"]
+    _positive(cost, "samples_per_s")
+    assert all(int(r["snapshots"]) >= 1 for r in cost[1:])
+    free, faulted = _csv(tmp_path / "faults.csv", ["fault", "test_accuracy", "rolled_back"])
+    assert (free["fault"], faulted["fault"]) == ("False", "True")
+    assert faulted["recoveries"] == "1" and faulted["applied_twice"] == "0"
+    assert faulted["version_is_applied"] == "True"
+    assert "| digits_convnet | 2 | 0 |" in (tmp_path / "tables.md").read_text()

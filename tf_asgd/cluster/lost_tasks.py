@@ -117,8 +117,10 @@ def ps_lost_error(error, cluster):
         return None
     return ClusterTaskLostError(
         f"Training stopped: lost parameter server {', '.join(lost)}. The parameter servers "
-        "hold the central variables, and a PS that comes back has lost them, so training "
-        "cannot go on with this strategy. Restore the model from a checkpoint on a new "
+        "hold the central variables, and a PS that comes back has lost them. It was not "
+        "recovered in the run (that needs asynchronous `fit`, a snapshot, which "
+        "`snapshot_every=None` turns off, and the PS back on its address within "
+        "`connect_timeout`). Restore the model from a checkpoint on a new "
         "strategy (keras.callbacks.BackupAndRestore, or tf_asgd.launch's --resume, which "
         "does this; docs/faults.md). "
         f"(TensorFlow said: {_first_line(error)})"

@@ -1,0 +1,392 @@
+"""A parameter server recovered inside `fit`: what snapshots cost, and what a loss costs.
+
+Three measurements (`--mode`, comma-separated):
+
+- `cost`: samples/s with snapshots off, at the default (`snapshot_every` 60 s, as often as
+  costs 1% of the time) and every 2 s (`--everies`), side by side in alternating rounds,
+  on 2 workers and 1 PS at n_sync 10: the GEM convnet and a 3.7M-parameter MLP on
+  synthetic 28x28 batches of 64. Reports each snapshot's read time, the chief's wait for
+  the windows in flight before it, its bytes, and the throughput against snapshots off.
+- `faults`: ps:0 SIGKILLed halfway through `fit` and restarted 2 s later, against the
+  same `fit` without a fault, on 2 PS tasks with the large variables split over both:
+  the digits convnet and the MNIST-1D CNN, on 2 and 4 workers, over `--seeds`. Reports
+  held-out accuracy of both, the pushes rolled back, the recovery's time, and checks
+  that `version == pushes applied` and that no window id was applied twice.
+- `chaos`: a `fit` of `--minutes` in which a random task (worker or PS) is SIGKILLed every
+  20 to 40 s and restarted 2 s later; then a fault-free `fit` of as many epochs. Reports
+  the failures survived, the recoveries, the pushes rolled back, windows applied twice
+  (must be 0) and both accuracies.
+
+Writes `cost.csv`, `faults.csv`, `chaos.csv` and their tables (`tables.md`) under `--out`.
+
+    python tools/ps_recovery.py                       # all three (about 40 minutes)
+    python tools/ps_recovery.py --mode cost --rounds 1 --seconds 5
+"""
+
+import random
+import statistics
+import threading
+import time
+
+import harness
+
+MODES = ("cost", "faults", "chaos")
+FAULT_SETUPS = {  # name: (data, model, optimizer, batch, epochs)
+    "digits_convnet": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 16),
+    "mnist1d_cnn": ("mnist1d", "mnist1d_cnn", "adam_1e-3", 100, 40),
+}
+
+
+def _sharded_strategy(cluster, **options):
+    import tensorflow as tf
+
+    import tf_asgd
+
+    return tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver,
+        variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
+            max_shard_bytes=4096
+        ),
+        **options,
+    )
+
+
+def _applied_twice(log):
+    ids = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
+    return len(ids) - len(set(ids))
+
+
+# ---- cost --------------------------------------------------------------------------
+
+
+def _cost_model(name):
+    import keras
+
+    import tf_asgd
+
+    if name == "gem_convnet":
+        return tf_asgd.models.gem_mnist_convnet()
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def _synthetic(batch=64):
+    import tensorflow as tf
+
+    x = tf.random.stateless_uniform([batch, 28, 28, 1], seed=[1, 2])
+    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=10, dtype=tf.int32)
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
+    """One `fit` of `steps` steps with `snapshot_every=every`: samples/s and snapshots."""
+    import keras
+
+    import tf_asgd
+
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=n_sync, snapshot_every=every
+    )
+    with strategy.scope():
+        model = _cost_model(model_name)
+        harness.compile_classifier(model, keras.optimizers.SGD(0.01))
+    data = _synthetic(batch)
+    model.fit(data, epochs=1, steps_per_epoch=n_sync * 2, verbose=0)  # warm-up
+    before = len(strategy.ps_recovery.snapshots)
+    t0 = time.perf_counter()
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+    seconds = time.perf_counter() - t0
+    snaps = strategy.ps_recovery.snapshots[before:]
+    return {
+        "model": model_name,
+        "snapshot_every": "off" if every is None else every,
+        "seconds": seconds,
+        "samples_per_s": steps * batch / seconds,
+        "snapshots": len(snaps),
+        "read_s": statistics.mean(s[0] for s in snaps) if snaps else 0.0,
+        "wait_s": statistics.mean(s[1] for s in snaps) if snaps else 0.0,
+        "mbytes": snaps[0][2] / 1e6 if snaps else 0.0,
+    }
+
+
+def run_cost(args):
+    rows = []
+    everies = [None if e == "off" else float(e) for e in args.everies]
+    with harness.local_cluster(2) as cluster:
+        for model_name in args.models:
+            # Steps for about --seconds with snapshots off, measured once.
+            probe = cost_cell(cluster, model_name, None, 200)
+            steps = max(20, int(200 * args.seconds / probe["seconds"]) // 20 * 20)
+            for _ in range(args.rounds):
+                for every in everies:
+                    rows.append(cost_cell(cluster, model_name, every, steps))
+                    print(_fmt_row(rows[-1]), flush=True)
+    return rows, _cost_summary(rows)
+
+
+def _cost_summary(rows):
+    """The cost table. `share` is the chief's time in snapshots (its wait for the windows
+    in flight, then the read) over the fit's: an upper bound on the workers' idle time
+    they cause, which the noise of samples/s on a shared machine cannot resolve."""
+    lines = [
+        "| model | snapshot_every | samples/s (median) | vs off | snapshots per fit "
+        "| read s | wait s | MB | share of the fit (at most) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        cells = [r for r in rows if r["model"] == model]
+        off = statistics.median(
+            float(r["samples_per_s"]) for r in cells if r["snapshot_every"] == "off"
+        )
+        for every in dict.fromkeys(r["snapshot_every"] for r in cells):
+            mine = [{k: _number(v) for k, v in r.items()} for r in cells]
+            mine = [r for r in mine if r["snapshot_every"] == _number(every)]
+            rate = statistics.median(r["samples_per_s"] for r in mine)
+            share = statistics.mean(
+                r["snapshots"] * (r["read_s"] + r["wait_s"]) / r["seconds"] for r in mine
+            )
+            lines.append(
+                f"| {model} | {every} | {rate:.0f} | {rate / off:.3f} "
+                f"| {statistics.mean(r['snapshots'] for r in mine):.1f} "
+                f"| {statistics.mean(r['read_s'] for r in mine):.3f} "
+                f"| {statistics.mean(r['wait_s'] for r in mine):.3f} "
+                f"| {max(r['mbytes'] for r in mine):.1f} | {100 * share:.1f}% |"
+            )
+    return lines
+
+
+def _number(v):
+    """`v` as a float where it reads as one (rows read back from a CSV are strings)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+# ---- faults and chaos ----------------------------------------------------------------
+
+
+def _kill_halfway(cluster, task, at):
+    """A Keras callback: SIGKILLs `task` after `at` windows, restarts it 2 s later."""
+    import keras
+
+    class Kill(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.windows, self.thread = 0, None
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.windows += 1
+            if self.thread is None and self.windows >= at:
+                cluster.kill_task(task)
+                self.thread = threading.Thread(target=_restart_later, args=(cluster, task))
+                self.thread.start()
+
+    return Kill()
+
+
+def _restart_later(cluster, task, after=2.0):
+    time.sleep(after)
+    cluster.restart_task(task)
+
+
+def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10):
+    """One `fit` of `setup` (with ps:0 killed halfway if `fault`); its row."""
+    import keras
+
+    data_name, model_name, opt, batch, epochs = FAULT_SETUPS[setup]
+    (x, y), (xt, yt) = data
+    strategy = _sharded_strategy(cluster, n_sync=n_sync)
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = harness.build_model(model_name, data)
+        harness.compile_classifier(model, harness.make_optimizer(opt), metrics=["accuracy"])
+    steps = len(x) // batch
+    windows = epochs * -(-steps // n_sync)
+    callbacks = [_kill_halfway(cluster, "ps:0", windows // 2)] if fault else []
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=callbacks, verbose=0)
+    seconds = time.perf_counter() - t0
+    for c in callbacks:
+        c.thread.join()
+    accuracy = float(model.evaluate(xt, yt, verbose=0)[1])
+    stats = strategy.model_stats(model)
+    rec = strategy.recoveries
+    return {
+        "setup": setup,
+        "workers": workers,
+        "seed": seed,
+        "fault": fault,
+        "seconds": seconds,
+        "test_accuracy": accuracy,
+        "recoveries": len(rec),
+        "rolled_back": sum(r.rolled_back for r in rec),
+        "in_flight": sum(r.in_flight for r in rec),
+        "recovery_s": sum(r.waited_s + r.restore_s for r in rec),
+        "version_is_applied": int(strategy.counters.version.numpy()) == stats.applied
+        or not fault,  # the counters are the strategy's: one strategy per fit here
+        "applied_twice": _applied_twice(strategy.window_log(model)),
+    }
+
+
+def run_faults(args):
+    import tf_asgd
+
+    rows = []
+    for setup in args.setups:
+        data = harness.load_data(FAULT_SETUPS[setup][0])
+        for workers in args.workers:
+            with tf_asgd.LocalCluster(workers, 2, shared_process=False) as cluster:
+                for seed in args.seeds:
+                    for fault in (False, True):
+                        rows.append(fault_cell(cluster, setup, workers, seed, fault, data))
+                        print(_fmt_row(rows[-1]), flush=True)
+    return rows, _faults_summary(rows)
+
+
+def _faults_summary(rows):
+    lines = [
+        "| setup | workers | seed | accuracy, fault-free | accuracy, PS killed | difference "
+        "| pushes rolled back | in flight | recovery s | version = applied | applied twice |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    free = {(r["setup"], r["workers"], r["seed"]): r for r in rows if not r["fault"]}
+    for r in rows:
+        f = free.get((r["setup"], r["workers"], r["seed"]))
+        if not r["fault"] or f is None:
+            continue
+        lines.append(
+            f"| {r['setup']} | {r['workers']} | {r['seed']} | {f['test_accuracy']:.3f} "
+            f"| {r['test_accuracy']:.3f} | {r['test_accuracy'] - f['test_accuracy']:+.3f} "
+            f"| {r['rolled_back']} | {r['in_flight']} | {r['recovery_s']:.1f} "
+            f"| {r['version_is_applied']} | {r['applied_twice']} |"
+        )
+    return lines
+
+
+def run_chaos(args):
+    import keras
+
+    import tf_asgd
+
+    data = harness.load_data("digits")
+    (x, y), (xt, yt) = data
+    rows, kills = [], []
+    with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
+        for chaos in (True, False):
+            strategy = _sharded_strategy(
+                cluster,
+                n_sync=10,
+                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
+            )
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                model = harness.build_model("digits_convnet", data)
+                harness.compile_classifier(
+                    model, harness.make_optimizer("sgd_0.05_m0.9"), metrics=["accuracy"]
+                )
+            stop = threading.Event()
+            deadline = time.monotonic() + args.minutes * 60
+            callbacks = [_stop_at(deadline)] if chaos else []
+            thread = None
+            if chaos:
+                thread = threading.Thread(target=_chaos, args=(cluster, stop, kills, args.seed))
+                thread.start()
+            epochs = 10_000 if chaos else rows[0]["epochs"]
+            t0 = time.perf_counter()
+            try:
+                history = model.fit(
+                    x, y, batch_size=32, epochs=epochs, callbacks=callbacks, verbose=0
+                )
+            finally:
+                stop.set()
+                if thread is not None:
+                    thread.join()
+            rec = strategy.recoveries
+            stats = strategy.model_stats(model)
+            rows.append(
+                {
+                    "run": "chaos" if chaos else "fault-free",
+                    "seconds": time.perf_counter() - t0,
+                    "epochs": len(history.history["loss"]),
+                    "failures": len(kills) if chaos else 0,
+                    "ps_failures": sum(k.startswith("ps") for k in kills) if chaos else 0,
+                    "recoveries": len(rec),
+                    "rolled_back": sum(r.rolled_back for r in rec),
+                    "applied_twice": _applied_twice(strategy.window_log(model)),
+                    "version_is_applied": int(strategy.counters.version.numpy()) == stats.applied,
+                    "test_accuracy": float(model.evaluate(xt, yt, verbose=0)[1]),
+                }
+            )
+            print(_fmt_row(rows[-1]), flush=True)
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
+    lines += ["| " + " | ".join(_fmt(v) for v in r.values()) + " |" for r in rows]
+    lines.append("")
+    lines.append("Tasks killed, in order: " + ", ".join(kills) + ".")
+    return rows, lines
+
+
+def _stop_at(deadline):
+    import keras
+
+    class StopAt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if time.monotonic() > deadline:
+                self.model.stop_training = True
+
+    return StopAt()
+
+
+def _chaos(cluster, stop, kills, seed):
+    rng = random.Random(seed)
+    while not stop.wait(rng.uniform(20, 40)):
+        task = rng.choice(cluster.tasks())
+        cluster.kill_task(task)
+        kills.append(task)
+        time.sleep(2.0)
+        cluster.restart_task(task)
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _fmt_row(row):
+    return ", ".join(f"{k} {_fmt(v)}" for k, v in row.items())
+
+
+def main(argv=None):
+    p = harness.parser(__doc__, out="results/ps_recovery", workers=[2, 4], seeds=[0, 1, 2])
+    p.add_argument("--mode", type=harness.str_list, default=list(MODES), help="cost,faults,chaos")
+    p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
+    p.add_argument("--setups", type=harness.str_list, default=list(FAULT_SETUPS))
+    p.add_argument("--everies", type=harness.str_list, default=["off", "60", "2"],
+                   help="cost: the snapshot_every settings, off = None")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="cost: rounds of each setting")
+    p.add_argument("--seconds", type=float, default=20.0, help="cost: seconds per fit")
+    p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
+    p.add_argument("--device-ms", type=float, default=20.0, help="chaos: device ms a batch")
+    p.add_argument("--seed", type=int, default=0, help="chaos: which tasks die when")
+    args = p.parse_args(argv)
+    bad = set(args.mode) - set(MODES)
+    if bad:
+        p.error(f"unknown --mode {sorted(bad)}; choose from {MODES}")
+    runners = {"cost": run_cost, "faults": run_faults, "chaos": run_chaos}
+    report = ["# PS recovery: snapshot cost, faults and chaos", ""]
+    for mode in args.mode:
+        rows, lines = runners[mode](args)
+        harness.write_csv(f"{args.out}/{mode}.csv", rows)
+        report += [f"## {mode}", "", *lines, ""]
+    harness.write_lines(f"{args.out}/tables.md", report)
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
