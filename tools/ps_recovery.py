@@ -104,6 +104,7 @@ def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
     model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     seconds = time.perf_counter() - t0
     snaps = strategy.ps_recovery.snapshots[before:]
+    idle = _idle_at(strategy.window_log(model), [s[3] for s in snaps])
     return {
         "model": model_name,
         "snapshot_every": "off" if every is None else every,
@@ -113,7 +114,30 @@ def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
         "read_s": statistics.mean(s[0] for s in snaps) if snaps else 0.0,
         "wait_s": statistics.mean(s[1] for s in snaps) if snaps else 0.0,
         "mbytes": snaps[0][2] / 1e6 if snaps else 0.0,
+        "idle_s": idle,
     }
+
+
+def _idle_at(log, ends):
+    """The workers' time lost to snapshots ending at `ends` (`time.time()`), in seconds of
+    one worker: for each snapshot and worker, the gap between its last window before the
+    snapshot's end and its first after, less its median gap between windows, averaged
+    over the workers."""
+    lost = 0.0
+    by_worker = {}
+    for r in log:
+        if not r.replayed:
+            by_worker.setdefault(r.worker, []).append((r.started_at, r.finished_at))
+    for windows in by_worker.values():
+        windows.sort()
+        gaps = [b[0] - a[1] for a, b in zip(windows, windows[1:])]
+        usual = statistics.median(gaps) if gaps else 0.0
+        for end in ends:
+            before = [f for s, f in windows if f <= end]
+            after = [s for s, f in windows if s >= end]
+            if before and after:
+                lost += max(0.0, min(after) - max(before) - usual) / len(by_worker)
+    return lost
 
 
 def run_cost(args):
@@ -132,13 +156,14 @@ def run_cost(args):
 
 
 def _cost_summary(rows):
-    """The cost table. `share` is the chief's time in snapshots (its wait for the windows
-    in flight, then the read) over the fit's: an upper bound on the workers' idle time
-    they cause, which the noise of samples/s on a shared machine cannot resolve."""
+    """The cost table. The chief's share is its time in snapshots (its wait for the
+    windows in flight, then the read) over the fit's; the workers' idle share is what
+    the snapshots cost them (`_idle_at`): the overhead, which the noise of samples/s on
+    a shared machine cannot resolve."""
     lines = [
         "| model | snapshot_every | samples/s (median) | vs off | snapshots per fit "
-        "| read s | wait s | MB | share of the fit (at most) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| read s | wait s | MB | chief's share | workers' idle share |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         cells = [r for r in rows if r["model"] == model]
@@ -152,12 +177,14 @@ def _cost_summary(rows):
             share = statistics.mean(
                 r["snapshots"] * (r["read_s"] + r["wait_s"]) / r["seconds"] for r in mine
             )
+            idle = statistics.mean(r.get("idle_s", float("nan")) / r["seconds"] for r in mine)
             lines.append(
                 f"| {model} | {every} | {rate:.0f} | {rate / off:.3f} "
                 f"| {statistics.mean(r['snapshots'] for r in mine):.1f} "
                 f"| {statistics.mean(r['read_s'] for r in mine):.3f} "
                 f"| {statistics.mean(r['wait_s'] for r in mine):.3f} "
-                f"| {max(r['mbytes'] for r in mine):.1f} | {100 * share:.1f}% |"
+                f"| {max(r['mbytes'] for r in mine):.1f} | {100 * share:.1f}% "
+                f"| {100 * idle:.1f}% |"
             )
     return lines
 

@@ -83,8 +83,8 @@ class PSRecovery:
 
     Attributes:
         recoveries: a `Recovery` per recovered PS loss.
-        snapshots: `(read seconds, seconds waited for the windows in flight, bytes)` of
-            each snapshot taken.
+        snapshots: `(read seconds, seconds waited for the windows in flight, bytes,
+            time.time() at its end)` of each snapshot taken.
     """
 
     def __init__(self, strategy, snapshot_every):
@@ -130,7 +130,7 @@ class PSRecovery:
             [weakref.ref(r) for r in variables], values, time.monotonic(), marks, nbytes
         )
         seconds = time.perf_counter() - start
-        self.snapshots.append((seconds, waited, nbytes))
+        self.snapshots.append((seconds, waited, nbytes, time.time()))
         self._cost = seconds + waited
 
     def recover(self, error, trainer):
