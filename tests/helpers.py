@@ -244,3 +244,21 @@ class KillTask(keras.callbacks.Callback):
             self.events["restarted"] = time.monotonic()
         except BaseException as e:  # reported by the test
             self.events["error"] = e
+
+
+def dense_digits_model(strategy, optimizer=None, seed=None):
+    """Digits images through a 64-unit dense layer, compiled by `compile_digits` under
+    `strategy` (with `optimizer`, SGD(0.05, m 0.9) by default); its first kernel
+    (64 x 64 floats) splits over PS tasks under a small `MaxSizePartitioner`."""
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        return compile_digits(model, optimizer)

@@ -21,32 +21,6 @@ import harness
 CODECS = ("none", "bf16", "int8", "topk")
 
 
-def _model(name):
-    import keras
-
-    import tf_asgd
-
-    if name == "gem_convnet":
-        return tf_asgd.models.gem_mnist_convnet()
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(2048, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-
-
-def _dataset(batch=64):
-    import tensorflow as tf
-
-    x = tf.random.stateless_uniform([batch, 28, 28, 1], seed=[1, 2])
-    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=10, dtype=tf.int32)
-    return tf.data.Dataset.from_tensors((x, y)).repeat()
-
-
 def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls="none"):
     """One cell: samples/s and bytes per sample each way, after a warm-up fit."""
     import keras
@@ -58,9 +32,9 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
         cluster.resolver, n_sync=n_sync, compression=compression, pull_compression=pulls
     )
     with strategy.scope():
-        model = _model(model_name)
+        model = harness.throughput_model(model_name)
         harness.compile_classifier(model, keras.optimizers.SGD(0.01))
-    data = _dataset(batch)
+    data = harness.synthetic_images(batch)
     steps = n_sync * workers * windows
     model.fit(data, epochs=1, steps_per_epoch=n_sync * workers, verbose=0)  # warm-up
     before = strategy.model_stats(model)

@@ -148,6 +148,35 @@ def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
     )
 
 
+def throughput_model(name):
+    """A model of the throughput tools: `gem_convnet` (`models.gem_mnist_convnet`, 164k
+    parameters) or `mlp` (784-2048-1024-10, 3.7M parameters: bandwidth-bound)."""
+    import keras
+
+    import tf_asgd
+
+    if name == "gem_convnet":
+        return tf_asgd.models.gem_mnist_convnet()
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def synthetic_images(batch=64):
+    """One synthetic batch of 28x28 images and labels, repeated forever."""
+    import tensorflow as tf
+
+    x = tf.random.stateless_uniform([batch, 28, 28, 1], seed=[1, 2])
+    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=10, dtype=tf.int32)
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
 def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_per_execution=1):
     """Compiles `model` (logits out) with `optimizer` and sparse categorical
     cross-entropy, the loss of every tool. Call it under `strategy.scope()`

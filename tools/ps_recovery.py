@@ -59,32 +59,6 @@ def _applied_twice(log):
 # ---- cost --------------------------------------------------------------------------
 
 
-def _cost_model(name):
-    import keras
-
-    import tf_asgd
-
-    if name == "gem_convnet":
-        return tf_asgd.models.gem_mnist_convnet()
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(2048, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-
-
-def _synthetic(batch=64):
-    import tensorflow as tf
-
-    x = tf.random.stateless_uniform([batch, 28, 28, 1], seed=[1, 2])
-    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=10, dtype=tf.int32)
-    return tf.data.Dataset.from_tensors((x, y)).repeat()
-
-
 def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
     """One `fit` of `steps` steps with `snapshot_every=every`: samples/s and snapshots."""
     import keras
@@ -95,9 +69,9 @@ def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
         cluster.resolver, n_sync=n_sync, snapshot_every=every
     )
     with strategy.scope():
-        model = _cost_model(model_name)
+        model = harness.throughput_model(model_name)
         harness.compile_classifier(model, keras.optimizers.SGD(0.01))
-    data = _synthetic(batch)
+    data = harness.synthetic_images(batch)
     model.fit(data, epochs=1, steps_per_epoch=n_sync * 2, verbose=0)  # warm-up
     before = len(strategy.ps_recovery.snapshots)
     t0 = time.perf_counter()

@@ -10,27 +10,10 @@ import pytest
 import tf_asgd
 from tf_asgd.cluster import lost_tasks
 
-from helpers import KillTask
+from helpers import KillTask, dense_digits_model
+from launching import alive
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
-
-
-def _sharded_model(strategy):
-    with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((8, 8, 1)),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.05),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    return model
 
 
 def test_a_ps_killed_mid_fit_and_restarted_is_named_by_fit_and_evaluate(local_cluster, digits):
@@ -54,7 +37,7 @@ def test_a_ps_killed_mid_fit_and_restarted_is_named_by_fit_and_evaluate(local_cl
             per_worker_dataset_fn=tf_asgd.data.emulated_device_time(20),
             snapshot_every=None,
         )
-        model = _sharded_model(strategy)
+        model = dense_digits_model(strategy, keras.optimizers.SGD(0.05))
         assert any(len(getattr(v.value, "variables", [])) > 1 for v in model.weights)  # sharded
         kill = KillTask(cluster)
         with pytest.raises(tf_asgd.ClusterTaskLostError) as info:
@@ -74,17 +57,7 @@ def test_a_ps_killed_mid_fit_and_restarted_is_named_by_fit_and_evaluate(local_cl
             model.evaluate(xt, yt, verbose=0)
         assert f"ps:0 ({address}, restarted)" in str(again.value)  # it answers again
         assert "ps:1" not in str(again.value)
-    assert not [p for p in pids.values() if _alive(p)]
-
-
-def _alive(pid):
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert not [p for p in pids.values() if alive(p)]
 
 
 def test_errors_that_are_not_a_ps_loss_are_left_alone():

@@ -5,14 +5,14 @@ where recovery is impossible `fit` stops with the clear error within its bound."
 import logging
 import time
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_asgd
 
-from helpers import KillTask
+from helpers import KillTask, dense_digits_model
+from launching import alive
 
 pytestmark = pytest.mark.usefixtures("hang_guard")
 
@@ -29,25 +29,6 @@ def _sharded_strategy(cluster, **options):
         per_worker_dataset_fn=tf_asgd.data.emulated_device_time(20),
         **options,
     )
-
-
-def _model(strategy, seed):
-    keras.utils.set_random_seed(seed)
-    with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((8, 8, 1)),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.05, momentum=0.9),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    return model
 
 
 def _fit(model, digits, callbacks=()):
@@ -75,7 +56,7 @@ def test_a_ps_killed_mid_fit_and_restarted_is_recovered_and_fit_completes(
     with local_cluster(2, 2, own=True, shared_process=False) as cluster:
         pids = cluster.pids()
         strategy = _sharded_strategy(cluster, snapshot_every=1.0)
-        model = _model(strategy, seed=1)
+        model = dense_digits_model(strategy, seed=1)
         assert any(len(getattr(v.value, "variables", [])) > 1 for v in model.weights)  # sharded
         kill = KillTask(cluster, "ps:0", at=25)
         with caplog.at_level(logging.WARNING, logger="tf_asgd"):
@@ -99,11 +80,11 @@ def test_a_ps_killed_mid_fit_and_restarted_is_recovered_and_fit_completes(
         assert sum(r.rolled_back for r in log) >= recovery.rolled_back
 
         # The same fit without a fault, on the same cluster (the counters go on).
-        free = _model(strategy, seed=1)
+        free = dense_digits_model(strategy, seed=1)
         _, fault_free = _fit(free, digits)
         assert abs(faulted - fault_free) <= 0.01, (faulted, fault_free)
         assert faulted > 0.9
-    assert not [p for p in pids.values() if _alive(p)]
+    assert not [p for p in pids.values() if alive(p)]
 
 
 def test_a_ps_that_does_not_come_back_stops_fit_within_the_bound(local_cluster, digits):
@@ -111,23 +92,13 @@ def test_a_ps_that_does_not_come_back_stops_fit_within_the_bound(local_cluster, 
     `ClusterTaskLostError` naming ps:0, within the bound plus the time to notice."""
     with local_cluster(2, 2, own=True, shared_process=False) as cluster:
         strategy = _sharded_strategy(cluster, snapshot_every=1.0, connect_timeout=5)
-        model = _model(strategy, seed=2)
+        model = dense_digits_model(strategy, seed=2)
         kill = KillTask(cluster, "ps:0", at=10, after=None)
         with pytest.raises(tf_asgd.ClusterTaskLostError) as info:
             _fit(model, digits, [kill])
         assert time.monotonic() - kill.events["killed"] < 5 + 25
         assert "ps:0" in str(info.value) and "--resume" in str(info.value)
         assert not strategy.recoveries
-
-
-def _alive(pid):
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_snapshot_every_is_validated_before_connecting():
