@@ -791,6 +791,22 @@ def resource_variables(variable):
     return [variable]
 
 
+def is_per_worker(variable):
+    """Whether `variable` has one copy on each worker (`per_worker_variable`)."""
+    from tensorflow.python.distribute import ps_values
+
+    return isinstance(variable, ps_values.PerWorkerVariable)
+
+
+def on_every_worker(coordinator, function):
+    """Runs `function` (a `tf.function` of no arguments) once on every worker, each run
+    after everything already queued for that worker's own resources, and waits for all:
+    TF's coordinator has no public way to address a worker (it does this privately to
+    create per-worker resources)."""
+    for value in coordinator._create_per_worker_resources(function)._values:
+        value.fetch()
+
+
 def wrappers_of(variable):
     """The strategy's wrappers around `variable`'s resource variables (the objects that
     may cache a read: `CachingVariable._cache`)."""

@@ -1,16 +1,18 @@
 """A parameter server lost during `fit`, recovered inside `fit`.
 
-The chief keeps a snapshot of every PS variable (the model, the optimizer, the outer
-slots, the push counters, the ring of applied windows), read where no push is half
-applied: at each `fit`'s start, then as often as costs at most `SNAPSHOT_BUDGET` of the
+A snapshot is the whole cluster at one moment where no push is half applied: the chief
+reads every PS variable (the model, the optimizer, the outer slots, the push counters,
+the ring of applied windows) and each worker copies its own variables (its optimizer
+state, which Adam's bias correction reads with the PS's step count) beside them. One is
+taken at each `fit`'s start, then as often as costs at most `SNAPSHOT_BUDGET` of the
 time, and at least every `snapshot_every` seconds. When a PS is lost, the chief waits
 (at most `connect_timeout`) for it to answer on its address, reconnects, gives every PS
-variable on every PS a new resource holding the snapshot (so no shard is newer than
-another), drops the traces that captured the old ones, and `fit` goes on. The pushes
-applied since the snapshot are rolled back (counted, marked in the window log); they and
-the windows in flight train again under their own ids, which the restored ring of
-applied ids does not hold, so none is applied twice. The TF facts behind each step:
-docs/ps_recovery.md.
+variable a new resource holding the snapshot (so no shard is newer than another), drops
+the traces that captured the old ones, has each worker copy its own variables back, and
+`fit` goes on. The pushes applied since the snapshot are rolled back (counted, marked in
+the window log); they and the windows in flight train again under their own ids, which
+the restored ring of applied ids does not hold, so none is applied twice. The TF facts
+behind each step: docs/ps_recovery.md.
 """
 
 import dataclasses
@@ -97,13 +99,46 @@ class PSRecovery:
         self.recoveries = []
         self.snapshots = []
         self._cost = 0.0  # seconds the last snapshot took, with the wait before it
+        self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
+
+    def _live(self):
+        live = [v for v in (r() for r in self._created) if v is not None]
+        self._created = [weakref.ref(v) for v in live]
+        return live
 
     def _ps_variables(self):
         """Every live variable of the scope as `(top-level variable, its resource
         variables on a PS)`."""
-        live = [v for v in (r() for r in self._created) if v is not None]
-        self._created = [weakref.ref(v) for v in live]
-        return [(v, [r for r in internals.resource_variables(v) if _on_ps(r)]) for v in live]
+        return [
+            (v, [r for r in internals.resource_variables(v) if _on_ps(r)])
+            for v in self._live()
+            if not internals.is_per_worker(v)
+        ]
+
+    def _copy_worker_state(self, back):
+        """Copies every per-worker variable (the workers' own optimizer state, residuals,
+        flags) to its shadow on the same worker, or with `back` the shadows back: the
+        workers' half of a snapshot, which never crosses the network."""
+        strategy = self._strategy()
+        shadows = {id(s) for _, s in self._shadows.values()}
+        pairs = []
+        for v in self._live():
+            if not internals.is_per_worker(v) or id(v) in shadows:
+                continue
+            if id(v) not in self._shadows:
+                with strategy.scope():
+                    shadow = internals.per_worker_variable(tf.zeros(v.shape, v.dtype))
+                self._shadows[id(v)] = (weakref.ref(v), shadow)
+            pairs.append((v, self._shadows[id(v)][1]))
+        if not pairs:
+            return
+
+        def copy():
+            for v, shadow in pairs:
+                (shadow.assign(v) if not back else v.assign(shadow))
+            return tf.constant(0)
+
+        internals.on_every_worker(strategy.coordinator, tf.function(copy, autograph=False))
 
     def start_fit(self):
         """Makes a snapshot due: the next quiet moment of the `fit` starting takes one."""
@@ -122,6 +157,7 @@ class PSRecovery:
         """Reads every PS variable (no push may be in flight: `trainer.quiesce()`, which
         took `waited` seconds)."""
         start = time.perf_counter()
+        self._copy_worker_state(back=False)
         variables = [r for _, rs in self._ps_variables() for r in rs]
         values = [np.asarray(r.read_value()) for r in variables]
         marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
@@ -164,6 +200,7 @@ class PSRecovery:
             answered = time.monotonic()
             self._restore()
             self._reach_workers(strategy, deadline)
+            self._copy_worker_state(back=True)
         except Exception as e:
             log.warning("Could not recover parameter server %s: %s", ", ".join(lost), e)
             raise error from e
