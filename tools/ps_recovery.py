@@ -211,6 +211,7 @@ def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10):
         harness.compile_classifier(model, harness.make_optimizer(opt), metrics=["accuracy"])
     steps = len(x) // batch
     windows = epochs * -(-steps // n_sync)
+    # fault None: the fault-free run again (how far two runs of one seed differ anyway).
     callbacks = [_kill_halfway(cluster, "ps:0", windows // 2)] if fault else []
     t0 = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=callbacks, verbose=0)
@@ -246,7 +247,7 @@ def run_faults(args):
         for workers in args.workers:
             with tf_asgd.LocalCluster(workers, 2, shared_process=False) as cluster:
                 for seed in args.seeds:
-                    for fault in (False, True):
+                    for fault in (False, True) + ((None,) if args.noise_floor else ()):
                         rows.append(fault_cell(cluster, setup, workers, seed, fault, data))
                         print(_fmt_row(rows[-1]), flush=True)
     return rows, _faults_summary(rows)
@@ -255,21 +256,29 @@ def run_faults(args):
 def _faults_summary(rows):
     lines = [
         "| setup | workers | seed | accuracy, fault-free | accuracy, PS killed | difference "
-        "| pushes rolled back | in flight | recovery s | version = applied | applied twice |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| fault-free again: difference | pushes rolled back | in flight | recovery s "
+        "| version = applied | applied twice |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    free = {(r["setup"], r["workers"], r["seed"]): r for r in rows if not r["fault"]}
+    free = {_cell(r): r for r in rows if r["fault"] is False}
+    again = {_cell(r): r for r in rows if r["fault"] is None}
     for r in rows:
-        f = free.get((r["setup"], r["workers"], r["seed"]))
-        if not r["fault"] or f is None:
+        f = free.get(_cell(r))
+        if r["fault"] is not True or f is None:
             continue
+        a = again.get(_cell(r))
+        floor = f"{a['test_accuracy'] - f['test_accuracy']:+.3f}" if a else "-"
         lines.append(
             f"| {r['setup']} | {r['workers']} | {r['seed']} | {f['test_accuracy']:.3f} "
             f"| {r['test_accuracy']:.3f} | {r['test_accuracy'] - f['test_accuracy']:+.3f} "
-            f"| {r['rolled_back']} | {r['in_flight']} | {r['recovery_s']:.1f} "
+            f"| {floor} | {r['rolled_back']} | {r['in_flight']} | {r['recovery_s']:.1f} "
             f"| {r['version_is_applied']} | {r['applied_twice']} |"
         )
     return lines
+
+
+def _cell(row):
+    return row["setup"], row["workers"], row["seed"]
 
 
 def run_chaos(args):
@@ -372,6 +381,8 @@ def main(argv=None):
                    help="cost: the snapshot_every settings, off = None")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="cost: rounds of each setting")
     p.add_argument("--seconds", type=float, default=20.0, help="cost: seconds per fit")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="faults: each fault-free run again, to compare")  # fmt: skip
     p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
     p.add_argument("--device-ms", type=float, default=20.0, help="chaos: device ms a batch")
     p.add_argument("--seed", type=int, default=0, help="chaos: which tasks die when")
