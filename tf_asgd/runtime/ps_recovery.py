@@ -49,8 +49,8 @@ class Recovery:
         snapshot_age_s: how old the snapshot was when the PS was lost.
         rolled_back: pushes applied since the snapshot, undone: their records stay in
             the window log, marked `rolled_back`, and their windows train again.
-        in_flight: windows scheduled and unfinished when the PS was lost: they train
-            again (none of them stays applied).
+        in_flight: windows queued or scheduled and unfinished when the PS was lost:
+            they train again (none of them stays applied).
         version: the version counter after the recovery (the snapshot's).
     """
 

@@ -364,9 +364,9 @@ class WindowTrainer:
         return self._logs if self._logs is not None else {}
 
     def quiesce(self):
-        """Schedules every queued window and waits until each has finished: no push is
-        then half applied (a PS snapshot's moment, `ps_recovery`). Asynchronous only."""
-        self._flush()
+        """Waits until every scheduled window has finished: no push is then half applied
+        (a PS snapshot's moment, `ps_recovery`). Queued windows stay queued: they have not
+        started. Asynchronous only."""
         self._drain(block=True)
 
     def abandon(self):

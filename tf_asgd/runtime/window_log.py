@@ -98,14 +98,14 @@ class WindowLog:
 
     def roll_back(self, since):
         """Marks the records from index `since` on as rolled back (a PS's recovery undid
-        their pushes); returns those that had pushed."""
-        undone = self.records[since:]
-        rolled = [r._replace(rolled_back=True) for r in undone]
-        self.records[since:] = rolled
-        by_id = {id(old): new for old, new in zip(undone, rolled)}
+        their pushes; those marked by an earlier recovery stay as they are); returns the
+        newly marked that had pushed."""
+        undone = [r for r in self.records[since:] if not r.rolled_back]
+        by_id = {id(old): old._replace(rolled_back=True) for old in undone}
+        self.records[since:] = [by_id.get(id(r), r) for r in self.records[since:]]
         self.epoch_records = [by_id.get(id(r), r) for r in self.epoch_records]
         self._ticketed -= sum(r.staleness >= 0 for r in undone)
-        return [r for r in rolled if r.pushed and not r.replayed]
+        return [by_id[id(r)] for r in undone if r.pushed and not r.replayed]
 
     def _metric_results(self, state):
         """The model's metric results for metric-variable values `state`."""
