@@ -208,6 +208,10 @@ class PSRecovery:
         # Both train again, under their own ids: none is in the restored ring of applied ids.
         n_sync = strategy.n_sync
         trainer.requeue([(n_sync, r.window_id) for r in rolled] + in_flight)
+        # The cluster is the snapshot again, with nothing in flight: a later loss goes
+        # back to it and rolls back only what came after this recovery.
+        self.snapshot.taken_at = time.monotonic()
+        self.snapshot.marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
         version = int(strategy.counters.version.numpy())
         done = Recovery(
             lost,
