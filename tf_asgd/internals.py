@@ -798,6 +798,12 @@ def is_per_worker(variable):
     return isinstance(variable, ps_values.PerWorkerVariable)
 
 
+def per_worker_initial_value(variable):
+    """The value a per-worker variable starts from on each worker: its instance on the
+    chief, which TF creates with it and never updates (private `_coordinator_instance`)."""
+    return variable._coordinator_instance.read_value()
+
+
 def on_every_worker(coordinator, function):
     """Runs `function` (a `tf.function` of no arguments) once on every worker, each run
     after everything already queued for that worker's own resources, and waits for all:

@@ -118,7 +118,8 @@ class PSRecovery:
     def _copy_worker_state(self, back):
         """Copies every per-worker variable (the workers' own optimizer state, residuals,
         flags) to its shadow on the same worker, or with `back` the shadows back: the
-        workers' half of a snapshot, which never crosses the network."""
+        workers' half of a snapshot, which never crosses the network. A variable created
+        since the snapshot gets a shadow at its initial value: it goes back to that."""
         strategy = self._strategy()
         shadows = {id(s) for _, s in self._shadows.values()}
         pairs = []
@@ -127,7 +128,7 @@ class PSRecovery:
                 continue
             if id(v) not in self._shadows:
                 with strategy.scope():
-                    shadow = internals.per_worker_variable(tf.zeros(v.shape, v.dtype))
+                    shadow = internals.per_worker_variable(internals.per_worker_initial_value(v))
                 self._shadows[id(v)] = (weakref.ref(v), shadow)
             pairs.append((v, self._shadows[id(v)][1]))
         if not pairs:
