@@ -1,25 +1,15 @@
 """A parameter server recovered inside `fit`: what snapshots cost, and what a loss costs.
 
-Three measurements (`--mode`, comma-separated):
-
-- `cost`: samples/s with snapshots off, at the default (`snapshot_every` 60 s, as often as
-  costs 1% of the time) and every 2 s (`--everies`), side by side in alternating rounds,
-  on 2 workers and 1 PS at n_sync 10: the GEM convnet and a 3.7M-parameter MLP on
-  synthetic 28x28 batches of 64. Reports each snapshot's read time, the chief's wait for
-  the windows in flight before it, its bytes, and the throughput against snapshots off.
-- `faults`: ps:0 SIGKILLed halfway through `fit` and restarted 2 s later, against the
-  same `fit` without a fault, on 2 PS tasks with the large variables split over both:
-  the digits convnet and the MNIST-1D CNN, on 2 and 4 workers, over `--seeds`. Reports
-  held-out accuracy of both, the pushes rolled back, the recovery's time, and checks
-  that `version == pushes applied` and that no window id was applied twice.
-- `chaos`: a `fit` of `--minutes` in which a random task (worker or PS) is SIGKILLed every
-  20 to 40 s and restarted 2 s later; then a fault-free `fit` of as many epochs. Reports
-  the failures survived, the recoveries, the pushes rolled back, windows applied twice
-  (must be 0) and both accuracies.
+`--mode` (comma-separated): `cost` (samples/s and the workers' idle time with snapshots
+off, at the default and every 2 s, side by side; 2 workers, 1 PS, the GEM convnet and a
+3.7M MLP); `faults` (ps:0 SIGKILLed halfway through `fit` and restarted 2 s later against
+the fault-free `fit`; 2 PS with variables split; digits convnet and MNIST-1D CNN on 2 and
+4 workers over `--seeds`); `chaos` (a task killed every 20 to 40 s for `--minutes`, then a
+fault-free `fit` of as many epochs). Method: docs/architecture.md (Tools).
 
 Writes `cost.csv`, `faults.csv`, `chaos.csv` and their tables (`tables.md`) under `--out`.
 
-    python tools/ps_recovery.py                       # all three (about 40 minutes)
+    python tools/ps_recovery.py --mode chaos,faults,cost --noise-floor
     python tools/ps_recovery.py --mode cost --rounds 1 --seconds 5
 """
 
@@ -307,7 +297,7 @@ def run_chaos(args):
             callbacks = [_stop_at(deadline)] if chaos else []
             thread = None
             if chaos:
-                thread = threading.Thread(target=_chaos, args=(cluster, stop, kills, args.seed))
+                thread = threading.Thread(target=_chaos, args=(cluster, stop, kills, args.seeds[0]))
                 thread.start()
             epochs = 10_000 if chaos else rows[0]["epochs"]
             t0 = time.perf_counter()
@@ -373,7 +363,9 @@ def _fmt_row(row):
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out="results/ps_recovery", workers=[2, 4], seeds=[0, 1, 2])
+    p = harness.parser(
+        __doc__, out="results/ps_recovery", workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0]
+    )
     p.add_argument("--mode", type=harness.str_list, default=list(MODES), help="cost,faults,chaos")
     p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
     p.add_argument("--setups", type=harness.str_list, default=list(FAULT_SETUPS))
@@ -384,9 +376,8 @@ def main(argv=None):
     p.add_argument("--noise-floor", action="store_true",
                    help="faults: each fault-free run again, to compare")  # fmt: skip
     p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
-    p.add_argument("--device-ms", type=float, default=20.0, help="chaos: device ms a batch")
-    p.add_argument("--seed", type=int, default=0, help="chaos: which tasks die when")
     args = p.parse_args(argv)
+    args.device_ms = harness.single(p, args, "device_ms")  # chaos: emulated device ms a batch
     bad = set(args.mode) - set(MODES)
     if bad:
         p.error(f"unknown --mode {sorted(bad)}; choose from {MODES}")

@@ -1,18 +1,16 @@
 """A parameter server lost during `fit`, recovered inside `fit`.
 
-A snapshot is the whole cluster at one moment where no push is half applied: the chief
-reads every PS variable (the model, the optimizer, the outer slots, the push counters,
-the ring of applied windows) and each worker copies its own variables (its optimizer
-state, which Adam's bias correction reads with the PS's step count) beside them. One is
-taken at each `fit`'s start, then as often as costs at most `SNAPSHOT_BUDGET` of the
-time, and at least every `snapshot_every` seconds. When a PS is lost, the chief waits
-(at most `connect_timeout`) for it to answer on its address, reconnects, gives every PS
-variable a new resource holding the snapshot (so no shard is newer than another), drops
-the traces that captured the old ones, has each worker copy its own variables back, and
-`fit` goes on. The pushes applied since the snapshot are rolled back (counted, marked in
-the window log); they and the windows in flight train again under their own ids, which
-the restored ring of applied ids does not hold, so none is applied twice. The TF facts
-behind each step: docs/ps_recovery.md.
+A snapshot is the whole cluster where no push is half applied: the chief reads every PS
+variable (model, optimizer, outer slots, push counters, the ring of applied windows) and
+each worker copies its own variables (its optimizer state, which Adam's bias correction
+reads with the PS's step count) beside them. One is taken at each `fit`'s start, then as
+often as costs at most `SNAPSHOT_BUDGET` of the time, at least every `snapshot_every`
+seconds. When a PS is lost, the chief waits (at most `connect_timeout`) for it to answer,
+reconnects, gives every PS variable a new resource holding the snapshot (no shard newer
+than another), drops the traces that captured the old ones, has each worker copy its own
+variables back, and `fit` goes on. The pushes since the snapshot are rolled back; they
+and the windows in flight train again under their own ids, which the restored ring of
+applied ids does not hold, so none is applied twice. How: docs/ps_recovery.md.
 """
 
 import dataclasses
