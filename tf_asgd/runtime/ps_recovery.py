@@ -98,6 +98,7 @@ class PSRecovery:
         self.snapshots = []
         self._cost = 0.0  # seconds the last snapshot took, with the wait before it
         self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
+        self._copies = {}  # (back, ids of the variables) -> the tf.function that copies
 
     def _live(self):
         live = [v for v in (r() for r in self._created) if v is not None]
@@ -119,25 +120,30 @@ class PSRecovery:
         workers' half of a snapshot, which never crosses the network. A variable created
         since the snapshot gets a shadow at its initial value: it goes back to that."""
         strategy = self._strategy()
+        self._shadows = {k: (r, s) for k, (r, s) in self._shadows.items() if r() is not None}
         shadows = {id(s) for _, s in self._shadows.values()}
         pairs = []
         for v in self._live():
             if not internals.is_per_worker(v) or id(v) in shadows:
                 continue
-            if id(v) not in self._shadows:
+            if id(v) not in self._shadows or self._shadows[id(v)][0]() is not v:
                 with strategy.scope():
-                    shadow = internals.per_worker_variable(internals.per_worker_initial_value(v))
+                    shadow = internals.per_worker_variable(_initial_value(v))
                 self._shadows[id(v)] = (weakref.ref(v), shadow)
             pairs.append((v, self._shadows[id(v)][1]))
         if not pairs:
             return
+        key = (back, tuple(id(v) for v, _ in pairs))
+        if key not in self._copies:  # one trace per direction, until the variables change
 
-        def copy():
-            for v, shadow in pairs:
-                (shadow.assign(v) if not back else v.assign(shadow))
-            return tf.constant(0)
+            def copy():
+                for v, shadow in pairs:
+                    (shadow.assign(v) if not back else v.assign(shadow))
+                return tf.constant(0)
 
-        internals.on_every_worker(strategy.coordinator, tf.function(copy, autograph=False))
+            self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
+            self._copies[key] = tf.function(copy, autograph=False)
+        internals.on_every_worker(strategy.coordinator, self._copies[key])
 
     def start_fit(self):
         """Makes a snapshot due: the next quiet moment of the `fit` starting takes one."""
@@ -286,6 +292,15 @@ class PSRecovery:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(PROBE_RETRY_S)
+
+
+def _initial_value(variable):
+    """A per-worker variable's initial value (zeros where it cannot be read: its instance
+    on the chief may live on a PS that was lost)."""
+    try:
+        return internals.per_worker_initial_value(variable)
+    except tf.errors.OpError:
+        return tf.zeros(variable.shape, variable.dtype)
 
 
 def _ps_task(device):
