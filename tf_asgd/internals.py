@@ -805,12 +805,11 @@ def per_worker_initial_value(variable):
 
 
 def on_every_worker(coordinator, function):
-    """Runs `function` (a `tf.function` of no arguments) once on every worker, each run
-    after everything already queued for that worker's own resources, and waits for all:
-    TF's coordinator has no public way to address a worker (it does this privately to
-    create per-worker resources)."""
-    for value in coordinator._create_per_worker_resources(function)._values:
-        value.fetch()
+    """Schedules `function` (a `tf.function` of no arguments) once on every worker, each
+    after everything already queued for that worker's own resources; returns the
+    `RemoteValue` of each run. TF's coordinator has no public way to address a worker (it
+    does this privately to create per-worker resources)."""
+    return list(coordinator._create_per_worker_resources(function)._values)
 
 
 def wrappers_of(variable):

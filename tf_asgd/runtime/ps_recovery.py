@@ -143,7 +143,11 @@ class PSRecovery:
 
             self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
             self._copies[key] = tf.function(copy, autograph=False)
-        internals.on_every_worker(strategy.coordinator, self._copies[key])
+        for run in internals.on_every_worker(strategy.coordinator, self._copies[key]):
+            try:
+                run.fetch()
+            except (tf.errors.CancelledError, tf.errors.UnavailableError):
+                pass  # a worker lost meanwhile: its own variables restart with it
 
     def start_fit(self):
         """Makes a snapshot due: the next quiet moment of the `fit` starting takes one."""
