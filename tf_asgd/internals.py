@@ -780,15 +780,25 @@ def on_variable_created(strategy, callback):
     extended._create_variable = _create_variable
 
 
-def resource_variables(variable):
-    """The `ResourceVariable`s that hold `variable` under the strategy's wrappers
-    (`ShardedVariable.variables`, the `_v` of `AggregatingVariable` and `CachingVariable`)."""
-    if is_sharded(variable):
-        return [r for shard in variable.variables for r in resource_variables(shard)]
+def _inner(variable):
+    """The variable a strategy's wrapper holds (`_v` of `AggregatingVariable` and
+    `CachingVariable`), or None for a resource variable."""
     inner = getattr(variable, "_v", None)
-    if inner is not None and inner is not variable:
-        return resource_variables(inner)
-    return [variable]
+    return inner if inner is not None and inner is not variable else None
+
+
+def variable_layers(variable):
+    """`variable` and every object under it: the shards of a `ShardedVariable` and what
+    each wrapper holds, down to the `ResourceVariable`s."""
+    if is_sharded(variable):
+        return [layer for shard in variable.variables for layer in variable_layers(shard)]
+    inner = _inner(variable)
+    return [variable] + (variable_layers(inner) if inner is not None else [])
+
+
+def resource_variables(variable):
+    """The `ResourceVariable`s that hold `variable` under the strategy's wrappers."""
+    return [layer for layer in variable_layers(variable) if _inner(layer) is None]
 
 
 def is_per_worker(variable):
@@ -810,17 +820,6 @@ def on_every_worker(coordinator, function):
     `RemoteValue` of each run. TF's coordinator has no public way to address a worker (it
     does this privately to create per-worker resources)."""
     return list(coordinator._create_per_worker_resources(function)._values)
-
-
-def wrappers_of(variable):
-    """The strategy's wrappers around `variable`'s resource variables (the objects that
-    may cache a read: `CachingVariable._cache`)."""
-    if is_sharded(variable):
-        return [w for shard in variable.variables for w in wrappers_of(shard)]
-    inner = getattr(variable, "_v", None)
-    if inner is not None and inner is not variable:
-        return [variable] + wrappers_of(inner)
-    return []
 
 
 def server_def():
@@ -859,10 +858,11 @@ def new_resource(variable, value):
     variable._cached_value = None
 
 
-def forget_cached_read(wrapper):
-    """Drops a wrapper's cached read of its variable (`CachingVariable._cache`)."""
-    if hasattr(wrapper, "_cache"):
-        wrapper._cache = None
+def forget_cached_read(layer):
+    """Drops a wrapper's cached read of its variable (`CachingVariable._cache`; other
+    layers have none)."""
+    if hasattr(layer, "_cache"):
+        layer._cache = None
 
 
 def retrace_every_function():
@@ -873,12 +873,9 @@ def retrace_every_function():
 
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
-    cleared = 0
     for obj in gc.get_objects():
         if isinstance(obj, polymorphic_function.Function):
             obj._function_cache.clear()
-            cleared += 1
-    return cleared
 
 
 def wait_for_closures(coordinator, timeout):

@@ -263,11 +263,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             snapshot is taken as often as costs at most 1% of the time. A PS
             lost during asynchronous `fit` and answering again on its address
             (restarted, or a pod back on its name) within `connect_timeout` is
-            recovered in the run: the
-            whole cluster goes back to the newest snapshot, the pushes since
-            it are rolled back (`strategy.recoveries` counts them), and `fit`
-            goes on. Without a snapshot, in synchronous mode, or past
-            `connect_timeout`, `fit` stops with `tf_asgd.ClusterTaskLostError`.
+            recovered in the run: the whole cluster goes back to the newest
+            snapshot, the pushes since it are rolled back and train again
+            (`strategy.recoveries` counts them), and `fit` goes on. Without a
+            snapshot, in synchronous mode, or past `connect_timeout`, `fit`
+            stops with `tf_asgd.ClusterTaskLostError`.
             See docs/faults.md.
 
     Raises:
@@ -434,9 +434,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     @property
     def snapshot_every(self):
-        """Seconds between snapshots of the central state (None: none; see the class's
-        Args). May be set again; a value that is not None or a positive number raises
-        `ValueError` (and leaves it unchanged)."""
+        """The longest time between snapshots of the central state, in seconds (None:
+        none; see the class's Args). May be set again; a value that is not None or a
+        positive number raises `ValueError` (and leaves it unchanged)."""
         return self.ps_recovery.snapshot_every
 
     @snapshot_every.setter

@@ -463,17 +463,23 @@ def _evaluate(original, model, *args, **kwargs):
 def _evaluate_on_workers(evaluator, model, kw):
     """`evaluator.evaluate(**kw)`; during `fit` (its validation) a lost PS is recovered
     (`ps_recovery`) and the evaluation runs again, else it is named."""
-    strategy = _strategy_of(model)
-    state = strategy.model_states.get(model)
-    trainer = state.trainer if state is not None and state.fitting else None
     try:
         return evaluator.evaluate(**kw)
     except tf.errors.OpError as e:
-        if trainer is None:
-            _raise_if_ps_lost(e, strategy)
+        if _fitting_state(model) is None:
+            _raise_if_ps_lost(e, _strategy_of(model))
             raise
-        strategy.ps_recovery.recover(e, trainer)
+        _recover_in_fit(model, e)
     return evaluator.evaluate(**kw)
+
+
+def _recover_in_fit(model, error):
+    """Recovers from `error` during `model`'s `fit` where it is a PS's loss (`ps_recovery`),
+    else raises it."""
+    state = _fitting_state(model)
+    if state is None or state.trainer is None:
+        raise error
+    _strategy_of(model).ps_recovery.recover(error, state.trainer)
 
 
 def _on_chief(original, model, *args, **kwargs):
@@ -617,5 +623,5 @@ def _call_each(callback_list, model, name, index, logs):
         try:
             hook(index, logs)
         except tf.errors.OpError as e:
-            ps_recovery.recover_during_fit(model, e)
+            _recover_in_fit(model, e)
             hook(index, logs)

@@ -69,7 +69,6 @@ class Snapshot:
     values: list  # their NumPy values, in that order
     taken_at: float  # time.monotonic()
     marks: weakref.WeakKeyDictionary  # trainer -> length of its window log then
-    nbytes: int
 
 
 class PSRecovery:
@@ -96,7 +95,6 @@ class PSRecovery:
         self.snapshot = None
         self.recoveries = []
         self.snapshots = []
-        self._cost = 0.0  # seconds the last snapshot took, with the wait before it
         self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
         self._copies = {}  # (back, ids of the variables) -> the tf.function that copies
 
@@ -159,7 +157,8 @@ class PSRecovery:
             return False
         if self.snapshot is None:
             return True
-        interval = min(self.snapshot_every, self._cost / SNAPSHOT_BUDGET)
+        read, waited = self.snapshots[-1][:2]  # the last one's cost
+        interval = min(self.snapshot_every, (read + waited) / SNAPSHOT_BUDGET)
         return time.monotonic() - self.snapshot.taken_at >= interval
 
     def take(self, trainer, waited=0.0):
@@ -172,11 +171,10 @@ class PSRecovery:
         marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
         nbytes = int(sum(v.nbytes for v in values))
         self.snapshot = Snapshot(
-            [weakref.ref(r) for r in variables], values, time.monotonic(), marks, nbytes
+            [weakref.ref(r) for r in variables], values, time.monotonic(), marks
         )
         seconds = time.perf_counter() - start
         self.snapshots.append((seconds, waited, nbytes, time.time()))
-        self._cost = seconds + waited
 
     def recover(self, error, trainer):
         """Recovers from `error` where it is a PS's loss and a snapshot exists; else
@@ -276,8 +274,8 @@ class PSRecovery:
             if variable is not None:
                 internals.new_resource(variable, value)
         for top, _ in self._ps_variables():
-            for wrapper in internals.wrappers_of(top):
-                internals.forget_cached_read(wrapper)
+            for layer in internals.variable_layers(top):
+                internals.forget_cached_read(layer)
         internals.retrace_every_function()
 
     def _reach_workers(self, strategy, deadline):
@@ -286,10 +284,9 @@ class PSRecovery:
         version = strategy.counters.version
         probe = tf.function(lambda: version.read_value() + 0, autograph=False)
         while True:
-            values = [strategy.coordinator.schedule(probe) for _ in range(strategy.num_workers)]
             try:
-                for value in values:
-                    value.fetch()
+                for run in internals.on_every_worker(strategy.coordinator, probe):
+                    run.fetch()
                 return
             except tf.errors.OpError:
                 internals.wait_for_closures(strategy.coordinator, 5.0)
@@ -321,7 +318,7 @@ def _on_ps(variable):
 
 def train_function(trainer, recovery):
     """`trainer.train_function` for Keras, with snapshots taken when due and a lost PS
-    recovered (the windows then in flight are lost; the epoch goes on)."""
+    recovered (the windows then queued or in flight train again; the epoch goes on)."""
 
     def run(iterator):
         try:
@@ -351,25 +348,6 @@ def finish(trainer, recovery, attempts=3):
     if recovery.due() and not trainer.strategy.synchronous:
         recovery.take(trainer)
     return logs
-
-
-def recover_during_fit(model, error):
-    """Recovers from `error` raised by the chief's own work on `model`'s central variables
-    during its `fit` (a callback's checkpoint save), else raises `error`.
-
-    Args:
-        model: a Keras model whose `fit` runs under an `AsyncParameterServerStrategy`.
-        error: the `tf.errors.OpError` raised.
-
-    Returns:
-        The `Recovery`; do the work again.
-    """
-    strategy = internals.model_strategy(model)
-    states = getattr(strategy, "model_states", None)
-    state = states.get(model) if states is not None else None
-    if state is None or not state.fitting or state.trainer is None:
-        raise error
-    return strategy.ps_recovery.recover(error, state.trainer)
 
 
 def validate_snapshot_every(value):
