@@ -33,8 +33,16 @@ def test_forked_tasks_report_their_status_restart_and_all_stop(own_forks):
         assert "worker:0" not in cluster.pids()
         assert cluster._procs["worker:0"].returncode == -signal.SIGKILL  # private: as Popen's
 
-        # A task that cannot listen exits at once, and its status says so.
+        # Its port is held until it restarts: no other process can take it, and a
+        # client still finds the connection refused.
         port = int(cluster.cluster_spec["worker"][0].split(":")[1])
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("localhost", port))
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect(("localhost", port))
+
+        # A task that cannot listen exits at once, and its status says so.
+        cluster._release_port("worker:0")  # private: to let another socket take the port
         with socket.socket() as taken:
             taken.bind(("localhost", port))
             taken.listen()

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -175,6 +176,7 @@ class LocalCluster:
         self.gpus_per_worker = gpus_per_worker
         self._procs = {}  # "job:index" -> Popen or ForkedTask; a shared host is "all"
         self._forks = None  # the task_forks.ForkServer its tasks come from (None: own starts)
+        self._held = {}  # "job:index" -> a socket bound on a killed task's port (`kill_task`)
         self._lock = threading.Lock()
         ports = pick_ports(num_workers + num_ps + 1)
         self.cluster_spec = {
@@ -286,6 +288,7 @@ class LocalCluster:
             raise ValueError("restart_task needs shared_process=False.")
         self.kill_task(task)
         _mark_gone(self._addresses([task]), gone=False)
+        self._release_port(task)
         proc = self._spawn([task], time.time() + timeout)
         self._procs[task] = proc
         self._wait_ready(task, proc, time.time() + timeout)
@@ -293,6 +296,8 @@ class LocalCluster:
     def kill_task(self, task, sig=signal.SIGKILL):
         """Kills one task's process (for fault injection) and waits for it to exit.
 
+        Its port stays bound, not listening, until `restart_task`: connections
+        to it are refused, and no other process can take it meanwhile.
         Nothing happens for a task that is not running, or a name this
         cluster does not have.
 
@@ -306,6 +311,28 @@ class LocalCluster:
             _mark_gone(self._addresses(self.tasks() if task == "all" else [task]))
             proc.send_signal(sig)
             proc.wait(timeout=30)
+            for name in self.tasks() if task == "all" else [task]:
+                self._hold_port(name)
+
+    def _hold_port(self, task):
+        """Binds a killed task's port until `restart_task`, so that no other process
+        (another cluster picking free ports) takes it meanwhile. Bound, not listening:
+        a client still finds the connection refused."""
+        port = int(self._addresses([task])[0].rsplit(":", 1)[1])
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # As gRPC does: the dead server's connections may linger in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:  # taken already: nothing to hold
+            sock.close()
+            return
+        self._held[task] = sock
+
+    def _release_port(self, task):
+        sock = self._held.pop(task, None)
+        if sock is not None:
+            sock.close()
 
     def _addresses(self, tasks):
         return [self.cluster_spec[t.split(":")[0]][int(t.split(":")[1])] for t in tasks]
@@ -366,6 +393,9 @@ class LocalCluster:
         if self._forks is not None:
             task_forks.release(self._forks)
             self._forks = None
+        for sock in self._held.values():
+            sock.close()
+        self._held.clear()
         atexit.unregister(self.close)
 
     def __enter__(self):
