@@ -300,6 +300,37 @@ def learning_rate_variable(optimizer):
     return lr if isinstance(lr, keras.Variable) else None
 
 
+class _ScaledRate(keras.optimizers.schedules.LearningRateSchedule):
+    """An optimizer's own rate (a variable, a schedule or a callable) times
+    `scale_at(step)`; read by Keras as any schedule, with the step counter."""
+
+    def __init__(self, rate, scale_at):
+        self.rate, self.scale_at = rate, scale_at
+
+    def __call__(self, step):
+        rate = self.rate
+        if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+            rate = rate(step)
+        elif callable(rate) and not isinstance(rate, keras.Variable):
+            rate = rate()
+        return tf.cast(rate, tf.float32) * tf.cast(self.scale_at(step), tf.float32)
+
+
+@contextlib.contextmanager
+def scaled_learning_rate(optimizer, scale_at):
+    """While open (while a window is traced), `optimizer`'s steps run at its own
+    learning rate times `scale_at(step)`. Keras reads the rate through the private
+    `_learning_rate` (of the innermost optimizer a `LossScaleOptimizer` wraps); the
+    variable itself, and what the chief and callbacks see, stay the user's."""
+    inner = wrapped_optimizers(optimizer)[-1]
+    rate = inner._learning_rate  # private: Keras's rate, a variable or a schedule
+    inner._learning_rate = _ScaledRate(rate, scale_at)  # private: as above
+    try:
+        yield
+    finally:
+        inner._learning_rate = rate  # private: as above
+
+
 # ---- A model's own train_step on loop tensors (window.py, steps.py) ------------
 # Keras's TF variable: inside a StatelessScope its value is the mapped tensor,
 # but `handle` (what `tf.GradientTape` watches and differentiates against)

@@ -142,6 +142,17 @@ class _WindowDataset:
         return self._dataset.element_spec
 
 
+def _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling):
+    if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
+        raise ValueError(f"n_sync must be a positive integer, got {n_sync!r}.")
+    if per_worker_dataset_fn is not None and not callable(per_worker_dataset_fn):
+        raise TypeError(
+            "per_worker_dataset_fn must be a function (dataset, worker_index) -> "
+            f"dataset or None, got {per_worker_dataset_fn!r}."
+        )
+    update_rules.validate_worker_rate(lr_scaling)
+
+
 class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous windowed SGD with staleness-scaled updates on the PS.
 
@@ -154,10 +165,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     optimizer to the pseudo-gradient `-staleness_scale(tau) * update`, where
     `tau` counts the pushes committed between this window's pull and its push.
 
-    Defaults: each push counts the average `1/N` up to 4 workers, then 2/3 of
-    `update_rules.stability_limit(N)` (`update_rules.default_outer_optimizer(N)`,
-    no staleness scaling), after a schedule over the first rounds: the user's
-    optimizer stays unchanged and stable. See docs/defaults.md.
+    Defaults: each push counts the average `1/N`
+    (`update_rules.default_outer_optimizer(N)`, no staleness scaling), and the
+    workers' local steps run at the compiled optimizer's rate times `sqrt(N)`
+    (`lr_scaling`), so that N averaged windows move about as far as a batch N
+    times larger. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
     With `synchronous=True` windows run in rounds instead: N windows from
     the same central weights, one outer step on their pushes (see Args).
@@ -269,9 +281,22 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             snapshot, in synchronous mode, or past `connect_timeout`, `fit`
             stops with `tf_asgd.ClusterTaskLostError`.
             See docs/faults.md.
+        lr_scaling: the workers' learning rate, for N workers. `"auto"` (the
+            default): where the PS averages the pushes (the asynchronous
+            default outer optimizer), each worker's local steps run at the
+            compiled optimizer's rate times `sqrt(N)`, so that a round of N
+            averaged windows moves about as far as a batch N times larger
+            would; with an `outer_optimizer` given, synchronous rounds or GEM,
+            the rate is the user's. `"sqrt"`, `"linear"` (times N) or a number
+            set the factor; `"none"` keeps the user's rate. The factor rises
+            linearly from 1 over the first 5% of the model's first `fit`
+            (Goyal et al.'s warm-up). The chief's optimizer, its callbacks
+            and checkpoints keep the user's rate; `model_stats(model).lr_scale`
+            reports the factor. Why: docs/defaults.md.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
+            `lr_scaling`,
             `worker_state` or `evaluation`; `max_staleness` not an integer
             >= 0; `windows_per_closure` not `None` or an integer from 1 to 256;
             `connect_timeout` not a positive number; an address in the cluster
@@ -303,6 +328,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         connect_timeout: as given; may be set again later.
         synchronous: as given.
         snapshot_every: as given; may be set again later.
+        lr_scaling: as given.
         recoveries: a `ps_recovery.Recovery` per PS recovered during `fit`.
         num_workers: the number of `worker` tasks in the cluster.
         coordinator: the strategy's `tf.distribute.coordinator.ClusterCoordinator`.
@@ -354,15 +380,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         pull_compression=None,
         synchronous=False,
         snapshot_every=ps_recovery.DEFAULT_SNAPSHOT_EVERY,
+        lr_scaling="auto",
     ):
         # Validate everything before connecting, so bad input changes nothing.
-        if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
-            raise ValueError(f"n_sync must be a positive integer, got {n_sync!r}.")
-        if per_worker_dataset_fn is not None and not callable(per_worker_dataset_fn):
-            raise TypeError(
-                "per_worker_dataset_fn must be a function (dataset, worker_index) -> "
-                f"dataset or None, got {per_worker_dataset_fn!r}."
-            )
+        _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling)
         update_rules.validate_staleness(staleness, max_staleness)
         if outer_optimizer is not None:
             update_rules.validate_outer_optimizer(outer_optimizer)
@@ -395,6 +416,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.compression = compression
         self.pull_compression = pull_compression
         self.synchronous = synchronous
+        self.lr_scaling = lr_scaling
         # (TF's `cluster_resolver` property is None here: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
         # The cluster as a dict: what a lost task is named by.
@@ -604,6 +626,27 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """`model`'s `WindowTrainer`, or None if it has none (or `model` is None)."""
         state = None if model is None else self.model_states.get(model)
         return None if state is None else state.trainer
+
+    def worker_rate_scale(self, optimizer):
+        """The factor on the workers' learning rate for a model compiled with
+        `optimizer` (see `lr_scaling`): 1.0 where nothing is scaled.
+
+        Raises:
+            ValueError: `lr_scaling` names a rule or a factor for GEM.
+        """
+        if getattr(optimizer, "asgd_push_rule", None) is not None:
+            if self.lr_scaling not in ("auto", "none"):
+                raise ValueError(
+                    f"lr_scaling={self.lr_scaling!r} cannot be used with GEM, whose local "
+                    "steps are the paper's: pass lr_scaling='auto' or 'none'."
+                )
+            return 1.0
+        rule = self.lr_scaling
+        if rule == "auto":
+            # An outer optimizer given, or synchronous rounds, sets the round's gain.
+            default_outer = self.outer_optimizer is None and not self.synchronous
+            rule = "sqrt" if default_outer else "none"
+        return update_rules.worker_rate_scale(self.num_workers, rule)
 
     def _outer_optimizer_for(self, push_rule):
         """The outer optimizer a model's pushes get (see `outer_optimizer`);

@@ -127,7 +127,7 @@ def _fit(original, model, *args, **kwargs):
         feed.steps_per_epoch = kwargs["steps_per_epoch"]
         python_inputs.start_fit(model, feed)
     state = strategy.model_states.get_or_create(model)
-    state.start_fit(kwargs["steps_per_epoch"])
+    state.start_fit(kwargs["steps_per_epoch"], kwargs["epochs"] - kwargs["initial_epoch"])
     strategy.ps_recovery.start_fit()
     # One Keras "execution" is one window of n_sync steps, for this fit only.
     users_steps_per_execution = model.steps_per_execution

@@ -22,6 +22,8 @@ class ModelState:
             first `fit` (`ModelStates.ensure_trainer` builds it).
         fitting: whether `model.fit` is running.
         steps_per_epoch: the running `fit`'s steps per epoch; None outside `fit`.
+        first_fit_steps: the steps the model's first `fit` was asked for (its
+            epochs times `steps_per_epoch`); None before it.
         evaluator: the model's `evaluation.Evaluator`, or None before its
             first evaluation on the workers (`ModelStates.ensure_evaluator`).
         outer_state: the `tf.Module` that tracks the outer optimizer's slots
@@ -32,13 +34,18 @@ class ModelState:
         self.trainer = None
         self.fitting = False
         self.steps_per_epoch = None
+        self.first_fit_steps = None
         self.evaluator = None
         self.outer_state = None
 
-    def start_fit(self, steps_per_epoch):
-        """Records that `model.fit` started, with `steps_per_epoch` steps an epoch."""
+    def start_fit(self, steps_per_epoch, epochs=1):
+        """Records that `model.fit` started, with `steps_per_epoch` steps an epoch
+        and `epochs` epochs to run (the first fit's steps set the workers' rate
+        warm-up: `WindowTrainer.lr_warmup_steps`)."""
         self.fitting = True
         self.steps_per_epoch = steps_per_epoch
+        if self.first_fit_steps is None:
+            self.first_fit_steps = steps_per_epoch * max(1, epochs)
 
     def end_fit(self):
         """Records that `model.fit` ended (also after an error)."""

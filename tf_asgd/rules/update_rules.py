@@ -352,6 +352,67 @@ def default_outer_optimizer(num_workers):
     return OuterSGD(average)
 
 
+WORKER_RATE_RULES = ("auto", "none", "linear", "sqrt")
+WORKER_RATE_WARMUP = 0.05  # of the first fit's steps: Goyal et al.'s 5 of 90 epochs
+
+
+def validate_worker_rate(scaling):
+    """Checks the strategy's `lr_scaling`: one of `WORKER_RATE_RULES` or a number > 0."""
+    if isinstance(scaling, str) and scaling in WORKER_RATE_RULES:
+        return
+    if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling > 0:
+        if np.isfinite(scaling):
+            return
+    raise ValueError(
+        f"lr_scaling must be one of {', '.join(repr(r) for r in WORKER_RATE_RULES)} or a "
+        f"finite number > 0, got {scaling!r}."
+    )
+
+
+def worker_rate_scale(num_workers, rule):
+    """The factor on each worker's learning rate: what N workers' windows need for a
+    round of them, averaged, to move as far as one step of the batch N times larger.
+
+    `"linear"`: N, the linear scaling rule for SGD (Goyal et al. 2017,
+    arXiv:1706.02677). `"sqrt"`: `sqrt(N)`, the square-root rule for adaptive
+    optimizers such as Adam (Malladi et al. 2022, arXiv:2205.10287). `"none"`: 1.
+    A number is the factor itself. Why the workers and not the PS: docs/defaults.md.
+
+    Args:
+        num_workers: N, the number of workers (at least 1).
+        rule: `"linear"`, `"sqrt"`, `"none"` or a number > 0.
+
+    Returns:
+        A Python float (1.0 for one worker under a named rule).
+
+    Examples:
+        >>> worker_rate_scale(8, "linear"), worker_rate_scale(4, "sqrt")
+        (8.0, 2.0)
+    """
+    if not isinstance(rule, str):
+        return float(rule)
+    n = max(1, int(num_workers))
+    return {"none": 1.0, "linear": float(n), "sqrt": float(np.sqrt(n))}[rule]
+
+
+def warmed_up_rate_scale(scale, step, warmup_steps, xp=np):
+    """`scale` reached linearly over the first `warmup_steps` steps (Goyal et al.'s
+    gradual warm-up): `1 + (scale - 1) * min(1, (step + 1) / warmup_steps)`.
+
+    Args:
+        scale: the full factor (`worker_rate_scale`).
+        step: the optimizer's step count (every worker's steps), a number or a tensor.
+        warmup_steps: steps to reach `scale`, at least 1.
+        xp: `numpy`, or `tensorflow.experimental.numpy` inside a window.
+
+    Examples:
+        >>> [float(warmed_up_rate_scale(3.0, t, 4)) for t in (0, 1, 3, 100)]
+        [1.5, 2.0, 3.0, 3.0]
+    """
+    ramp = xp.minimum(1.0, (xp.asarray(step, dtype=xp.float32) + 1.0) / float(warmup_steps))
+    return 1.0 + (float(scale) - 1.0) * ramp
+
+
 SYNC_OUTER_MOMENTUM = 0.9  # DiLoCo's outer momentum (Douillard et al. 2023)
 
 

@@ -48,6 +48,12 @@ class AsyncStats:
             the effective learning rate over plain averaging (1.0). N under the
             synchronous default, about 1 under the asynchronous one
             (docs/defaults.md).
+        lr_scale: the factor on each worker's learning rate (the strategy's
+            `lr_scaling`): the workers' local steps run at the compiled
+            optimizer's rate times this (1.0: the user's rate). With
+            `outer_gain`, it is how much the strategy scales the effective rate.
+        lr_warmup_steps: the optimizer steps (every worker's) over which the
+            workers' factor rises linearly from 1 to `lr_scale`.
         noise_scale: the gradient noise scale of the last finished epoch's
             synchronous rounds, in windows (McCandlish et al. 2018,
             `rules.noise_scale`): about how many workers' windows a round can
@@ -80,6 +86,8 @@ class AsyncStats:
     bytes_pulled_per_sample: float = 0.0
     bytes_pushed_per_sample: float = 0.0
     outer_gain: float = 1.0
+    lr_scale: float = 1.0
+    lr_warmup_steps: int = 0
     noise_scale: float = float("nan")
     noise_scale_rounds: int = 0
 
@@ -102,7 +110,8 @@ class AsyncStats:
             f"dropped_stale={self.dropped_stale}, dropped_nonfinite={self.dropped_nonfinite},\n"
             f"           staleness mean {self.mean_staleness:.2f} max {self.max_staleness} "
             f"(pushes by staleness {{{counts}}}), pulled {_megabytes(self.bytes_pulled)}, "
-            f"pushed {_megabytes(self.bytes_pushed)}, outer gain {self.outer_gain:.2f}"
+            f"pushed {_megabytes(self.bytes_pushed)}, outer gain {self.outer_gain:.2f}, "
+            f"workers' rate x{self.lr_scale:.3g}"
             f"{self._noise_summary()})"
         )
 

@@ -66,8 +66,8 @@ class WindowTrainer:
         outer_optimizer: what the PS applies to this model's pushes (an
             `OuterSGD` or a `DelayedNesterov`).
         fit_state: what says the running fit's epoch length: an object with
-            `steps_per_epoch` (None outside `fit`), the model's
-            `model_state.ModelState`.
+            `steps_per_epoch` (None outside `fit`) and `first_fit_steps`, the
+            model's `model_state.ModelState`.
     """
 
     def __init__(self, model, strategy, outer_optimizer, fit_state):
@@ -89,6 +89,7 @@ class WindowTrainer:
                     "the model inside `with strategy.scope():`."
                 )
         self.outer = outer_optimizer
+        self.lr_scale = strategy.worker_rate_scale(opt)  # the workers' rate factor
         synchronous = getattr(strategy, "synchronous", False)
         self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
         # Tracked there, so a checkpoint of the model can hold them.
@@ -151,6 +152,13 @@ class WindowTrainer:
         """The metric results (loss, accuracy, ...) of one window's own steps."""
         return self.log.window_results(record)
 
+    @property
+    def lr_warmup_steps(self):
+        """Steps over which the workers' rate rises to `lr_scale`: a share
+        (`update_rules.WORKER_RATE_WARMUP`) of the model's first `fit`."""
+        first = self._fit_state.first_fit_steps or 0
+        return max(1, round(update_rules.WORKER_RATE_WARMUP * first))
+
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
         gain = update_rules.outer_gain(self.outer, self.strategy.num_workers)
@@ -158,6 +166,7 @@ class WindowTrainer:
             self.bytes_per_pull, self.bytes_per_push, self.samples_per_window, gain
         )
         stats.noise_scale, stats.noise_scale_rounds = self.noise.value, self.noise.rounds
+        stats.lr_scale, stats.lr_warmup_steps = self.lr_scale, self.lr_warmup_steps
         return stats
 
     # ---- chief side -------------------------------------------------------

@@ -10,9 +10,13 @@ dependency: TF runs an op as soon as its inputs are ready, whatever the source o
 Phases, transfers and orderings: docs/architecture.md.
 """
 
+import contextlib
+
 import tensorflow as tf
+import tensorflow.experimental.numpy as tnp
 
 from tf_asgd import internals
+from tf_asgd.rules import update_rules
 from tf_asgd.runtime import metric_states, steps
 from tf_asgd.runtime.push import Pull
 from tf_asgd.runtime.records import PushMeta
@@ -270,10 +274,23 @@ class WindowFunction:
             return (i + 1, samples + batch_size(batch), *map(list, out))
 
         loop = (tf.zeros_like(num_steps), tf.constant(0, tf.int64))
-        _, samples, weights, opt_values, metric_values = tf.while_loop(
-            lambda i, *_: i < num_steps, one_step, (*loop, weights, opt_values, metric_values)
-        )
+        with self._workers_rate():
+            _, samples, weights, opt_values, metric_values = tf.while_loop(
+                lambda i, *_: i < num_steps, one_step, (*loop, weights, opt_values, metric_values)
+            )
         return list(weights), list(opt_values), list(metric_values), samples
+
+    def _workers_rate(self):
+        """While the local steps are traced: the local optimizer at the workers'
+        rate, its own times the trainer's `lr_scale`, warmed up over the
+        compiled optimizer's first `lr_warmup_steps` steps (every worker's)."""
+        scale, warmup = self._trainer.lr_scale, self._trainer.lr_warmup_steps
+        if scale == 1.0:
+            return contextlib.nullcontext()
+        return internals.scaled_learning_rate(
+            self.local_optimizer,
+            lambda step: update_rules.warmed_up_rate_scale(scale, step, warmup, xp=tnp),
+        )
 
     def _step(self, batch, weights, opt_values, metric_values):
         """One training step on loop tensors (`steps.py`): the model's own

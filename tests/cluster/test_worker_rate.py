@@ -1,0 +1,94 @@
+"""The workers' learning rate (`lr_scaling`): a window's steps run at the compiled
+optimizer's rate times the factor, warmed up, exactly; the chief's optimizer keeps the
+user's rate; the default scales by sqrt(N) only where the PS averages the pushes."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow.experimental.numpy as tnp
+
+import tf_asgd
+from tf_asgd.cluster import tf_config
+from tf_asgd.optimizers import GEM
+from tf_asgd.rules import update_rules
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _linear(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+
+
+class _Ramped(keras.optimizers.schedules.LearningRateSchedule):
+    """The reference: `rate(step)` times the warmed-up factor, in plain Keras."""
+
+    def __init__(self, rate, scale, warmup):
+        self.rate, self.scale, self.warmup = rate, scale, warmup
+
+    def __call__(self, step):
+        rate = self.rate(step) if callable(self.rate) else self.rate
+        return rate * update_rules.warmed_up_rate_scale(self.scale, step, self.warmup, xp=tnp)
+
+
+@pytest.mark.parametrize(
+    "rate",
+    [0.01, keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=10, decay_rate=0.8)],
+    ids=["constant", "schedule"],
+)
+def test_one_worker_at_a_factor_equals_plain_keras_at_the_ramped_rate(local_cluster, flat, rate):
+    """1 worker, the PS adding each push as is: every step of `fit` equals plain
+    Keras's SGD at the user's rate times the factor, ramped over 5% of the steps."""
+    (x, y), _ = flat
+    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: a warm-up of 2 steps
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        local_cluster(1).resolver, n_sync=5, lr_scaling=3.0
+    )
+    with strategy.scope():
+        model = _linear()
+        model.compile(keras.optimizers.SGD(rate, momentum=0.5), LOSS)
+    start = model.get_weights()
+    model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    stats = strategy.model_stats(model)
+    assert (stats.lr_scale, stats.lr_warmup_steps, stats.applied) == (3.0, 2, 8)
+    # What the chief and its callbacks read is the user's rate, unchanged.
+    step = int(model.optimizer.iterations.numpy())
+    user_rate = rate(step) if callable(rate) else rate
+    np.testing.assert_allclose(float(model.optimizer.learning_rate), user_rate, rtol=1e-6)
+
+    plain = _linear()
+    plain.set_weights(start)
+    plain.compile(keras.optimizers.SGD(_Ramped(rate, 3.0, 2), momentum=0.5), LOSS)
+    plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_scales_by_sqrt_n_where_the_ps_averages(local_cluster):
+    cluster = local_cluster(4)
+    adam, sgd = keras.optimizers.Adam(1e-3), keras.optimizers.SGD(0.05, momentum=0.9)
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+    assert strategy.lr_scaling == "auto"
+    assert strategy.worker_rate_scale(adam) == strategy.worker_rate_scale(sgd) == 2.0
+    assert (
+        strategy.worker_rate_scale(GEM(keras.optimizers.SGD(0.05, momentum=0.9))) == 1.0
+    )  # GEM's steps stay the paper's
+    # An outer optimizer given, or synchronous rounds: the round's gain is the PS's.
+    given = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=10, outer_optimizer=tf_asgd.OuterSGD(0.25)
+    )
+    assert given.worker_rate_scale(adam) == 1.0
+    rounds = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10, synchronous=True)
+    assert rounds.worker_rate_scale(adam) == 1.0
+    linear = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10, lr_scaling="linear")
+    assert linear.worker_rate_scale(sgd) == 4.0
+    with pytest.raises(ValueError, match="lr_scaling='linear' cannot be used with GEM"):
+        linear.worker_rate_scale(GEM(keras.optimizers.SGD(0.05, momentum=0.9)))
+
+
+@pytest.mark.parametrize("bad", ["quadratic", 0, -1.0, float("inf"), True])
+def test_a_bad_lr_scaling_is_refused_before_connecting(bad):
+    spec = {"ps": ["localhost:1"], "worker": ["localhost:2"], "chief": ["localhost:3"]}
+    resolver = tf_config.make_resolver(spec)
+    with pytest.raises(ValueError, match="lr_scaling must be one of"):
+        tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=2, lr_scaling=bad)
