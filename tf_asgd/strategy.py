@@ -643,9 +643,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             return 1.0
         rule = self.lr_scaling
         if rule == "auto":
-            # An outer optimizer given, or synchronous rounds, sets the round's gain.
-            default_outer = self.outer_optimizer is None and not self.synchronous
-            rule = "sqrt" if default_outer else "none"
+            given = self.outer_optimizer is not None
+            rule = update_rules.auto_worker_rate(self.synchronous, outer_given=given)
         return update_rules.worker_rate_scale(self.num_workers, rule)
 
     def _outer_optimizer_for(self, push_rule):

@@ -32,13 +32,30 @@ OUTER_HELP = (
     "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, "
     "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
     "adaptive (synchronous: each round's gain from the rounds' noise scale, "
-    "noise_scale.round_gain)"
+    "noise_scale.round_gain); each with +sqrt, +linear, +none or +F for the workers' "
+    "rate (lr_scaling; default: the strategy's auto, sqrt(N) under the asynchronous "
+    "default, else the user's rate)"
 )
+
+
+def worker_rate(name, workers, synchronous):
+    """The factor on the workers' rate under the outer rule `name`: its `+RULE`
+    suffix, else the strategy's `lr_scaling="auto"` for `default`, else 1."""
+    from tf_asgd.rules import update_rules
+
+    base, _, rule = name.partition("+")
+    if not rule:
+        rule = update_rules.auto_worker_rate(synchronous) if base == "default" else "none"
+    if rule not in update_rules.WORKER_RATE_RULES:
+        rule = float(rule)
+    return update_rules.worker_rate_scale(workers, rule)
 
 
 def outer_rule(name, workers, synchronous):
     """The outer optimizer `name` (see `OUTER_HELP`) for `workers` workers."""
     from tf_asgd.rules import update_rules
+
+    name = name.partition("+")[0]
 
     if name == "default" and synchronous:
         return update_rules.default_synchronous_outer_optimizer(workers)
@@ -81,6 +98,24 @@ def _with_learning_rate(name, rate_of):
 def scaled_optimizer(name, scale):
     """The setup's optimizer with its learning rate times `scale`."""
     return _with_learning_rate(name, lambda rate: rate * scale)
+
+
+def workers_optimizer(name, scale, warmup_steps):
+    """The setup's optimizer at its own rate times `scale`, warmed up from 1 over the
+    first `warmup_steps` (`update_rules.warmed_up_rate_scale`, as the strategy does)."""
+    import keras
+    import tensorflow.experimental.numpy as tnp
+
+    from tf_asgd.rules import update_rules
+
+    class WorkersRate(keras.optimizers.schedules.LearningRateSchedule):
+        def __init__(self, rate):
+            self.rate = rate
+
+        def __call__(self, step):
+            return self.rate * update_rules.warmed_up_rate_scale(scale, step, warmup_steps, tnp)
+
+    return _with_learning_rate(name, WorkersRate)
 
 
 def warmed_up_optimizer(name, rate, warmup_steps):
@@ -170,7 +205,17 @@ def window_ends(workers, n_sync, windows, slow, asynchronous):
 
 
 def outer_rounds(
-    setup, data, workers, n_sync, seed, steps, eval_every, outer, asynchronous, slow=1.0
+    setup,
+    data,
+    workers,
+    n_sync,
+    seed,
+    steps,
+    eval_every,
+    outer,
+    asynchronous,
+    slow=1.0,
+    worker_scale=1.0,
 ):
     """Held-out points of `workers` copies whose windows an outer rule applies.
 
@@ -178,7 +223,9 @@ def outer_rounds(
     displacement) goes through `update_rules.outer_step`, the rule the PS runs.
     Synchronous: every copy starts a round from the same central weights. Asynchronous:
     windows end in round-robin order and each copy pulls right after its push, so every
-    push is `workers - 1` pushes stale, as homogeneous workers make it. `steps` counts
+    push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's
+    rate is the setup's times `worker_scale`, warmed up over 5% of its steps
+    (`workers_optimizer`, the strategy's `lr_scaling`). `steps` counts
     steps per copy (device times). With copy 0 `slow` times slower (`window_ends`), the
     windows end in simulated time and the points are at that time, in fast steps.
 
@@ -193,7 +240,14 @@ def outer_rounds(
 
     batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
-    copies = [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
+    warmup = max(1, round(update_rules.WORKER_RATE_WARMUP * steps))
+    opt = harness.SETUPS[setup][2]
+    copies = [
+        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup))
+        if worker_scale != 1.0
+        else _model(setup, data, 1.0, n_sync)
+        for _ in range(workers)
+    ]
     center = copies[0].get_weights()
     state = [{} for _ in center]
     starts = [center] * workers
@@ -342,8 +396,19 @@ def run_setup(setup, data, seed, args):
             per_worker = every * max(1, round(steps * args.outer_steps / n / every))
             asynchronous = method == "async_outer"
             opt = outer_rule(scaling, n, not asynchronous)
+            scale = worker_rate(scaling, n, not asynchronous)
             points, noise = outer_rounds(
-                setup, data, n, h, seed, per_worker, every, opt, asynchronous, args.slow_worker
+                setup,
+                data,
+                n,
+                h,
+                seed,
+                per_worker,
+                every,
+                opt,
+                asynchronous,
+                args.slow_worker,
+                scale,
             )
         else:
             multiple = 1 if method == "lr_only" else n

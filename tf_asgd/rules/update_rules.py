@@ -369,6 +369,18 @@ def validate_worker_rate(scaling):
     )
 
 
+def auto_worker_rate(synchronous=False, outer_given=False):
+    """The rule `lr_scaling="auto"` stands for: `"sqrt"` where the PS averages the
+    pushes (the asynchronous default outer optimizer), else `"none"` (an outer
+    optimizer given, or synchronous rounds, sets the round's gain on the PS).
+
+    Examples:
+        >>> auto_worker_rate(), auto_worker_rate(synchronous=True)
+        ('sqrt', 'none')
+    """
+    return "none" if synchronous or outer_given else "sqrt"
+
+
 def worker_rate_scale(num_workers, rule):
     """The factor on each worker's learning rate: what N workers' windows need for a
     round of them, averaged, to move as far as one step of the batch N times larger.
