@@ -1,5 +1,6 @@
-"""The synchronous default rule gets a large batch's progress from N windows; the
-asynchronous default does not.
+"""The synchronous default rule gets a large batch's progress from N windows; averaging
+at the user's rate does not, and the asynchronous default's workers' rate (`lr_scaling`)
+gets much of it back.
 
 A noisy quadratic (linear regression with label noise, curvatures from 1 to 0.03)
 where a batch of N x B at N times the rate (the linear scaling rule) is the
@@ -40,15 +41,20 @@ def sgd_curve(batch, rate, seed=0):
     return np.array(losses)
 
 
-def window_curve(opt, synchronous, seed=0):
-    """Loss of the central weights per step of each worker (a round is `N_SYNC` steps)."""
+def window_curve(opt, synchronous, seed=0, worker_rate="none"):
+    """Loss of the central weights per step of each worker (a round is `N_SYNC` steps);
+    the workers' rate is `RATE` times `worker_rate`'s factor, warmed up as the strategy
+    does (over 5% of every worker's steps)."""
     problem, center, state, losses = NoisyQuadratic(seed), np.zeros(DIM), {}, []
     starts = [center] * WORKERS
+    scale = update_rules.worker_rate_scale(WORKERS, worker_rate)
+    warmup = update_rules.WORKER_RATE_WARMUP * STEPS * WORKERS
     for ticket in range(STEPS * WORKERS // N_SYNC):
         i = ticket % WORKERS
         w = starts[i]
-        for _ in range(N_SYNC):
-            w = w - RATE * problem.gradient(w, BATCH)
+        for k in range(N_SYNC):
+            rate = RATE * update_rules.warmed_up_rate_scale(scale, ticket * N_SYNC + k, warmup)
+            w = w - rate * problem.gradient(w, BATCH)
         center, state = update_rules.outer_step(opt, center, starts[i] - w, state, ticket, WORKERS)
         if not synchronous:
             starts[i] = center  # round-robin: every push is WORKERS - 1 pushes stale
@@ -86,6 +92,23 @@ def test_averaging_falls_far_short_of_the_large_batch(reference):
     assert steps_to(window_curve(asynchronous, synchronous=False), target) >= 5 * large
     average = update_rules.OuterSGD(1.0 / WORKERS)
     assert steps_to(window_curve(average, synchronous=True), target) >= 5 * large
+
+
+def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference):
+    """sqrt(N) (the default, `lr_scaling="auto"`) reaches the target over twice as
+    soon as averaging at the user's rate (here 771 steps against 1,981; the large
+    batch 262); N (`"linear"`, the large batch's own rule for SGD) within 1.5 times
+    the large batch's steps, its warm-up included (331)."""
+    target, large = reference
+    asynchronous = update_rules.default_outer_optimizer(WORKERS)
+    assert update_rules.auto_worker_rate() == "sqrt"
+    user = steps_to(window_curve(asynchronous, synchronous=False), target)
+    sqrt = steps_to(window_curve(asynchronous, False, worker_rate="sqrt"), target)
+    linear = steps_to(window_curve(asynchronous, False, worker_rate="linear"), target)
+    print(
+        f"steps to the target: large batch {large}, user's rate {user}, x sqrt(N) {sqrt}, x N {linear}"
+    )
+    assert sqrt * 2 <= user and linear <= 1.5 * large
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 8, 10, 16, 64])
