@@ -105,9 +105,7 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
     user = steps_to(window_curve(asynchronous, synchronous=False), target)
     sqrt = steps_to(window_curve(asynchronous, False, worker_rate="sqrt"), target)
     linear = steps_to(window_curve(asynchronous, False, worker_rate="linear"), target)
-    print(
-        f"steps to the target: large batch {large}, user's rate {user}, x sqrt(N) {sqrt}, x N {linear}"
-    )
+    print(f"steps: large batch {large}, user's rate {user}, x sqrt(N) {sqrt}, x N {linear}")
     assert sqrt * 2 <= user and linear <= 1.5 * large
 
 
