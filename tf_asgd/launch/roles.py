@@ -194,7 +194,16 @@ def make_strategy(config, resolver):
         compression=config.compression,
         pull_compression=config.pull_compression,
         snapshot_every=config.snapshot_every or None,
+        lr_scaling=_lr_scaling(config.lr_scaling),
     )
+
+
+def _lr_scaling(text):
+    """The config's `lr_scaling`: a rule's name, or a factor written as a number."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def resume_from(checkpoint, latest, ckpt_dir, epoch_var, strategy):
