@@ -326,6 +326,30 @@ def test_a_synchronous_run_from_the_config(tmp_path):
     assert (
         "gradient noise scale" in proc.stderr and "over the last epoch's 1 round(s)" in proc.stderr
     )
+    assert results["lr_scale"] == 1.0  # the rounds' gain is on the PS
+
+
+def test_an_asynchronous_run_without_gem_runs_the_workers_at_sqrt_n_times_the_rate(tmp_path):
+    """`config.lr_scaling` "auto" (the default) under the default outer rule: 2 workers at
+    sqrt(2) times the optimizer's rate, in the results and the log; "none" turns it off."""
+    rates = {}
+    for scaling in ("auto", "none"):
+        proc = run_launcher(
+            [
+                *SHORT,
+                "--config.epochs=1",
+                "--config.gem.enabled=False",
+                "--config.staleness=none",
+                f"--config.lr_scaling={scaling}",
+                f"--workdir={tmp_path}/{scaling}",
+            ]
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(tmp_path / scaling / "results.json") as f:
+            rates[scaling] = json.load(f)["lr_scale"]
+        said = "the workers ran at 1.41 times the optimizer's rate (lr_scaling='auto'"
+        assert (said in proc.stderr) == (scaling == "auto")
+    assert rates == {"auto": pytest.approx(2**0.5), "none": 1.0}
 
 
 def test_tf_config_roles_on_loopback(tmp_path):

@@ -133,6 +133,7 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         dropped_stale=stats.dropped_stale,
         dropped_nonfinite=stats.dropped_nonfinite,
         noise_scale=stats.noise_scale,
+        lr_scale=stats.lr_scale,
         num_workers=len(resolver.cluster_spec().as_dict().get("worker", [])),
         wall_seconds=time.time() - t_start,
         history={k: [float(x) for x in v] for k, v in history.history.items()},
@@ -148,8 +149,21 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         results["wall_seconds"],
         manager.latest_checkpoint,
     )
+    log_workers_rate(stats, config.lr_scaling)
     log_noise_scale(stats)
     return results
+
+
+def log_workers_rate(stats, lr_scaling):
+    """Logs the factor on the workers' rate, where it is not 1."""
+    if stats.lr_scale != 1.0:
+        logging.info(
+            "the workers ran at %.3g times the optimizer's rate (lr_scaling=%r, warmed up over "
+            "%d steps; docs/defaults.md)",
+            stats.lr_scale,
+            lr_scaling,
+            stats.lr_warmup_steps,
+        )
 
 
 def log_noise_scale(stats):
