@@ -296,8 +296,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
-            `lr_scaling`,
-            `worker_state` or `evaluation`; `max_staleness` not an integer
+            `lr_scaling`, `worker_state` or `evaluation`; `max_staleness` not an integer
             >= 0; `windows_per_closure` not `None` or an integer from 1 to 256;
             `connect_timeout` not a positive number; an address in the cluster
             spec that cannot be right (no host, a port outside 1-65535); an unknown `compression`

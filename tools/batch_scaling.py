@@ -44,7 +44,7 @@ def worker_rate(name, workers, synchronous):
     from tf_asgd.rules import update_rules
 
     base, _, rule = name.partition("+")
-    if not rule:
+    if rule in ("", "auto"):
         rule = update_rules.auto_worker_rate(synchronous) if base == "default" else "none"
     if rule not in update_rules.WORKER_RATE_RULES:
         rule = float(rule)
