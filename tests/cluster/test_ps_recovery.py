@@ -90,6 +90,37 @@ def test_a_ps_killed_mid_fit_and_restarted_is_recovered_and_fit_completes(
     assert not [p for p in pids.values() if alive(p)]
 
 
+def test_the_rolled_back_epochs_train_again_epoch_by_epoch(local_cluster, digits, monkeypatch):
+    """A loss rolled back to the fit's start (one snapshot there): the windows of the
+    epochs before the running one train again as they first ran, each epoch's started
+    only once the one before it has finished (the epoch's end they ran under), so a
+    recovered fit trains as the fault-free one would. Each window is applied once."""
+    monkeypatch.setattr(tf_asgd.runtime.ps_recovery, "SNAPSHOT_BUDGET", 1e-12)  # only at 0
+    per_epoch = STEPS // N_SYNC
+    with local_cluster(2, 2, own=True, shared_process=False) as cluster:
+        strategy = _sharded_strategy(cluster)
+        model = dense_digits_model(strategy, seed=3)
+        kill = KillTask(cluster, "ps:0", at=3 * per_epoch + 2)
+        history, accuracy = _fit(model, digits, [kill])
+        assert len(history.history["loss"]) == EPOCHS and accuracy > 0.9
+        (recovery,) = strategy.recoveries
+        assert recovery.version == 0 and recovery.rolled_back >= 2 * per_epoch
+        log = strategy.window_log(model)
+        applied = [r for r in log if r.pushed and not r.replayed and not r.rolled_back]
+        assert sorted(r.window_id for r in applied) == list(range(EPOCHS * per_epoch))
+        rolled = {r.window_id for r in log if r.rolled_back}
+        again = {}  # epoch -> its rolled-back windows' second runs
+        for r in applied:
+            if r.window_id in rolled:
+                again.setdefault(r.window_id // per_epoch, []).append(r)
+        earlier = sorted(e for e in again if e < 3)
+        assert earlier[:2] == [0, 1], sorted(again)
+        for before, after in zip(earlier, earlier[1:]):
+            assert max(r.finished_at for r in again[before]) <= min(
+                r.started_at for r in again[after]
+            ), (before, after)
+
+
 def test_a_ps_that_does_not_come_back_stops_fit_within_the_bound(local_cluster, digits):
     """ps:0 SIGKILLed mid-`fit` and never restarted, `connect_timeout=5`: `fit` raises
     `ClusterTaskLostError` naming ps:0, within the bound plus the time to notice."""

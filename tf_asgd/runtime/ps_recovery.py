@@ -212,9 +212,9 @@ class PSRecovery:
             log.warning("Could not recover parameter server %s: %s", ", ".join(lost), e)
             raise error from e
         rolled = trainer.log.roll_back(self.snapshot.marks.get(trainer, len(trainer.window_log)))
-        # Both train again, under their own ids: none is in the restored ring of applied ids.
-        n_sync = strategy.n_sync
-        trainer.requeue([(n_sync, r.window_id) for r in rolled] + in_flight)
+        # Both train again, under their own ids: none is in the restored ring of applied
+        # ids; the rolled-back epochs epoch by epoch, as they first ran.
+        trainer.retrain([(None, r.window_id) for r in rolled] + in_flight)
         # The cluster is the snapshot again, with nothing in flight: a later loss goes
         # back to it and rolls back only what came after this recovery.
         self.snapshot.taken_at = time.monotonic()

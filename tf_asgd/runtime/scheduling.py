@@ -10,6 +10,7 @@ results `records`. How
 closures are sized and re-runs made safe: docs/architecture.md.
 """
 
+import bisect
 import logging
 import statistics
 import time
@@ -104,6 +105,9 @@ class WindowTrainer:
         self._iterator = None
         self._next_window_id = 0
         self._epoch_step = 0  # steps asked for this epoch
+        # Per epoch begun: (its first window id, its steps); where rolled-back windows belong.
+        self._epochs = []
+        self._replays = []  # rolled-back earlier epochs' windows, a list per epoch, to train again
         self.closure_sizes = []  # windows per scheduled closure (first attempts)
         # Per finished closure: (worker, windows asked, windows run, budget s);
         # its windows' records are the `run` last ones of window_log then.
@@ -183,6 +187,7 @@ class WindowTrainer:
         scheduled at once, alone.
         """
         self._iterator = iterator
+        self._replay()
         window_id = self._next_window_id
         if self.rounds is None:  # synchronous windows get their ids by round (`_start_round`)
             self._next_window_id += 1
@@ -191,6 +196,7 @@ class WindowTrainer:
         steps = self._fit_state.steps_per_epoch
         if self._epoch_step == 0:  # before an epoch's first window is queued
             optimizer_options.check_window_steps(self.model.optimizer, n_sync, steps)
+            self._epochs.append((window_id, steps))
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
         if python_inputs.is_feed(iterator):  # Python-side data: the chief reads the batches
             num_steps = iterator.read(window_id, num_steps)  # fewer where the data ends
@@ -386,9 +392,47 @@ class WindowTrainer:
         self._concrete, self._fed_concrete = None, {}
         return windows
 
-    def requeue(self, windows):
-        """Queues `windows` (`(steps, id)`) to train again, before any other."""
-        self._queue = list(windows) + self._queue
+    def retrain(self, windows):
+        """Trains `windows` (`(steps or None, id)`: rolled back, or lost in flight) again
+        as they first ran: those of earlier epochs epoch by epoch, each epoch's to its
+        end before the next starts (the barrier they ran under), then the running
+        epoch's, queued before any other. Windows still waiting from an earlier call
+        come too."""
+        known = {w: n for ws in [self._queue, *self._replays] for n, w in ws}
+        known.update({w: n for n, w in windows if n} | {w: None for n, w in windows if not n})
+        firsts = [first for first, _ in self._epochs]
+        by_epoch = {}
+        for window_id in sorted(known):
+            epoch = bisect.bisect_right(firsts, window_id) - 1
+            steps = known[window_id] or self._window_steps(epoch, window_id)
+            by_epoch.setdefault(epoch, []).append((steps, window_id))
+        self._queue = by_epoch.pop(len(self._epochs) - 1, [])
+        self._replays = [by_epoch[e] for e in sorted(by_epoch)]
+
+    def _window_steps(self, epoch, window_id):
+        """The steps of window `window_id` of `epoch`: `n_sync`, or fewer for an epoch's
+        last window."""
+        n_sync = self.strategy.n_sync
+        if epoch < 0 or not self._epochs[epoch][1]:
+            return n_sync
+        first, steps = self._epochs[epoch]
+        return max(1, min(n_sync, steps - (window_id - first) * n_sync))
+
+    def _replay(self):
+        """Trains the rolled-back earlier epochs' windows (`retrain`), each epoch's
+        finished before the next's start: the training the rollback undid, in the
+        shape it had."""
+        if not self._replays:
+            return
+        while self._replays:
+            self._drain(block=True)
+            self._queue, queued = list(self._replays[0]), self._queue
+            try:
+                self._flush()  # a loss here: `retrain` finds the epoch's windows again
+            finally:
+                self._queue = queued
+            self._replays.pop(0)
+        self._drain(block=True)
 
     def drop_failed(self):
         """Forgets the scheduled closures that failed (after a failed `fit`,
@@ -412,6 +456,7 @@ class WindowTrainer:
         progress, and spinning on would hide it.
         """
         if self.rounds is None:
+            self._replay()
             self._flush()
         else:
             self._start_round()  # what is gathered of a round (a stop mid-epoch)
