@@ -142,9 +142,16 @@ class _WindowDataset:
         return self._dataset.element_spec
 
 
-def _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling):
+def _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling, epoch_barrier, synchronous):
     if isinstance(n_sync, bool) or not isinstance(n_sync, int) or n_sync <= 0:
         raise ValueError(f"n_sync must be a positive integer, got {n_sync!r}.")
+    if not isinstance(epoch_barrier, bool):
+        raise ValueError(f"epoch_barrier must be True or False, got {epoch_barrier!r}.")
+    if synchronous and not epoch_barrier:
+        raise ValueError(
+            "epoch_barrier=False needs asynchronous windows: synchronous rounds end with "
+            "each epoch. Leave epoch_barrier=True with synchronous=True."
+        )
     if per_worker_dataset_fn is not None and not callable(per_worker_dataset_fn):
         raise TypeError(
             "per_worker_dataset_fn must be a function (dataset, worker_index) -> "
@@ -293,6 +300,16 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             (Goyal et al.'s warm-up). The chief's optimizer, its callbacks
             and checkpoints keep the user's rate; `model_stats(model).lr_scale`
             reports the factor. Why: docs/defaults.md.
+        epoch_barrier: `True` (the default): each epoch's end waits for its
+            windows, so validation and callbacks see every window of the
+            epoch applied (stock TF's `fit` does the same). `False`
+            (asynchronous only): an epoch's end waits for none, and the
+            workers go on with the next epoch's windows while Keras validates
+            and calls the epoch's callbacks on the central model as it is
+            then; the windows that finish after it count in the next epoch's
+            metrics. The fit's last epoch, and an epoch after which training
+            stops, still wait for every window. Where an epoch has few
+            windows per worker this keeps the workers busy: results/epoch_barrier.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,
@@ -303,7 +320,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             codec (or a bad block or fraction); a `pull_compression` other
             than `"none"` and `"bf16"`; a cluster without a `ps` or a
             `worker` task; `synchronous` not a bool, or combined with an
-            option it refuses (see `synchronous`). Each is checked before
+            option it refuses (see `synchronous`); `epoch_barrier` not a bool,
+            or `False` with `synchronous=True`. Each is checked before
             connecting.
         TypeError: `per_worker_dataset_fn` is not callable, `outer_optimizer`
             is not an `OuterSGD` or a `DelayedNesterov`, or `compression`
@@ -380,9 +398,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         synchronous=False,
         snapshot_every=ps_recovery.DEFAULT_SNAPSHOT_EVERY,
         lr_scaling="auto",
+        epoch_barrier=True,
     ):
         # Validate everything before connecting, so bad input changes nothing.
-        _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling)
+        _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling, epoch_barrier, synchronous)
         update_rules.validate_staleness(staleness, max_staleness)
         if outer_optimizer is not None:
             update_rules.validate_outer_optimizer(outer_optimizer)
@@ -412,10 +431,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.windows_per_closure = windows_per_closure
         self.evaluation = evaluation
         self.connect_timeout = connect_timeout
-        self.compression = compression
-        self.pull_compression = pull_compression
-        self.synchronous = synchronous
-        self.lr_scaling = lr_scaling
+        self.compression, self.pull_compression = compression, pull_compression
+        self.synchronous, self.lr_scaling = synchronous, lr_scaling
+        self.epoch_barrier = epoch_barrier
         # (TF's `cluster_resolver` property is None here: count from the resolver given.)
         self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
         # The cluster as a dict: what a lost task is named by.
@@ -556,7 +574,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         trainer = self._trainer(model)
         if trainer is None:
             raise ValueError(f"Model {model.name!r} has not been trained under this strategy.")
-        return trainer.window_results(record)
+        return trainer.log.window_results(record)
 
     def model_stats(self, model):
         """`stats(model)`: the push counters, with byte counts for `model`.

@@ -60,7 +60,7 @@ def test_windows_per_closure_is_automatic_by_default(cluster, digits):
         model = compile_digits(tf_asgd.models.digits_convnet())
     model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=200, verbose=0)
     trainer = strategy.model_states.get(model).trainer
-    pace = trainer._pace()
+    pace = trainer.sizes.pace()
     # About TARGET_CLOSURE_S of windows per closure, from the measured pace.
     assert trainer.windows_per_closure() == min(
         scheduling.MAX_WINDOWS_PER_CLOSURE, max(1, round(scheduling.TARGET_CLOSURE_S / pace))

@@ -243,6 +243,8 @@ def _join(coordinator, trainer, failed):
     """
     if not failed:
         coordinator.join()
+        if trainer is not None:  # windows an epoch's end did not wait for (`epoch_barrier`)
+            trainer.quiesce()
         return
     for _ in range(_JOIN_ATTEMPTS):  # `join` returns at the first error; the rest may run on
         try:

@@ -22,6 +22,8 @@ class ModelState:
             first `fit` (`ModelStates.ensure_trainer` builds it).
         fitting: whether `model.fit` is running.
         steps_per_epoch: the running `fit`'s steps per epoch; None outside `fit`.
+        epochs_left: the running `fit`'s epochs not yet ended, the running one
+            included; 0 outside `fit`.
         first_fit_steps: the steps the model's first `fit` was asked for (its
             epochs times `steps_per_epoch`); None before it.
         evaluator: the model's `evaluation.Evaluator`, or None before its
@@ -34,6 +36,8 @@ class ModelState:
         self.trainer = None
         self.fitting = False
         self.steps_per_epoch = None
+        self.epochs_left = 0
+        self.epochs_left = 0
         self.first_fit_steps = None
         self.evaluator = None
         self.outer_state = None
@@ -44,6 +48,7 @@ class ModelState:
         warm-up: `WindowTrainer.lr_warmup_steps`)."""
         self.fitting = True
         self.steps_per_epoch = steps_per_epoch
+        self.epochs_left = max(1, epochs)
         if self.first_fit_steps is None:
             self.first_fit_steps = steps_per_epoch * max(1, epochs)
 
@@ -51,6 +56,7 @@ class ModelState:
         """Records that `model.fit` ended (also after an error)."""
         self.fitting = False
         self.steps_per_epoch = None
+        self.epochs_left = 0
 
 
 class ModelStates:

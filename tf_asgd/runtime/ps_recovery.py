@@ -322,10 +322,7 @@ def train_function(trainer, recovery):
 
     def run(iterator):
         try:
-            if recovery.due() and not trainer.strategy.synchronous:
-                start = time.perf_counter()
-                trainer.quiesce()
-                recovery.take(trainer, waited=time.perf_counter() - start)
+            _snapshot_if_due(trainer, recovery)
             return trainer.train_function(iterator)
         except tf.errors.OpError as e:
             recovery.recover(e, trainer)
@@ -334,9 +331,17 @@ def train_function(trainer, recovery):
     return run
 
 
+def _snapshot_if_due(trainer, recovery):
+    """A snapshot, when due, once every scheduled window has finished (asynchronous)."""
+    if recovery.due() and not trainer.strategy.synchronous:
+        start = time.perf_counter()
+        trainer.quiesce()
+        recovery.take(trainer, waited=time.perf_counter() - start)
+
+
 def finish(trainer, recovery, attempts=3):
     """`trainer.finish()` (the epoch's end), with a lost PS recovered and the end retried,
-    and a snapshot taken when due (free here: every window has finished)."""
+    and a snapshot taken when due (free where the epoch's end waited for its windows)."""
     for attempt in range(attempts):
         try:
             logs = trainer.finish()
@@ -345,8 +350,7 @@ def finish(trainer, recovery, attempts=3):
             if attempt == attempts - 1:
                 raise
             recovery.recover(e, trainer)
-    if recovery.due() and not trainer.strategy.synchronous:
-        recovery.take(trainer)
+    _snapshot_if_due(trainer, recovery)
     return logs
 
 

@@ -60,7 +60,7 @@ class WindowRecord(typing.NamedTuple):
     loss: float  # mean training loss over the window's steps
     seen_at: float  # time.perf_counter() on the chief when it saw the window done
     finished_at: float  # time.time() on the worker once its push was applied
-    state: tuple  # the window's own metric states (deltas), see WindowTrainer.window_results
+    state: tuple  # the window's own metric states (deltas), see WindowLog.window_results
     pi: typing.Optional[np.ndarray]  # GEM: [n_trainable, 3] pi mean, frac at 0, frac at pi_max
     # True: a re-run (after a worker died) of a window whose earlier attempt
     # had already pushed; this attempt ran no steps and pushed nothing.

@@ -10,9 +10,7 @@ results `records`. How
 closures are sized and re-runs made safe: docs/architecture.md.
 """
 
-import bisect
 import logging
-import statistics
 import time
 import weakref
 
@@ -21,7 +19,12 @@ import tensorflow as tf
 
 from tf_asgd import internals
 from tf_asgd.rules import outer, update_rules
-from tf_asgd.runtime import optimizer_options, python_inputs
+from tf_asgd.runtime import epochs, optimizer_options, python_inputs
+from tf_asgd.runtime.closure_sizes import (
+    MAX_WINDOWS_PER_CLOSURE,
+    TARGET_CLOSURE_S,
+    ClosureSizes,
+)
 from tf_asgd.runtime.push import (
     CentralVariables,
     PushCodec,
@@ -35,18 +38,19 @@ from tf_asgd.runtime.rounds import NoiseSums, RoundClose, Rounds
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 from tf_asgd.runtime.window_log import WindowLog
 
-# CentralVariables and WindowRecord are re-exported: tests and tools use them from here.
-__all__ = ["APPLIED_RING", "CentralVariables", "WindowRecord", "WindowTrainer"]
+# Re-exported: tests and tools use these from here.
+__all__ = [
+    "APPLIED_RING",
+    "MAX_WINDOWS_PER_CLOSURE",
+    "TARGET_CLOSURE_S",
+    "CentralVariables",
+    "WindowRecord",
+    "WindowTrainer",
+]
 
 log = logging.getLogger("tf_asgd")
 
 MAX_IN_FLIGHT_PER_WORKER = 2  # closures scheduled but unfinished, per worker
-# Automatic K: about this much work on a worker per closure (shorter closures were slower:
-# results/throughput/README.md).
-TARGET_CLOSURE_S = 0.2
-MAX_WINDOWS_PER_CLOSURE = 256
-MIN_BUDGET_S = 0.1  # a closure may always start windows for this long
-BUDGET_FACTOR = 4  # ... and for this many times what its windows should take
 
 
 class WindowTrainer:
@@ -98,6 +102,7 @@ class WindowTrainer:
         self.noise = NoiseSums(self.outer_slots, strategy.num_workers)
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
+        self.sizes = ClosureSizes(strategy, self.log)
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
         self.rounds = _rounds(self, outer_optimizer) if synchronous else None
@@ -105,8 +110,7 @@ class WindowTrainer:
         self._iterator = None
         self._next_window_id = 0
         self._epoch_step = 0  # steps asked for this epoch
-        # Per epoch begun: (its first window id, its steps); where rolled-back windows belong.
-        self._epochs = []
+        self._epochs = epochs.Epochs(strategy.n_sync)  # where rolled-back windows belong
         self._replays = []  # rolled-back earlier epochs' windows, a list per epoch, to train again
         self.closure_sizes = []  # windows per scheduled closure (first attempts)
         # Per finished closure: (worker, windows asked, windows run, budget s);
@@ -130,31 +134,10 @@ class WindowTrainer:
         """The Keras model trained (None once it is gone)."""
         return self._model()
 
-    # What `WindowFunction` and the strategy read of the log.
-
     @property
     def window_log(self):
         """A `WindowRecord` per finished window, in the order seen."""
         return self.log.records
-
-    @property
-    def metric_init(self):
-        """The metric values a window starts from (read when the window function is traced)."""
-        return self.log.metric_init
-
-    @property
-    def layout(self):
-        """The `WindowResultLayout` of a window's packed result."""
-        return self.log.layout
-
-    @property
-    def samples_per_window(self):
-        """The mean samples of the windows that ran so far (replays aside); 0 before any."""
-        return self.log.samples_per_window
-
-    def window_results(self, record):
-        """The metric results (loss, accuracy, ...) of one window's own steps."""
-        return self.log.window_results(record)
 
     @property
     def lr_warmup_steps(self):
@@ -167,7 +150,7 @@ class WindowTrainer:
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
         gain = update_rules.outer_gain(self.outer, self.strategy.num_workers)
         stats = self.strategy.counters.stats(
-            self.bytes_per_pull, self.bytes_per_push, self.samples_per_window, gain
+            self.bytes_per_pull, self.bytes_per_push, self.log.samples_per_window, gain
         )
         stats.noise_scale, stats.noise_scale_rounds = self.noise.value, self.noise.rounds
         stats.lr_scale, stats.lr_warmup_steps = self.lr_scale, self.lr_warmup_steps
@@ -196,7 +179,7 @@ class WindowTrainer:
         steps = self._fit_state.steps_per_epoch
         if self._epoch_step == 0:  # before an epoch's first window is queued
             optimizer_options.check_window_steps(self.model.optimizer, n_sync, steps)
-            self._epochs.append((window_id, steps))
+            self._epochs.begin(window_id, steps)
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
         if python_inputs.is_feed(iterator):  # Python-side data: the chief reads the batches
             num_steps = iterator.read(window_id, num_steps)  # fewer where the data ends
@@ -211,13 +194,13 @@ class WindowTrainer:
                 self._start_round()
         else:
             self._queue.append((num_steps, window_id))
-            full = len(self._queue) >= self._closure_size(len(self._queue) + left)
+            full = len(self._queue) >= self.sizes.size(len(self._queue) + left)
             if not steps or left <= 0 or full:
                 self._flush(left)
         # The epoch's last window: its logs are the epoch's, as in Keras (the
         # epoch's end waits for these windows anyway).
         last = bool(steps) and left <= 0
-        self._drain(block=True, keep=0 if last else self._max_in_flight)
+        self._drain(block=True, keep=0 if last and self._epoch_end_waits() else self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
         # chief's time per window bounds throughput at small n_sync.
         now = time.perf_counter()
@@ -236,50 +219,15 @@ class WindowTrainer:
         window is shorter."""
         return max(self._epoch_step, 1) - 1
 
-    def _pace(self):
-        """Seconds a window of `n_sync` steps takes on a typical worker (the
-        lower median of the workers' moving averages: a single straggler
-        does not count), or None before such a window was measured."""
-        n_sync = self.strategy.n_sync
-        paces = [s for (_, steps), s in self.log.window_s.items() if steps == n_sync]
-        return statistics.median_low(paces) if paces else None
-
     def windows_per_closure(self):
-        """`K`: the strategy's `windows_per_closure`, or automatic (about
-        `TARGET_CLOSURE_S` of windows at a typical worker's measured pace;
-        1 until a window has been measured)."""
-        fixed = getattr(self.strategy, "windows_per_closure", None)
-        if fixed:
-            return fixed
-        pace = self._pace()
-        if pace is None:
-            return 1
-        k = TARGET_CLOSURE_S / max(pace, 1e-6)
-        return int(min(MAX_WINDOWS_PER_CLOSURE, max(1, round(k))))
-
-    def _closure_size(self, windows_left):
-        """Windows in the next closure, with `windows_left` of the epoch not
-        yet scheduled: `K`, but no more than an even share per worker (closures
-        shrink towards an epoch's end, so no worker is left with a long one)."""
-        share = -(-windows_left // self.strategy.num_workers)
-        return max(1, min(self.windows_per_closure(), share))
-
-    def _budget(self, windows):
-        """Seconds after which a closure of `windows` starts no new window:
-        `BUDGET_FACTOR` times what they should take at a typical worker's
-        pace, at least `MIN_BUDGET_S` (no limit before any window was
-        measured). A window's time varies with the machine's load: a tight
-        budget would cut closures short, and each cut costs a schedule."""
-        pace = self._pace()
-        if pace is None:
-            return 1e9
-        return max(MIN_BUDGET_S, BUDGET_FACTOR * windows * pace)
+        """`K`: the strategy's `windows_per_closure`, or automatic (`ClosureSizes`)."""
+        return self.sizes.windows_per_closure()
 
     def _flush(self, left=0):
         """Schedules every queued window, in closures of `_closure_size`
         (`left`: the epoch's windows still to come after them)."""
         while self._queue:
-            k = self._closure_size(len(self._queue) + left)
+            k = self.sizes.size(len(self._queue) + left)
             windows, self._queue = self._queue[:k], self._queue[k:]
             try:
                 self._schedule(windows)
@@ -308,7 +256,7 @@ class WindowTrainer:
         plan = np.zeros([2, MAX_WINDOWS_PER_CLOSURE], np.int64)  # [ids, steps]
         plan[0] = -1
         plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
-        budget = self._budget(len(windows))
+        budget = self.sizes.budget(len(windows))
         if python_inputs.is_feed(self._iterator):
             function, args, windows = _fed_closure(self, windows, plan, budget)
             if not windows:
@@ -344,7 +292,7 @@ class WindowTrainer:
             for item in ready:
                 rv, windows, budget = item
                 try:  # a failed closure stays pending: `abandon` or `drop_failed` takes it
-                    rows = np.asarray(rv.fetch()).reshape(-1, self.layout.size)
+                    rows = np.asarray(rv.fetch()).reshape(-1, self.log.layout.size)
                 except tf.errors.UnavailableError:
                     if internals.remote_value_failed(rv):
                         raise
@@ -394,29 +342,11 @@ class WindowTrainer:
 
     def retrain(self, windows):
         """Trains `windows` (`(steps or None, id)`: rolled back, or lost in flight) again
-        as they first ran: those of earlier epochs epoch by epoch, each epoch's to its
-        end before the next starts (the barrier they ran under), then the running
-        epoch's, queued before any other. Windows still waiting from an earlier call
-        come too."""
-        known = {w: n for ws in [self._queue, *self._replays] for n, w in ws}
-        known.update({w: n for n, w in windows if n} | {w: None for n, w in windows if not n})
-        firsts = [first for first, _ in self._epochs]
-        by_epoch = {}
-        for window_id in sorted(known):
-            epoch = bisect.bisect_right(firsts, window_id) - 1
-            steps = known[window_id] or self._window_steps(epoch, window_id)
-            by_epoch.setdefault(epoch, []).append((steps, window_id))
-        self._queue = by_epoch.pop(len(self._epochs) - 1, [])
-        self._replays = [by_epoch[e] for e in sorted(by_epoch)]
-
-    def _window_steps(self, epoch, window_id):
-        """The steps of window `window_id` of `epoch`: `n_sync`, or fewer for an epoch's
-        last window."""
-        n_sync = self.strategy.n_sync
-        if epoch < 0 or not self._epochs[epoch][1]:
-            return n_sync
-        first, steps = self._epochs[epoch]
-        return max(1, min(n_sync, steps - (window_id - first) * n_sync))
+        as they first ran (`epochs.Epochs.regroup`): those of earlier epochs epoch by
+        epoch, each epoch's to its end before the next starts, then the running
+        epoch's, queued before any other. Windows still waiting come too."""
+        waiting = [w for ws in [self._queue, *self._replays] for w in ws]
+        self._queue, self._replays = self._epochs.regroup(waiting + list(windows))
 
     def _replay(self):
         """Trains the rolled-back earlier epochs' windows (`retrain`), each epoch's
@@ -449,18 +379,29 @@ class WindowTrainer:
             self.rounds.reset()  # steps left by a failed fit's round
             self.noise.start_epoch(self.rounds.count)
 
+    def _epoch_end_waits(self):
+        """Whether the running epoch's end waits for its windows: unless
+        `epoch_barrier=False` (asynchronous), and the fit goes on after it."""
+        if self.rounds is not None or getattr(self.strategy, "epoch_barrier", True):
+            return True
+        return self._fit_state.epochs_left <= 1 or bool(self.model.stop_training)
+
     def finish(self):
-        """Waits for every scheduled window; writes the epoch's metrics back.
+        """The epoch's end: waits for every scheduled window (or, without the
+        epoch's barrier, schedules the queued ones and waits for none); writes
+        the epoch's metrics back.
 
         Raises if every window of the epoch held NaN/Inf: training cannot
         progress, and spinning on would hide it.
         """
+        waits = self._epoch_end_waits()
         if self.rounds is None:
             self._replay()
             self._flush()
         else:
             self._start_round()  # what is gathered of a round (a stop mid-epoch)
-        while True:
+        self._drain(block=False)
+        while waits:
             self.coordinator.join()
             self._drain(block=True)  # may schedule windows a closure did not run
             if not self._pending:
@@ -481,7 +422,9 @@ class WindowTrainer:
             )
         for var, value in zip(self.model.metrics_variables, self.log.metric_values()):
             var.assign(value)
-        return self.log.logs(counters=self.stats().as_logs())
+        logs = self.log.logs(counters=self.stats().as_logs())
+        self._fit_state.epochs_left -= 1
+        return logs
 
 
 def _fed_closure(trainer, windows, plan, budget):

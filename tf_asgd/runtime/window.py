@@ -162,7 +162,7 @@ class WindowFunction:
             flats = pull.read(tf.identity(window_ids[0]))
         flats = pull.to_worker(flats)[1]
         rows = tf.TensorArray(
-            tf.float64, size=0, dynamic_size=True, element_shape=[self._trainer.layout.size]
+            tf.float64, size=0, dynamic_size=True, element_shape=[self._trainer.log.layout.size]
         )
 
         def window(k, token, rows, has_next, flats):
@@ -259,7 +259,7 @@ class WindowFunction:
         loop tensors; nothing is written to any variable meanwhile. Returns
         `(weights, optimizer_values, metric_values, samples)` after the last
         step, `samples` the batches' sizes summed (int64)."""
-        metric_values = [tf.constant(m) for m in self._trainer.metric_init]
+        metric_values = [tf.constant(m) for m in self._trainer.log.metric_init]
         weights, opt_values = list(pulled.weights), list(pulled.optimizer_values)
         # `compile(jit_compile=True)`: each step XLA-compiled, as Keras compiles its step.
         step = (
@@ -332,8 +332,8 @@ class WindowFunction:
             pushed=tf.logical_or(header["pushed"], header["replayed"]),
             finished_at=tf.timestamp(),  # under the control dependency: after the state writes
         )
-        deltas = [m - i for m, i in zip(metric_values, self._trainer.metric_init)]
-        return self._trainer.layout.pack(header, deltas, pi_stats)
+        deltas = [m - i for m, i in zip(metric_values, self._trainer.log.metric_init)]
+        return self._trainer.log.layout.pack(header, deltas, pi_stats)
 
 
 def batch_size(batch):

@@ -1,0 +1,123 @@
+"""Windows across epoch ends, side by side: what does an epoch's barrier cost?
+
+One `LocalCluster` of `--workers` workers, each minibatch costing `--device-ms` of emulated
+device time; the MNIST-1D CNN on `--data`, epochs of `--steps` steps. In alternating rounds
+the same `fit` with `epoch_barrier=True` (each epoch's end waits for its windows) and
+`False` (the workers go on with the next epoch's). Reports medians of `fit`'s time,
+samples/s, the workers' busy share (window time over workers x `fit` time), the device's
+share of a window (its steps' emulated time over its time: near 1, the device and not the
+CPU is the bottleneck), held-out accuracy, and samples/s without the barrier over with it.
+Writes `epoch_barrier.csv` and `epoch_barrier.md` to `--out`.
+
+    python tools/epoch_barrier.py                      # 8 workers, n_sync 100
+    python tools/epoch_barrier.py --workers 2 --n-sync 10 --epochs 2 --rounds 1
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import harness
+
+CONFIGS = (True, False)  # epoch_barrier
+
+
+def run_config(cluster, barrier, data, args):
+    """One `fit` of a fresh model with `epoch_barrier=barrier`; its row."""
+    import keras
+
+    import tf_asgd
+
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver,
+        n_sync=args.n_sync,
+        epoch_barrier=barrier,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
+    )
+    (x, y), (x_test, y_test) = data
+    ds = harness.train_dataset(data, args.batch_size, args.seed)
+    keras.utils.set_random_seed(args.seed)
+    with strategy.scope():
+        model = harness.build_model("mnist1d_cnn", data)
+        harness.compile_classifier(model, harness.make_optimizer(args.optimizer), ["accuracy"])
+    model.fit(ds, steps_per_epoch=args.n_sync * args.workers, epochs=1, verbose=0)  # trace
+    warm = len(strategy.window_log(model))
+    t0 = time.perf_counter()
+    model.fit(ds, steps_per_epoch=args.steps, epochs=args.epochs, verbose=0)
+    seconds = time.perf_counter() - t0
+    log = [r for r in strategy.window_log(model)[warm:] if not r.replayed]
+    busy = sum(r.finished_at - r.started_at for r in log)
+    device = sum(r.samples / args.batch_size * args.device_ms / 1000 for r in log)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0, batch_size=256)
+    return dict(
+        epoch_barrier=barrier,
+        workers=args.workers,
+        n_sync=args.n_sync,
+        seconds=seconds,
+        samples_per_s=args.steps * args.epochs * args.batch_size / seconds,
+        busy_share=busy / (args.workers * seconds),
+        device_share=device / busy if busy else float("nan"),
+        windows=len(log),
+        test_accuracy=accuracy,
+    )
+
+
+def report(rows, args):
+    """The markdown lines: the medians per config, and the ratio."""
+
+    def median(barrier, key):
+        return statistics.median(r[key] for r in rows if r["epoch_barrier"] == barrier)
+
+    keys = ("seconds", "samples_per_s", "busy_share", "device_share", "windows", "test_accuracy")
+    header = ["epoch_barrier", "fit seconds", "samples/s", "workers busy", "device share"]
+    header += ["windows", "test accuracy"]
+    cells = [[str(b)] + [f"{median(b, k):.3g}" for k in keys] for b in CONFIGS]
+    ratio = median(False, "samples_per_s") / median(True, "samples_per_s")
+    return [
+        f"{args.workers} workers, 1 PS, all tasks in one process; MNIST-1D CNN on {args.data}, "
+        f"{args.optimizer}, batch {args.batch_size}, emulated device time {args.device_ms:g} ms "
+        f"a minibatch, n_sync {args.n_sync}, {args.epochs} epochs of {args.steps} steps; "
+        f"median of {args.rounds} rounds; {os.cpu_count()} CPU cores.",
+        "",
+        *harness.markdown_table(header, cells),
+        "",
+        f"samples/s without the barrier over with it: {ratio:.2f}",
+    ]
+
+
+def main(argv=None):
+    p = harness.parser(
+        __doc__, out="results/epoch_barrier", workers=[8], n_sync=[100], seeds=[0], device_ms=[20.0]
+    )
+    p.add_argument("--data", default="mnist1d64k", help="a harness data set")
+    p.add_argument("--optimizer", default="adam_4e-3")
+    p.add_argument("--steps", type=int, default=400, help="steps per epoch")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    for name in ("workers", "n_sync", "device_ms"):
+        setattr(args, name, harness.single(p, args, name))
+    args.seed = harness.single(p, args, "seeds")
+    data = harness.load_data(args.data)
+    rows = []
+    t0 = time.time()
+    with harness.local_cluster(args.workers) as cluster:
+        for k in range(args.rounds):
+            for barrier in CONFIGS if k % 2 == 0 else CONFIGS[::-1]:  # drift hits both alike
+                row = run_config(cluster, barrier, data, args)
+                row["round"] = k
+                print(row, flush=True)
+                rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
+    harness.write_csv(os.path.join(args.out, "epoch_barrier.csv"), rows)
+    lines = report(rows, args)
+    harness.write_lines(os.path.join(args.out, "epoch_barrier.md"), lines)
+    print("\n".join(lines))
+    print(f"epoch_barrier took {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
