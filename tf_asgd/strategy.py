@@ -309,7 +309,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             then; the windows that finish after it count in the next epoch's
             metrics. The fit's last epoch, and an epoch after which training
             stops, still wait for every window. Where an epoch has few
-            windows per worker this keeps the workers busy: results/epoch_barrier.
+            windows per worker this keeps the workers busy, but each push
+            is staler: results/epoch_barrier.
 
     Raises:
         ValueError: `n_sync` not a positive integer; an unknown `staleness`,

@@ -5,6 +5,7 @@ where recovery is impossible `fit` stops with the clear error within its bound."
 import logging
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -119,6 +120,47 @@ def test_the_rolled_back_epochs_train_again_epoch_by_epoch(local_cluster, digits
             assert max(r.finished_at for r in again[before]) <= min(
                 r.started_at for r in again[after]
             ), (before, after)
+
+
+def test_a_ps_lost_in_the_last_epochs_callbacks_is_recovered_and_its_windows_train(
+    local_cluster, digits, monkeypatch
+):
+    """ps:0 killed and restarted in the last epoch's `on_epoch_end`, then a central
+    variable read there: the callback meets the lost PS, is called again after the
+    recovery, and the windows the recovery rolled back (every one: the only snapshot is
+    the fit's start) train again before `fit` returns, each applied once."""
+    monkeypatch.setattr(tf_asgd.runtime.ps_recovery, "SNAPSHOT_BUDGET", 1e-12)  # only at 0
+
+    class KillThenRead(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch != EPOCHS - 1:
+                return
+            self.calls += 1
+            if self.calls == 1:
+                cluster.kill_task("ps:0")
+                time.sleep(2.0)
+                cluster.restart_task("ps:0")
+            self.model.get_weights()  # reads ps:0: raises on the first call
+
+    with local_cluster(2, 2, own=True, shared_process=False) as cluster:
+        strategy = _sharded_strategy(cluster)
+        model = dense_digits_model(strategy, seed=5)
+        callback = KillThenRead()
+        history, accuracy = _fit(model, digits, [callback])
+        assert len(history.history["loss"]) == EPOCHS and callback.calls == 2
+        (recovery,) = strategy.recoveries
+        windows = EPOCHS * STEPS // N_SYNC
+        assert recovery.version == 0 and recovery.rolled_back == windows
+        stats = strategy.model_stats(model)
+        assert stats.applied == int(strategy.counters.version.numpy()) == windows
+        log = strategy.window_log(model)
+        applied = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
+        assert sorted(applied) == list(range(windows))
+        assert accuracy > 0.9
 
 
 def test_a_ps_that_does_not_come_back_stops_fit_within_the_bound(local_cluster, digits):

@@ -243,8 +243,8 @@ def _join(coordinator, trainer, failed):
     """
     if not failed:
         coordinator.join()
-        if trainer is not None:  # windows an epoch's end did not wait for (`epoch_barrier`)
-            trainer.quiesce()
+        if trainer is not None:  # a late recovery's windows; those `epoch_barrier` left running
+            trainer.finish_fit()
         return
     for _ in range(_JOIN_ATTEMPTS):  # `join` returns at the first error; the rest may run on
         try:

@@ -364,6 +364,15 @@ class WindowTrainer:
             self._replays.pop(0)
         self._drain(block=True)
 
+    def finish_fit(self):
+        """At `fit`'s end: trains what a recovery in the last epoch's callbacks queued
+        again (`retrain`), then waits for every window, those an epoch's end left running
+        (`epoch_barrier=False`) included."""
+        if self.rounds is None:
+            self._replay()
+            self._flush()
+        self._drain(block=True)
+
     def drop_failed(self):
         """Forgets the scheduled closures that failed (after a failed `fit`,
         once they are all finished): their windows are not recorded, and the
