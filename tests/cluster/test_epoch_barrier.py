@@ -40,9 +40,7 @@ def _overlaps(log):
     return sum(b.started_at < a.finished_at for a, b in zip(records, records[1:]))
 
 
-def test_without_the_barrier_the_next_epochs_windows_run_while_an_epoch_ends(
-    local_cluster, digits
-):
+def test_without_the_barrier_the_next_epochs_windows_run_while_an_epoch_ends(local_cluster, digits):
     cluster = local_cluster(4)
     strategy, model, history = _fit(cluster, digits, barrier=False)
     assert len(history.history["loss"]) == EPOCHS
@@ -55,18 +53,14 @@ def test_without_the_barrier_the_next_epochs_windows_run_while_an_epoch_ends(
     assert len({r.worker for r in log}) > 1
 
 
-def test_with_the_barrier_each_epochs_window_starts_after_the_last_finished(
-    local_cluster, digits
-):
+def test_with_the_barrier_each_epochs_window_starts_after_the_last_finished(local_cluster, digits):
     cluster = local_cluster(4)
     strategy, model, _ = _fit(cluster, digits, barrier=True)
     log = strategy.window_log(model)
     assert len(log) == EPOCHS and _overlaps(log) == 0
 
 
-def test_a_stop_after_an_epoch_without_the_barrier_leaves_nothing_running(
-    local_cluster, digits
-):
+def test_a_stop_after_an_epoch_without_the_barrier_leaves_nothing_running(local_cluster, digits):
     """A callback that stops training at an epoch's end, after the epoch ended without
     waiting: `fit` returns with every window it scheduled applied and recorded."""
 
