@@ -198,7 +198,7 @@ class WindowTrainer:
             if not steps or left <= 0 or full:
                 self._flush(left)
         # The epoch's last window: its logs are the epoch's, as in Keras (the
-        # epoch's end waits for these windows anyway).
+        # epoch's end waits for these windows anyway, unless `epoch_barrier=False`).
         last = bool(steps) and left <= 0
         self._drain(block=True, keep=0 if last and self._epoch_end_waits() else self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
