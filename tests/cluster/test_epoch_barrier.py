@@ -34,22 +34,23 @@ def _fit(cluster, digits, barrier, callbacks=()):
     return strategy, model, history
 
 
-def _overlaps(log):
-    """Windows (in id order) that started before the window before them had finished."""
-    records = sorted(log, key=lambda r: r.window_id)
-    return sum(b.started_at < a.finished_at for a, b in zip(records, records[1:]))
+def _most_at_once(log):
+    """The most windows running at one moment (by the workers' clocks)."""
+    return max(sum(r.started_at <= t.started_at < r.finished_at for r in log) for t in log)
 
 
 def test_without_the_barrier_the_next_epochs_windows_run_while_an_epoch_ends(local_cluster, digits):
     cluster = local_cluster(4)
     strategy, model, history = _fit(cluster, digits, barrier=False)
     assert len(history.history["loss"]) == EPOCHS
+    # Each epoch's logs are those of windows finished by its end: never the zeros of none.
+    assert all(loss > 0 for loss in history.history["loss"]), history.history
     log = strategy.window_log(model)
     stats = strategy.model_stats(model)
     # Every window applied once, all of them recorded when fit returns (the last epoch waited).
     assert sorted(r.window_id for r in log) == list(range(EPOCHS))
     assert stats.applied == stats.windows == EPOCHS
-    assert _overlaps(log) >= EPOCHS // 2, [(r.started_at, r.finished_at) for r in log]
+    assert _most_at_once(log) >= 2, [(r.started_at, r.finished_at) for r in log]
     assert len({r.worker for r in log}) > 1
 
 
@@ -57,7 +58,7 @@ def test_with_the_barrier_each_epochs_window_starts_after_the_last_finished(loca
     cluster = local_cluster(4)
     strategy, model, _ = _fit(cluster, digits, barrier=True)
     log = strategy.window_log(model)
-    assert len(log) == EPOCHS and _overlaps(log) == 0
+    assert len(log) == EPOCHS and _most_at_once(log) == 1
 
 
 def test_a_stop_after_an_epoch_without_the_barrier_leaves_nothing_running(local_cluster, digits):

@@ -112,6 +112,7 @@ class WindowTrainer:
         self._epoch_step = 0  # steps asked for this epoch
         self._epochs = epochs.Epochs(strategy.n_sync)  # where rolled-back windows belong
         self._replays = []  # rolled-back earlier epochs' windows, a list per epoch, to train again
+        self._carried = None  # (metric values, logs) of the last epoch's end
         self.closure_sizes = []  # windows per scheduled closure (first attempts)
         # Per finished closure: (worker, windows asked, windows run, budget s);
         # its windows' records are the `run` last ones of window_log then.
@@ -200,7 +201,7 @@ class WindowTrainer:
         # The epoch's last window: its logs are the epoch's, as in Keras (the
         # epoch's end waits for these windows anyway, unless `epoch_barrier=False`).
         last = bool(steps) and left <= 0
-        self._drain(block=True, keep=0 if last and self._epoch_end_waits() else self._max_in_flight)
+        self._drain(block=True, keep=0 if last and _epoch_end_waits(self) else self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
         # chief's time per window bounds throughput at small n_sync.
         now = time.perf_counter()
@@ -388,13 +389,6 @@ class WindowTrainer:
             self.rounds.reset()  # steps left by a failed fit's round
             self.noise.start_epoch(self.rounds.count)
 
-    def _epoch_end_waits(self):
-        """Whether the running epoch's end waits for its windows: unless
-        `epoch_barrier=False` (asynchronous), and the fit goes on after it."""
-        if self.rounds is not None or getattr(self.strategy, "epoch_barrier", True):
-            return True
-        return self._fit_state.epochs_left <= 1 or bool(self.model.stop_training)
-
     def finish(self):
         """The epoch's end: waits for every scheduled window (or, without the
         epoch's barrier, schedules the queued ones and waits for none); writes
@@ -403,13 +397,18 @@ class WindowTrainer:
         Raises if every window of the epoch held NaN/Inf: training cannot
         progress, and spinning on would hide it.
         """
-        waits = self._epoch_end_waits()
+        waits = _epoch_end_waits(self)
         if self.rounds is None:
             self._replay()
             self._flush()
         else:
             self._start_round()  # what is gathered of a round (a stop mid-epoch)
         self._drain(block=False)
+        # No window of the epoch finished yet (`epoch_barrier=False`): its metrics are the
+        # last ones finished; the fit's first epoch waits for one.
+        carried = None if waits or self.log.epoch_records else self._carried
+        while not waits and carried is None and not self.log.epoch_records and self._pending:
+            self._drain(block=True, keep=len(self._pending) - 1)
         while waits:
             self.coordinator.join()
             self._drain(block=True)  # may schedule windows a closure did not run
@@ -429,11 +428,20 @@ class WindowTrainer:
                 "updates with NaN or Inf; none was pushed. Lower the learning "
                 "rate or check the data for NaN/Inf."
             )
-        for var, value in zip(self.model.metrics_variables, self.log.metric_values()):
+        values, logs = carried or (self.log.metric_values(), self.log.logs())
+        self._carried = (values, logs)
+        for var, value in zip(self.model.metrics_variables, values):
             var.assign(value)
-        logs = self.log.logs(counters=self.stats().as_logs())
         self._fit_state.epochs_left -= 1
-        return logs
+        return {**logs, **self.stats().as_logs()}
+
+
+def _epoch_end_waits(trainer):
+    """Whether `trainer`'s running epoch's end waits for its windows: unless
+    `epoch_barrier=False` (asynchronous), and the fit goes on after it."""
+    if trainer.rounds is not None or getattr(trainer.strategy, "epoch_barrier", True):
+        return True
+    return trainer._fit_state.epochs_left <= 1 or bool(trainer.model.stop_training)  # private: ours
 
 
 def _fed_closure(trainer, windows, plan, budget):
