@@ -400,6 +400,43 @@ def test_straggler_tool(tmp_path):
     _png(tmp_path / "straggler.png")
 
 
+def test_epoch_barrier_tool(tmp_path):
+    """The three fits side by side: with the barrier, without it for as many epochs and
+    for twice as many; the rows and the ratios' table."""
+    _run(
+        "epoch_barrier.py",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "2",
+        "--n-sync",
+        "5",
+        "--device-ms",
+        "2",
+        "--steps",
+        "10",
+        "--epochs",
+        "2",
+        "--rounds",
+        "1",
+        "--data",
+        "mnist1d",
+    )
+    rows = _csv(
+        tmp_path / "epoch_barrier.csv",
+        ["epoch_barrier", "epochs", "seconds", "samples_per_s", "busy_share", "test_accuracy"],
+    )
+    assert [(r["epoch_barrier"], r["epochs"]) for r in rows] == [
+        ("True", "2"),
+        ("False", "2"),
+        ("False", "4"),
+    ]
+    _positive(rows, "samples_per_s")
+    assert [int(r["windows"]) for r in rows] == [4, 4, 8]  # 2 windows an epoch, all recorded
+    md = (tmp_path / "epoch_barrier.md").read_text()
+    assert "samples/s without the barrier over with it" in md
+
+
 def test_evaluation_tool(tmp_path):
     _run(
         "evaluation.py",
