@@ -37,7 +37,6 @@ class ModelState:
         self.fitting = False
         self.steps_per_epoch = None
         self.epochs_left = 0
-        self.epochs_left = 0
         self.first_fit_steps = None
         self.evaluator = None
         self.outer_state = None

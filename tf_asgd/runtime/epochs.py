@@ -29,14 +29,16 @@ class Epochs:
     def __init__(self, n_sync):
         self.n_sync = n_sync
         self.began = []  # (first window id, steps or None outside `fit`)
+        self._firsts = []  # the first window ids alone, for `bisect`
 
     def begin(self, first_window_id, steps):
         """Records that an epoch of `steps` steps begins with window `first_window_id`."""
         self.began.append((first_window_id, steps))
+        self._firsts.append(first_window_id)
 
     def index(self, window_id):
         """The index of the epoch window `window_id` belongs to (-1 before any)."""
-        return bisect.bisect_right([first for first, _ in self.began], window_id) - 1
+        return bisect.bisect_right(self._firsts, window_id) - 1
 
     def window_steps(self, window_id):
         """The steps of window `window_id`: `n_sync`, or fewer for an epoch's last."""

@@ -225,7 +225,7 @@ class WindowTrainer:
         return self.sizes.windows_per_closure()
 
     def _flush(self, left=0):
-        """Schedules every queued window, in closures of `_closure_size`
+        """Schedules every queued window, in closures of `sizes.size`
         (`left`: the epoch's windows still to come after them)."""
         while self._queue:
             k = self.sizes.size(len(self._queue) + left)
