@@ -167,7 +167,7 @@ class Launch:
 
     def pids(self):
         m = re.search(r"local cluster .*, processes (\{.*\})", "".join(self.log))
-        return {k: int(v) for k, v in re.findall(r"'([a-z]+:\d+)': (\d+)", m.group(1))}
+        return {k: int(v) for k, v in re.findall(r"'([a-z]+(?::\d+)?)': (\d+)", m.group(1))}
 
     def cluster_pids(self):
         return local_cluster_pids("".join(self.log))
@@ -238,6 +238,57 @@ def test_ps_killed_is_restarted_and_recovered_and_the_run_completes(tmp_path):
     accuracy = r["test_accuracy"]
     print(f"PS killed and recovered: {m.group(1)} push(es) rolled back, accuracy {accuracy:.3f}")
     assert r["epochs"] == epochs and r["test_accuracy"] >= 0.95
+
+
+def test_the_shared_task_process_killed_is_restarted_and_the_run_completes(tmp_path):
+    """The launcher's default (every task in one process): that process SIGKILLed, the
+    launcher restarts it with every task on its port, the strategy recovers the PS from
+    its snapshot while the workers come back, and the run trains to its last epoch."""
+    workdir = str(tmp_path / "run")
+    epochs = 12
+    launch = Launch(
+        [*SHARED, f"--config.epochs={epochs}", "--config.snapshot_every=1", f"--workdir={workdir}"]
+    )
+    try:
+        launch.wait_for("saved checkpoint", count=3)
+        job = launch.cluster_pids()
+        os.kill(launch.pids()["all"], signal.SIGKILL)
+    finally:
+        log = launch.finish(timeout=180)
+    assert launch.proc.returncode == 0, _tail(log)
+    assert "The process of every task exited (signal SIGKILL); restarting them" in log, _tail(log)
+    m = re.search(r"Recovered parameter server ps:0 .*: (\d+) push\(es\) rolled back", log)
+    assert m, _tail(log)
+    assert "--resume" not in log
+    restarted = re.search(r"all restarted \(pid (\d+)\)", log)
+    assert restarted, _tail(log)
+    assert_all_stopped([*job, int(restarted.group(1))])
+    r = _results(workdir)
+    assert r["epochs"] == epochs and r["test_accuracy"] >= 0.95
+
+
+def test_sigterm_while_no_worker_answers_stops_within_the_bound(tmp_path):
+    """Every worker SIGKILLed and not restarted: the chief waits for them (up to
+    `connect_timeout`, 600 s by default), and a SIGTERM then stops the launcher within
+    its 60 s bound with its usual line, not the hard bound's stack dump."""
+    workdir = str(tmp_path / "run")
+    launch = Launch([*FAST, "--config.epochs=400", f"--workdir={workdir}"])
+    try:
+        launch.wait_for("saved checkpoint", count=2)
+        job = launch.cluster_pids()
+        for task in ("worker:0", "worker:1"):
+            os.kill(launch.pids()[task], signal.SIGKILL)
+        launch.wait_for("No worker can run")
+        t0 = time.time()
+        launch.proc.send_signal(signal.SIGTERM)
+    finally:
+        log = launch.finish(timeout=90)
+    stop_secs = time.time() - t0
+    print(f"SIGTERM with no worker: exit {launch.proc.returncode} after {stop_secs:.1f} s")
+    assert launch.proc.returncode == 128 + signal.SIGTERM, _tail(log)
+    assert stop_secs < 60 and "Timeout (0:01:00)" not in log
+    assert "stopped by signal 15" in log, _tail(log)
+    assert_all_stopped(job)
 
 
 def test_ps_killed_stops_with_clear_error_then_resume_reaches_accuracy(tmp_path):

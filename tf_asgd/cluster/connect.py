@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import numbers
 import socket
+import threading
 import time
 
 from tf_asgd.errors import ClusterUnreachableError
@@ -38,6 +39,13 @@ _RETRY_SECS = 0.25
 # byte (the 4th of the 9-byte header) is SETTINGS (4).
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 _H2_SETTINGS = 4
+
+
+def pause(seconds):
+    """Sleeps `seconds` in a wait of Python's `threading`, where the launcher's stop
+    signals may raise (`launch.run_parts.safe_to_interrupt`): a long wait for tasks
+    under `fit` stays stoppable by Ctrl-C and SIGTERM."""
+    threading.Event().wait(seconds)
 
 
 class WaitLog:
@@ -234,7 +242,7 @@ def wait_for_tasks(tasks, timeout):
                     ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in reasons.items()),
                 )
             if reasons:
-                time.sleep(min(_RETRY_SECS, max(0.0, deadline - now)))
+                pause(min(_RETRY_SECS, max(0.0, deadline - now)))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     if pace.lines:  # a waiting line was logged: say that the wait ended

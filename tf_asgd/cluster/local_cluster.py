@@ -276,20 +276,26 @@ class LocalCluster:
         What training does meanwhile and after: docs/faults.md.
 
         Args:
-            task: a name from `tasks()`, e.g. "worker:1".
+            task: a name from `tasks()`, e.g. "worker:1"; with
+                `shared_process=True`, "all" (the one process hosting every task).
             timeout: seconds to wait for the new server to listen.
 
         Raises:
-            ValueError: the cluster was made with `shared_process=True` (its
-                tasks cannot be restarted one by one).
+            ValueError: the cluster was made with `shared_process=True` and
+                `task` is not "all" (its tasks cannot be restarted one by one).
             RuntimeError: the task did not start within `timeout`.
         """
-        if self.shared_process:
-            raise ValueError("restart_task needs shared_process=False.")
+        if self.shared_process and task != "all":
+            raise ValueError(
+                f"restart_task({task!r}): with shared_process=True one process hosts every "
+                "task; restart_task('all') restarts them all."
+            )
+        tasks = self.tasks() if task == "all" else [task]
         self.kill_task(task)
-        _mark_gone(self._addresses([task]), gone=False)
-        self._release_port(task)
-        proc = self._spawn([task], time.time() + timeout)
+        _mark_gone(self._addresses(tasks), gone=False)
+        for name in tasks:
+            self._release_port(name)
+        proc = self._spawn(tasks, time.time() + timeout)
         self._procs[task] = proc
         self._wait_ready(task, proc, time.time() + timeout)
 
@@ -411,7 +417,8 @@ class RestartLostTasks:
     parameter servers, which the strategy then recovers (`runtime.ps_recovery`).
 
     Args:
-        cluster: a `LocalCluster` with `shared_process=False`.
+        cluster: a `LocalCluster`; with `shared_process=True` its one process is
+            restarted, with every task in it.
         job: the tasks' job, e.g. "ps".
         poll_secs: how often the processes are looked at.
 
@@ -438,12 +445,15 @@ class RestartLostTasks:
     def _run(self):
         log = logging.getLogger("tf_asgd")
         while not self._stop.wait(self.poll_secs):
-            for task in self.cluster.tasks():
-                proc = self.cluster._procs.get(task)
-                if not task.startswith(self.job + ":") or proc is None or proc.poll() is None:
+            for task, proc in list(self.cluster._procs.items()):
+                # "all": a shared process, which hosts this job's tasks too
+                if not (task == "all" or task.startswith(self.job + ":")) or proc.poll() is None:
                     continue
                 log.warning(
-                    "%s exited (%s); restarting it on its port", task, _exit_reason(proc.returncode)
+                    "%s exited (%s); restarting %s",
+                    "The process of every task" if task == "all" else task,
+                    _exit_reason(proc.returncode),
+                    "them on their ports" if task == "all" else "it on its port",
                 )
                 try:
                     self.cluster.restart_task(task)

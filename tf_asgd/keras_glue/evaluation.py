@@ -282,6 +282,10 @@ class Evaluator:
                         pending.append((value, args, retries + 1))
                         continue
                     yield _unpack(flat, init)
+        except KeyboardInterrupt:
+            pending = []
+            keras_hook.wait_after_interrupt(coordinator)
+            raise
         finally:
             if pending:  # an error: nothing may be left running
                 try:

@@ -137,6 +137,9 @@ def _fit(original, model, *args, **kwargs):
         result = original(model, **kwargs)
         failed = False
         return result
+    except KeyboardInterrupt:
+        failed = _INTERRUPTED
+        raise
     except tf.errors.OpError as e:
         _raise_if_ps_lost(e, strategy)
         raise
@@ -227,6 +230,10 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
 
 
 _JOIN_ATTEMPTS = 8
+_INTERRUPTED = "interrupted"  # `_join`'s `failed` after a KeyboardInterrupt
+# After Ctrl-C or SIGTERM, the longest wait for the windows scheduled: under the launcher's
+# 60 s bound on stopping, with time left for its checkpoint.
+STOP_WAIT_S = 20.0
 
 
 def _join(coordinator, trainer, failed):
@@ -236,24 +243,42 @@ def _join(coordinator, trainer, failed):
     (A worker still making an iterator while a new strategy connected to the
     same cluster crashed the process.)
 
-    After an error (a worker's, a callback's, a refusal, KeyboardInterrupt) the
+    After an error (a worker's, a callback's, a refusal) the
     windows' own errors are not raised again: the user sees the first error,
     not a CancelledError of the windows it stopped; the closures that failed
-    are dropped, so the next `fit` does not raise their errors either.
+    are dropped, so the next `fit` does not raise their errors either. After a
+    KeyboardInterrupt (`failed` is `_INTERRUPTED`) the wait is bounded
+    (`wait_after_interrupt`).
     """
     if not failed:
         coordinator.join()
         if trainer is not None:  # a late recovery's windows; those `epoch_barrier` left running
             trainer.finish_fit()
         return
-    for _ in range(_JOIN_ATTEMPTS):  # `join` returns at the first error; the rest may run on
-        try:
-            coordinator.join()
-            break
-        except Exception:  # the error that matters is already on its way
-            continue
+    if failed == _INTERRUPTED:
+        wait_after_interrupt(coordinator)
+    else:
+        for _ in range(_JOIN_ATTEMPTS):  # `join` returns at the first error; the rest may run on
+            try:
+                coordinator.join()
+                break
+            except Exception:  # the error that matters is already on its way
+                continue
     if trainer is not None:
         trainer.drop_failed()
+
+
+def wait_after_interrupt(coordinator):
+    """After a KeyboardInterrupt (Ctrl-C, the launcher's SIGTERM): waits at most
+    `STOP_WAIT_S` for what `coordinator` has scheduled. Stopping stays bounded when no
+    worker can finish it (every worker lost, and waited for up to `connect_timeout`);
+    what is still queued then runs once a worker is back, or never."""
+    if not internals.wait_for_closures(coordinator, STOP_WAIT_S):
+        log.warning(
+            "Stopping without waiting longer for the work scheduled on the workers: none "
+            "of it finished within %g s of the interrupt.",
+            STOP_WAIT_S,
+        )
 
 
 def _steps_and_repeated_data(original, model, args, kwargs):

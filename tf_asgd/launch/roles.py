@@ -345,7 +345,7 @@ def run_local(config, workdir, resume=False, stop=None):
             local.fork_server_pid,
         )
         restarts = None
-        if config.snapshot_every and not shared:  # a lost PS is recovered once it is back
+        if config.snapshot_every:  # a lost PS is recovered once it is back
             restarts = local_cluster.RestartLostTasks(local, "ps").start()
         try:
             return train_and_evaluate(config, workdir, local.resolver, resume=resume, stop=stop)

@@ -292,7 +292,7 @@ class PSRecovery:
                 internals.wait_for_closures(strategy.coordinator, 5.0)
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(PROBE_RETRY_S)
+                connect.pause(PROBE_RETRY_S)
 
 
 def _initial_value(variable):
