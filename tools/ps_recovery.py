@@ -4,7 +4,7 @@
 off, at the default and every 2 s, side by side; 2 workers, 1 PS, the GEM convnet and a
 3.7M MLP); `faults` (ps:0 SIGKILLed halfway through `fit` and restarted 2 s later against
 the fault-free `fit`; 2 PS with variables split; digits convnet and MNIST-1D CNN on 2 and
-4 workers over `--seeds`); `chaos` (a task killed every 20 to 40 s for `--minutes`, then a
+4 workers over `--seeds`; `--synchronous`: in synchronous rounds); `chaos` (a task killed every 20 to 40 s for `--minutes`, then a
 fault-free `fit` of as many epochs). Method: docs/architecture.md (Tools).
 
 Writes `cost.csv`, `faults.csv`, `chaos.csv` and their tables (`tables.md`) under `--out`.
@@ -188,13 +188,13 @@ def _restart_later(cluster, task, after=2.0):
     cluster.restart_task(task)
 
 
-def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10):
+def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10, synchronous=False):
     """One `fit` of `setup` (with ps:0 killed halfway if `fault`); its row."""
     import keras
 
     data_name, model_name, opt, batch, epochs = FAULT_SETUPS[setup]
     (x, y), (xt, yt) = data
-    strategy = _sharded_strategy(cluster, n_sync=n_sync)
+    strategy = _sharded_strategy(cluster, n_sync=n_sync, synchronous=synchronous)
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = harness.build_model(model_name, data)
@@ -215,6 +215,7 @@ def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10):
         "setup": setup,
         "workers": workers,
         "seed": seed,
+        "synchronous": synchronous,
         "fault": fault,
         "seconds": seconds,
         "test_accuracy": accuracy,
@@ -238,7 +239,10 @@ def run_faults(args):
             with tf_asgd.LocalCluster(workers, 2, shared_process=False) as cluster:
                 for seed in args.seeds:
                     for fault in (False, True) + ((None,) if args.noise_floor else ()):
-                        rows.append(fault_cell(cluster, setup, workers, seed, fault, data))
+                        row = fault_cell(
+                            cluster, setup, workers, seed, fault, data, synchronous=args.synchronous
+                        )
+                        rows.append(row)
                         print(_fmt_row(rows[-1]), flush=True)
     return rows, _faults_summary(rows)
 
@@ -376,6 +380,8 @@ def main(argv=None):
     p.add_argument("--noise-floor", action="store_true",
                    help="faults: each fault-free run again, to compare")  # fmt: skip
     p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
+    p.add_argument("--synchronous", action="store_true",
+                   help="faults: synchronous rounds (synchronous=True)")  # fmt: skip
     args = p.parse_args(argv)
     args.device_ms = harness.single(p, args, "device_ms")  # chaos: emulated device ms a batch
     bad = set(args.mode) - set(MODES)

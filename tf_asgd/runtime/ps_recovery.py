@@ -184,7 +184,7 @@ class PSRecovery:
             The `Recovery`.
         """
         strategy = self._strategy()
-        if self.snapshot is None or strategy.synchronous:
+        if self.snapshot is None:
             raise error
         lost = lost_tasks.lost_ps(error, strategy.cluster_spec) or self._probe(error)
         if not lost:

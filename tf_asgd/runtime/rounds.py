@@ -106,6 +106,8 @@ class Rounds:
         self.window_ids = []  # the ids of the last round scheduled
         self.count = 0  # rounds taken
         self._close, self._open = close, False
+        self.taken = []  # the rounds taken since the last PS snapshot, `[(steps, id)]` each
+        self.replays = []  # rounds a PS's recovery rolled back, to run again in order
 
     def close(self):
         """After the barrier: the last round's outer step (`RoundClose`), once."""
@@ -142,12 +144,34 @@ class Rounds:
         self.check(records)
         if not self.steps:
             return None
-        sizes = split_round(self.steps, self.num_workers, cycle)
-        self.steps = 0
+        # At most one round's steps (more were gathered where a PS's loss failed a barrier).
+        steps = min(self.steps, self.num_workers * self.n_sync)
+        self.steps -= steps
+        sizes = split_round(steps, self.num_workers, cycle)
+        return self._open_round(list(zip(sizes, range(first_id, first_id + len(sizes)))))
+
+    def _open_round(self, windows):
         self.count += 1
         self._open = True
-        self.window_ids = list(range(first_id, first_id + len(sizes)))
-        return list(zip(sizes, self.window_ids))
+        self.window_ids = [w for _, w in windows]
+        self.taken.append(windows)
+        return windows
+
+    def next_replay(self):
+        """After the barrier: the next round rolled back (`roll_back`), opened as `take`
+        opens one, or None."""
+        return self._open_round(self.replays.pop(0)) if self.replays else None
+
+    def roll_back(self):
+        """A PS's recovery restored the snapshot taken at a barrier (`mark`): every round
+        taken since runs again, in order, before those still waiting; the open round
+        closes with no outer step (its pushes were undone)."""
+        self.replays = self.taken + self.replays
+        self.taken, self.window_ids, self._open = [], [], False
+
+    def mark(self):
+        """A PS snapshot was taken at this barrier: no earlier round can be rolled back."""
+        self.taken = []
 
     def check(self, records):
         """After the barrier: raises `FloatingPointError` if a window of the

@@ -83,16 +83,9 @@ class WindowTrainer:
         self.coordinator = strategy.coordinator
         opt = model.optimizer
         self.push_rule = getattr(opt, "asgd_push_rule", None)
-        self.variables = list(model.trainable_variables) + list(model.non_trainable_variables)
-        for v in self.variables:
-            device = device_of(raw(v))
-            if "/job:ps" not in device:
-                raise ValueError(
-                    f"Variable {v.path!r} lives on {device or 'the chief'}, "
-                    "not on a parameter server: the model was built outside "
-                    "`AsyncParameterServerStrategy.scope()`. Create and compile "
-                    "the model inside `with strategy.scope():`."
-                )
+        self.variables = _on_the_ps(
+            list(model.trainable_variables) + list(model.non_trainable_variables)
+        )
         self.outer = outer_optimizer
         self.lr_scale = strategy.worker_rate_scale(opt)  # the workers' rate factor
         synchronous = getattr(strategy, "synchronous", False)
@@ -192,7 +185,7 @@ class WindowTrainer:
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
         if self.rounds is not None:
             if self.rounds.add(num_steps) or not steps or left <= 0:
-                self._start_round()
+                _start_round(self)
         else:
             self._queue.append((num_steps, window_id))
             full = len(self._queue) >= self.sizes.size(len(self._queue) + left)
@@ -235,22 +228,6 @@ class WindowTrainer:
             except Exception:
                 self._queue = windows + self._queue  # still to run (`abandon` finds them)
                 raise
-
-    def _start_round(self):
-        """Synchronous: the barrier (every window of the last round finished,
-        so each push of it is applied), the round's start captured on the PS
-        (`rounds.RoundStart`, which every window of the round pulls), then
-        the round's N windows scheduled, one closure each."""
-        self._drain(block=True)
-        self.rounds.close()
-        cycle = optimizer_options.accumulation_steps(self.model.optimizer)
-        windows = self.rounds.take(self._iterator, self.log.records, self._next_window_id, cycle)
-        if windows:
-            self._next_window_id += len(windows)
-            self.window.prepare(self._iterator)  # errors before anything is traced
-            self.window.state.start_rounds().capture()
-            for window in windows:
-                self._schedule([window])
 
     def _schedule(self, windows, first=True):
         # Two small tensors: each argument costs the chief a conversion.
@@ -345,7 +322,13 @@ class WindowTrainer:
         """Trains `windows` (`(steps or None, id)`: rolled back, or lost in flight) again
         as they first ran (`epochs.Epochs.regroup`): those of earlier epochs epoch by
         epoch, each epoch's to its end before the next starts, then the running
-        epoch's, queued before any other. Windows still waiting come too."""
+        epoch's, queued before any other. Windows still waiting come too.
+        Synchronous: the snapshot was taken at a round's barrier, so the rounds
+        taken since (which hold `windows`) run again, round by round
+        (`Rounds.roll_back`)."""
+        if self.rounds is not None:
+            self.rounds.roll_back()
+            return
         waiting = [w for ws in [self._queue, *self._replays] for w in ws]
         self._queue, self._replays = self._epochs.regroup(waiting + list(windows))
 
@@ -372,6 +355,8 @@ class WindowTrainer:
         if self.rounds is None:
             self._replay()
             self._flush()
+        else:
+            _start_round(self)
         self._drain(block=True)
 
     def drop_failed(self):
@@ -401,8 +386,10 @@ class WindowTrainer:
         if self.rounds is None:
             self._replay()
             self._flush()
-        else:
-            self._start_round()  # what is gathered of a round (a stop mid-epoch)
+        else:  # what is gathered of a round (a stop mid-epoch; after a recovery, 2 rounds)
+            _start_round(self)
+            while self.rounds.steps:
+                _start_round(self)
         self._drain(block=False)
         # No window of the epoch finished yet (`epoch_barrier=False`): its metrics are the
         # last ones finished; the fit's first epoch waits for one.
@@ -436,12 +423,58 @@ class WindowTrainer:
         return {**logs, **self.stats().as_logs()}
 
 
+def _on_the_ps(variables):
+    """`variables`, once each is found on a parameter server (else `ValueError`)."""
+    for v in variables:
+        device = device_of(raw(v))
+        if "/job:ps" not in device:
+            raise ValueError(
+                f"Variable {v.path!r} lives on {device or 'the chief'}, "
+                "not on a parameter server: the model was built outside "
+                "`AsyncParameterServerStrategy.scope()`. Create and compile "
+                "the model inside `with strategy.scope():`."
+            )
+    return variables
+
+
 def _epoch_end_waits(trainer):
     """Whether `trainer`'s running epoch's end waits for its windows: unless
     `epoch_barrier=False` (asynchronous), and the fit goes on after it."""
     if trainer.rounds is not None or getattr(trainer.strategy, "epoch_barrier", True):
         return True
     return trainer._fit_state.epochs_left <= 1 or bool(trainer.model.stop_training)  # private: ours
+
+
+def _start_round(trainer):
+    """Synchronous: the barrier (every window of the last round finished, so each push of
+    it is applied, and its outer step taken); the rounds a PS's recovery rolled back,
+    again, each to its barrier; a PS snapshot when due (`ps_recovery`: nothing is in
+    flight here); then the next round: its start captured on the PS
+    (`rounds.RoundStart`, which every window of the round pulls), its N windows
+    scheduled, one closure each."""
+    rounds, recovery = trainer.rounds, trainer.strategy.ps_recovery
+    trainer._drain(block=True)
+    rounds.close()
+    trainer.window.prepare(trainer._iterator)  # errors before anything is traced
+    trainer.window.state.start_rounds()  # made before a snapshot, which then holds it
+    while (again := rounds.next_replay()) is not None:
+        _run_round(trainer, again)
+        trainer._drain(block=True)
+        rounds.close()
+    if recovery.due():
+        recovery.take(trainer)
+        rounds.mark()
+    cycle = optimizer_options.accumulation_steps(trainer.model.optimizer)
+    windows = rounds.take(trainer._iterator, trainer.log.records, trainer._next_window_id, cycle)
+    if windows:
+        trainer._next_window_id += len(windows)
+        _run_round(trainer, windows)
+
+
+def _run_round(trainer, windows):
+    trainer.window.state.start_rounds().capture()
+    for window in windows:
+        trainer._schedule([window])
 
 
 def _fed_closure(trainer, windows, plan, budget):
