@@ -169,8 +169,8 @@ def test_a_ps_lost_in_synchronous_mode_is_recovered_and_its_rounds_run_again_who
     """`synchronous=True`: ps:0 SIGKILLed mid-`fit` and restarted 2 s later. The snapshot is
     taken at a round's barrier, so the recovery reruns every round since it whole: each
     applied round's N windows start from its round start (staleness 0, as rounds
-    count it), and each round starts once the one before has finished; every window is applied once, and
-    held-out accuracy is within 2 points of a fault-free run."""
+    count it), and each round starts once the one before has finished; every window is
+    applied once, and held-out accuracy is within 2 points of a fault-free run."""
     workers = 2
     with local_cluster(workers, 2, own=True, shared_process=False) as cluster:
         strategy = _sharded_strategy(cluster, snapshot_every=1.0, synchronous=True)

@@ -170,8 +170,9 @@ class Rounds:
         self.taken, self.window_ids, self._open = [], [], False
 
     def mark(self):
-        """A PS snapshot was taken at this barrier: no earlier round can be rolled back."""
-        self.taken = []
+        """A PS snapshot was taken at this barrier, before the round just taken runs: no
+        earlier round can be rolled back."""
+        self.taken = self.taken[-1:]
 
     def check(self, records):
         """After the barrier: raises `FloatingPointError` if a window of the

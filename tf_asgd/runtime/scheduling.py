@@ -455,20 +455,21 @@ def _start_round(trainer):
     rounds, recovery = trainer.rounds, trainer.strategy.ps_recovery
     trainer._drain(block=True)
     rounds.close()
-    trainer.window.prepare(trainer._iterator)  # errors before anything is traced
-    trainer.window.state.start_rounds()  # made before a snapshot, which then holds it
     while (again := rounds.next_replay()) is not None:
         _run_round(trainer, again)
         trainer._drain(block=True)
         rounds.close()
+    cycle = optimizer_options.accumulation_steps(trainer.model.optimizer)
+    windows = rounds.take(trainer._iterator, trainer.log.records, trainer._next_window_id, cycle)
+    if not windows:
+        return
+    trainer._next_window_id += len(windows)
+    trainer.window.prepare(trainer._iterator)  # errors before anything is traced
+    trainer.window.state.start_rounds()  # made before a snapshot, which then holds it
     if recovery.due():
         recovery.take(trainer)
         rounds.mark()
-    cycle = optimizer_options.accumulation_steps(trainer.model.optimizer)
-    windows = rounds.take(trainer._iterator, trainer.log.records, trainer._next_window_id, cycle)
-    if windows:
-        trainer._next_window_id += len(windows)
-        _run_round(trainer, windows)
+    _run_round(trainer, windows)
 
 
 def _run_round(trainer, windows):
