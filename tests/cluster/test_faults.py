@@ -212,58 +212,49 @@ def _results(workdir):
         return json.load(f)
 
 
-def test_ps_killed_is_restarted_and_recovered_and_the_run_completes(tmp_path):
+@pytest.mark.parametrize(
+    "shared",
+    [False, True],
+    ids=["ps_process", "shared_task_process"],
+)
+def test_ps_killed_is_restarted_and_recovered_and_the_run_completes(tmp_path, shared):
     """The launcher's local run restarts a SIGKILLed PS on its port; the strategy recovers
-    it from its snapshot and the run trains to its last epoch, with no --resume."""
+    it from its snapshot and the run trains to its last epoch, with no --resume. With the
+    launcher's default (every task in one process) that process is what dies: the
+    launcher restarts it with every task on its port, and the strategy recovers the PS
+    while the workers come back."""
     workdir = str(tmp_path / "run")
     epochs = 12
+    task, exited = (
+        ("all", r"The process of every task exited \(signal SIGKILL\); restarting them")
+        if shared
+        else ("ps:0", r"ps:0 exited \(signal SIGKILL\); restarting it on its port")
+    )
     launch = Launch(
-        [*FAST, f"--config.epochs={epochs}", "--config.snapshot_every=1", f"--workdir={workdir}"]
+        [
+            *(SHARED if shared else FAST),
+            f"--config.epochs={epochs}",
+            "--config.snapshot_every=1",
+            f"--workdir={workdir}",
+        ]
     )
     try:
         launch.wait_for("saved checkpoint", count=3)
         job = launch.cluster_pids()
-        os.kill(launch.pids()["ps:0"], signal.SIGKILL)
+        os.kill(launch.pids()[task], signal.SIGKILL)
     finally:
         log = launch.finish(timeout=180)
     assert launch.proc.returncode == 0, _tail(log)
-    assert re.search(r"ps:0 exited \(signal SIGKILL\); restarting it on its port", log), _tail(log)
+    assert re.search(exited, log), _tail(log)
     m = re.search(r"Recovered parameter server ps:0 .*: (\d+) push\(es\) rolled back", log)
     assert m, _tail(log)
     assert "--resume" not in log
-    restarted = re.search(r"ps:0 restarted \(pid (\d+)\)", log)
+    restarted = re.search(rf"{task} restarted \(pid (\d+)\)", log)
     assert restarted, _tail(log)
     assert_all_stopped([*job, int(restarted.group(1))])
     r = _results(workdir)
     accuracy = r["test_accuracy"]
     print(f"PS killed and recovered: {m.group(1)} push(es) rolled back, accuracy {accuracy:.3f}")
-    assert r["epochs"] == epochs and r["test_accuracy"] >= 0.95
-
-
-def test_the_shared_task_process_killed_is_restarted_and_the_run_completes(tmp_path):
-    """The launcher's default (every task in one process): that process SIGKILLed, the
-    launcher restarts it with every task on its port, the strategy recovers the PS from
-    its snapshot while the workers come back, and the run trains to its last epoch."""
-    workdir = str(tmp_path / "run")
-    epochs = 12
-    launch = Launch(
-        [*SHARED, f"--config.epochs={epochs}", "--config.snapshot_every=1", f"--workdir={workdir}"]
-    )
-    try:
-        launch.wait_for("saved checkpoint", count=3)
-        job = launch.cluster_pids()
-        os.kill(launch.pids()["all"], signal.SIGKILL)
-    finally:
-        log = launch.finish(timeout=180)
-    assert launch.proc.returncode == 0, _tail(log)
-    assert "The process of every task exited (signal SIGKILL); restarting them" in log, _tail(log)
-    m = re.search(r"Recovered parameter server ps:0 .*: (\d+) push\(es\) rolled back", log)
-    assert m, _tail(log)
-    assert "--resume" not in log
-    restarted = re.search(r"all restarted \(pid (\d+)\)", log)
-    assert restarted, _tail(log)
-    assert_all_stopped([*job, int(restarted.group(1))])
-    r = _results(workdir)
     assert r["epochs"] == epochs and r["test_accuracy"] >= 0.95
 
 
