@@ -24,7 +24,7 @@ from tf_asgd.keras_glue.evaluation import validate_evaluation
 from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
 from tf_asgd.rules import update_rules
 from tf_asgd.rules.compression import as_compression, as_pull_compression
-from tf_asgd.runtime import ps_recovery, python_inputs, rounds
+from tf_asgd.runtime import optimizer_options, ps_recovery, python_inputs, rounds
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
 
@@ -647,23 +647,35 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     def worker_rate_scale(self, optimizer):
         """The factor on the workers' learning rate for a model compiled with
-        `optimizer` (see `lr_scaling`): 1.0 where nothing is scaled.
+        `optimizer` (see `lr_scaling`), once warmed up and annealed: 1.0 where
+        nothing is scaled.
 
         Raises:
             ValueError: `lr_scaling` names a rule or a factor for GEM.
         """
+        return update_rules.worker_rate_scale(self.num_workers, self._worker_rate(optimizer))
+
+    def worker_rate_peak(self, optimizer):
+        """The factor on the workers' learning rate at the end of the warm-up (N under
+        `"anneal"`, which then falls to `worker_rate_scale`; that factor otherwise)."""
+        return update_rules.worker_rate_peak(self.num_workers, self._worker_rate(optimizer))
+
+    def _worker_rate(self, optimizer):
+        """The `lr_scaling` rule for `optimizer`: `"auto"` resolved, `"none"` for GEM."""
         if getattr(optimizer, "asgd_push_rule", None) is not None:
             if self.lr_scaling not in ("auto", "none"):
                 raise ValueError(
                     f"lr_scaling={self.lr_scaling!r} cannot be used with GEM, whose local "
                     "steps are the paper's: pass lr_scaling='auto' or 'none'."
                 )
-            return 1.0
-        rule = self.lr_scaling
-        if rule == "auto":
-            given = self.outer_optimizer is not None
-            rule = update_rules.auto_worker_rate(self.synchronous, outer_given=given)
-        return update_rules.worker_rate_scale(self.num_workers, rule)
+            return "none"
+        if self.lr_scaling != "auto":
+            return self.lr_scaling
+        return update_rules.auto_worker_rate(
+            self.synchronous,
+            outer_given=self.outer_optimizer is not None,
+            adaptive=optimizer_options.is_adaptive(optimizer),
+        )
 
     def _outer_optimizer_for(self, push_rule):
         """The outer optimizer a model's pushes get (see `outer_optimizer`);

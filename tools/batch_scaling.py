@@ -32,23 +32,32 @@ OUTER_HELP = (
     "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, "
     "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
     "adaptive (synchronous: each round's gain from the rounds' noise scale, "
-    "noise_scale.round_gain); each with +sqrt, +linear, +none or +F for the workers' "
-    "rate (lr_scaling; default: the strategy's auto, sqrt(N) under the asynchronous "
-    "default, else the user's rate)"
+    "noise_scale.round_gain); each with +sqrt, +linear, +anneal, +none or +F for the "
+    "workers' rate (lr_scaling; default: the strategy's auto under the asynchronous "
+    "default, N annealed to sqrt(N) for Adam's kin and sqrt(N) for others, else the "
+    "user's rate)"
 )
 
 
-def worker_rate(name, workers, synchronous):
-    """The factor on the workers' rate under the outer rule `name`: its `+RULE`
-    suffix, else the strategy's `lr_scaling="auto"` for `default`, else 1."""
+def worker_rate(name, workers, synchronous, optimizer):
+    """`(peak, final)`: the factor on the workers' rate after the warm-up and from the
+    run's end on, under the outer rule `name`: its `+RULE` suffix, else the strategy's
+    `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1."""
     from tf_asgd.rules import update_rules
+    from tf_asgd.runtime import optimizer_options
 
     base, _, rule = name.partition("+")
     if rule in ("", "auto"):
-        rule = update_rules.auto_worker_rate(synchronous) if base == "default" else "none"
+        adaptive = optimizer_options.is_adaptive(harness.make_optimizer(optimizer))
+        rule = (
+            update_rules.auto_worker_rate(synchronous, adaptive=adaptive)
+            if base == "default"
+            else "none"
+        )
     if rule not in update_rules.WORKER_RATE_RULES:
         rule = float(rule)
-    return update_rules.worker_rate_scale(workers, rule)
+    peak = update_rules.worker_rate_peak(workers, rule)
+    return peak, update_rules.worker_rate_scale(workers, rule)
 
 
 def outer_rule(name, workers, synchronous):
@@ -100,9 +109,10 @@ def scaled_optimizer(name, scale):
     return _with_learning_rate(name, lambda rate: rate * scale)
 
 
-def workers_optimizer(name, scale, warmup_steps):
-    """The setup's optimizer at its own rate times `scale`, warmed up from 1 over the
-    first `warmup_steps` (`update_rules.warmed_up_rate_scale`, as the strategy does)."""
+def workers_optimizer(name, scale, warmup_steps, anneal_steps):
+    """The setup's optimizer at its own rate times the factor `scale` = `(peak, final)`:
+    from 1 to `peak` over the first `warmup_steps`, then to `final` by `anneal_steps`
+    (`update_rules.annealed_rate_scale`, as the strategy does)."""
     import keras
     import tensorflow.experimental.numpy as tnp
 
@@ -113,7 +123,8 @@ def workers_optimizer(name, scale, warmup_steps):
             self.rate = rate
 
         def __call__(self, step):
-            return self.rate * update_rules.warmed_up_rate_scale(scale, step, warmup_steps, tnp)
+            factor = update_rules.annealed_rate_scale(*scale, step, warmup_steps, anneal_steps, tnp)
+            return self.rate * factor
 
     return _with_learning_rate(name, WorkersRate)
 
@@ -215,7 +226,7 @@ def outer_rounds(
     outer,
     asynchronous,
     slow=1.0,
-    worker_scale=1.0,
+    worker_scale=(1.0, 1.0),
 ):
     """Held-out points of `workers` copies whose windows an outer rule applies.
 
@@ -224,7 +235,8 @@ def outer_rounds(
     Synchronous: every copy starts a round from the same central weights. Asynchronous:
     windows end in round-robin order and each copy pulls right after its push, so every
     push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's
-    rate is the setup's times `worker_scale`, warmed up over 5% of its steps
+    rate is the setup's times `worker_scale` = `(peak, final)`, warmed up to the
+    peak over 5% of its steps and annealed to the final by the last
     (`workers_optimizer`, the strategy's `lr_scaling`). `steps` counts
     steps per copy (device times). With copy 0 `slow` times slower (`window_ends`), the
     windows end in simulated time and the points are at that time, in fast steps.
@@ -243,8 +255,8 @@ def outer_rounds(
     warmup = max(1, round(update_rules.WORKER_RATE_WARMUP * steps))
     opt = harness.SETUPS[setup][2]
     copies = [
-        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup))
-        if worker_scale != 1.0
+        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup, steps))
+        if worker_scale != (1.0, 1.0)
         else _model(setup, data, 1.0, n_sync)
         for _ in range(workers)
     ]
@@ -396,7 +408,7 @@ def run_setup(setup, data, seed, args):
             per_worker = every * max(1, round(steps * args.outer_steps / n / every))
             asynchronous = method == "async_outer"
             opt = outer_rule(scaling, n, not asynchronous)
-            scale = worker_rate(scaling, n, not asynchronous)
+            scale = worker_rate(scaling, n, not asynchronous, harness.SETUPS[setup][2])
             points, noise = outer_rounds(
                 setup,
                 data,

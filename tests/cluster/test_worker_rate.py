@@ -1,6 +1,7 @@
 """The workers' learning rate (`lr_scaling`): a window's steps run at the compiled
-optimizer's rate times the factor, warmed up, exactly; the chief's optimizer keeps the
-user's rate; the default scales by sqrt(N) only where the PS averages the pushes."""
+optimizer's rate times the factor, warmed up (and annealed), exactly; the chief's
+optimizer keeps the user's rate; the default scales only where the PS averages the
+pushes: N annealed to sqrt(N) for Adam's kin, sqrt(N) for others."""
 
 import keras
 import numpy as np
@@ -21,14 +22,20 @@ def _linear(seed=0):
 
 
 class _Ramped(keras.optimizers.schedules.LearningRateSchedule):
-    """The reference: `rate(step)` times the warmed-up factor, in plain Keras."""
+    """The reference: `rate(step)` times the warmed-up (and annealed) factor, in plain
+    Keras: up to `peak` over `warmup` steps, then down to `final` by step `anneal`."""
 
-    def __init__(self, rate, scale, warmup):
-        self.rate, self.scale, self.warmup = rate, scale, warmup
+    def __init__(self, rate, peak, warmup, final=None, anneal=None):
+        self.rate, self.peak, self.warmup = rate, peak, warmup
+        self.final = peak if final is None else final
+        self.anneal = warmup if anneal is None else anneal
 
     def __call__(self, step):
         rate = self.rate(step) if callable(self.rate) else self.rate
-        return rate * update_rules.warmed_up_rate_scale(self.scale, step, self.warmup, xp=tnp)
+        factor = update_rules.annealed_rate_scale(
+            self.peak, self.final, step, self.warmup, self.anneal, xp=tnp
+        )
+        return rate * factor
 
 
 @pytest.mark.parametrize(
@@ -64,12 +71,53 @@ def test_one_worker_at_a_factor_equals_plain_keras_at_the_ramped_rate(local_clus
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_default_scales_by_sqrt_n_where_the_ps_averages(local_cluster):
+def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
+    local_cluster, flat, monkeypatch
+):
+    """1 worker under `"anneal"`, its peak made 3 (it is N, 1 here): every step of `fit`
+    equals plain Keras's Adam at the user's rate times the factor, up to 3 over the
+    warm-up, then down to sqrt(1) = 1 by the first fit's end."""
+    monkeypatch.setattr(update_rules, "worker_rate_peak", lambda n, rule: 3.0)
+    (x, y), _ = flat
+    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 2, anneal by step 40
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        local_cluster(1).resolver, n_sync=5, lr_scaling="anneal"
+    )
+    with strategy.scope():
+        model = _linear()
+        model.compile(keras.optimizers.Adam(0.01), LOSS)
+    start = model.get_weights()
+    model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    stats = strategy.model_stats(model)
+    assert (stats.lr_scale_peak, stats.lr_scale) == (3.0, 1.0)
+    assert (stats.lr_warmup_steps, stats.lr_anneal_steps) == (2, 40)
+    np.testing.assert_allclose(float(model.optimizer.learning_rate), 0.01, rtol=1e-6)
+
+    plain = _linear()
+    plain.set_weights(start)
+    plain.compile(keras.optimizers.Adam(_Ramped(0.01, 3.0, 2, final=1.0, anneal=40)), LOSS)
+    plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(local_cluster):
+    """Where the PS averages the pushes: Adam's kin (a loss-scaling wrapper unwrapped) at
+    N after the warm-up, falling to sqrt(N); SGD and any other optimizer at sqrt(N)."""
     cluster = local_cluster(4)
     adam, sgd = keras.optimizers.Adam(1e-3), keras.optimizers.SGD(0.05, momentum=0.9)
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
     assert strategy.lr_scaling == "auto"
     assert strategy.worker_rate_scale(adam) == strategy.worker_rate_scale(sgd) == 2.0
+    assert strategy.worker_rate_peak(adam) == 4.0 and strategy.worker_rate_peak(sgd) == 2.0
+    for kin in (
+        keras.optimizers.AdamW(1e-3),
+        keras.optimizers.Lion(1e-4),
+        keras.optimizers.RMSprop(1e-3),
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
+    ):
+        assert strategy.worker_rate_peak(kin) == 4.0, kin
+    assert strategy.worker_rate_peak(keras.optimizers.Muon(1e-3)) == 2.0
     assert (
         strategy.worker_rate_scale(GEM(keras.optimizers.SGD(0.05, momentum=0.9))) == 1.0
     )  # GEM's steps stay the paper's
@@ -77,9 +125,9 @@ def test_the_default_scales_by_sqrt_n_where_the_ps_averages(local_cluster):
     given = tf_asgd.AsyncParameterServerStrategy(
         cluster.resolver, n_sync=10, outer_optimizer=tf_asgd.OuterSGD(0.25)
     )
-    assert given.worker_rate_scale(adam) == 1.0
+    assert given.worker_rate_scale(adam) == given.worker_rate_peak(adam) == 1.0
     rounds = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10, synchronous=True)
-    assert rounds.worker_rate_scale(adam) == 1.0
+    assert rounds.worker_rate_scale(adam) == rounds.worker_rate_peak(adam) == 1.0
     linear = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10, lr_scaling="linear")
     assert linear.worker_rate_scale(sgd) == 4.0
     with pytest.raises(ValueError, match="lr_scaling='linear' cannot be used with GEM"):

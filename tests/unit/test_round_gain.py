@@ -43,17 +43,20 @@ def sgd_curve(batch, rate, seed=0):
 
 def window_curve(opt, synchronous, seed=0, worker_rate="none"):
     """Loss of the central weights per step of each worker (a round is `N_SYNC` steps);
-    the workers' rate is `RATE` times `worker_rate`'s factor, warmed up as the strategy
-    does (over 5% of every worker's steps)."""
+    the workers' rate is `RATE` times `worker_rate`'s factor, warmed up (and annealed)
+    as the strategy does (over 5% of every worker's steps; by the run's end)."""
     problem, center, state, losses = NoisyQuadratic(seed), np.zeros(DIM), {}, []
     starts = [center] * WORKERS
-    scale = update_rules.worker_rate_scale(WORKERS, worker_rate)
+    peak = update_rules.worker_rate_peak(WORKERS, worker_rate)
+    final = update_rules.worker_rate_scale(WORKERS, worker_rate)
     warmup = update_rules.WORKER_RATE_WARMUP * STEPS * WORKERS
     for ticket in range(STEPS * WORKERS // N_SYNC):
         i = ticket % WORKERS
         w = starts[i]
         for k in range(N_SYNC):
-            rate = RATE * update_rules.warmed_up_rate_scale(scale, ticket * N_SYNC + k, warmup)
+            step = ticket * N_SYNC + k
+            factor = update_rules.annealed_rate_scale(peak, final, step, warmup, STEPS * WORKERS)
+            rate = RATE * factor
             w = w - rate * problem.gradient(w, BATCH)
         center, state = update_rules.outer_step(opt, center, starts[i] - w, state, ticket, WORKERS)
         if not synchronous:
@@ -107,6 +110,24 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
     linear = steps_to(window_curve(asynchronous, False, worker_rate="linear"), target)
     print(f"steps: large batch {large}, user's rate {user}, x sqrt(N) {sqrt}, x N {linear}")
     assert sqrt * 2 <= user and linear <= 1.5 * large
+
+
+def test_annealing_the_workers_rate_gets_linears_speed_and_sqrts_noise_floor(reference):
+    """The default for Adam's kin (`"anneal"`: N after the warm-up, falling to sqrt(N) by
+    the run's end) reaches the target as soon as N does (within 1.2 times its steps),
+    and ends at sqrt(N)'s noise floor, not N's: averaging N windows divides their noise
+    variance by N, so at sqrt(N) times the rate the averaged noise is one worker's."""
+    target, _ = reference
+    asynchronous = update_rules.default_outer_optimizer(WORKERS)
+    curves = {
+        rule: window_curve(asynchronous, False, worker_rate=rule)
+        for rule in ("sqrt", "linear", "anneal")
+    }
+    steps = {rule: steps_to(curve, target) for rule, curve in curves.items()}
+    floor = {rule: float(np.mean(curve[-STEPS // 10 :])) for rule, curve in curves.items()}
+    print(f"steps to the target {steps}, final loss {floor}")
+    assert steps["anneal"] <= 1.2 * steps["linear"] and steps["anneal"] < steps["sqrt"]
+    assert floor["anneal"] <= 1.2 * floor["sqrt"] and floor["anneal"] < floor["linear"]
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 8, 10, 16, 64])

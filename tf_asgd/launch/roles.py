@@ -134,6 +134,7 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
         dropped_nonfinite=stats.dropped_nonfinite,
         noise_scale=stats.noise_scale,
         lr_scale=stats.lr_scale,
+        lr_scale_peak=stats.lr_scale_peak,
         num_workers=len(resolver.cluster_spec().as_dict().get("worker", [])),
         wall_seconds=time.time() - t_start,
         history={k: [float(x) for x in v] for k, v in history.history.items()},
@@ -156,7 +157,17 @@ def train_and_evaluate(config, workdir, resolver, resume=False, stop=None):
 
 def log_workers_rate(stats, lr_scaling):
     """Logs the factor on the workers' rate, where it is not 1."""
-    if stats.lr_scale != 1.0:
+    if stats.lr_scale_peak != stats.lr_scale:
+        logging.info(
+            "the workers ran at up to %.3g times the optimizer's rate, falling to %.3g by "
+            "step %d (lr_scaling=%r, warmed up over %d steps; docs/defaults.md)",
+            stats.lr_scale_peak,
+            stats.lr_scale,
+            stats.lr_anneal_steps,
+            lr_scaling,
+            stats.lr_warmup_steps,
+        )
+    elif stats.lr_scale != 1.0:
         logging.info(
             "the workers ran at %.3g times the optimizer's rate (lr_scaling=%r, warmed up over "
             "%d steps; docs/defaults.md)",

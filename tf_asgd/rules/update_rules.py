@@ -352,7 +352,7 @@ def default_outer_optimizer(num_workers):
     return OuterSGD(average)
 
 
-WORKER_RATE_RULES = ("auto", "none", "linear", "sqrt")
+WORKER_RATE_RULES = ("auto", "none", "linear", "sqrt", "anneal")
 WORKER_RATE_WARMUP = 0.05  # of the first fit's steps: Goyal et al.'s 5 of 90 epochs
 
 
@@ -369,16 +369,22 @@ def validate_worker_rate(scaling):
     )
 
 
-def auto_worker_rate(synchronous=False, outer_given=False):
-    """The rule `lr_scaling="auto"` stands for: `"sqrt"` where the PS averages the
-    pushes (the asynchronous default outer optimizer), else `"none"` (an outer
-    optimizer given, or synchronous rounds, sets the round's gain on the PS).
+def auto_worker_rate(synchronous=False, outer_given=False, adaptive=False):
+    """The rule `lr_scaling="auto"` stands for: where the PS averages the pushes (the
+    asynchronous default outer optimizer), `"anneal"` for an adaptive optimizer (Adam
+    and its kin: `optimizer_options.is_adaptive`) and `"sqrt"` for others; else
+    `"none"` (an outer optimizer given, or synchronous rounds, sets the round's gain on
+    the PS). Why: docs/defaults.md.
 
     Examples:
-        >>> auto_worker_rate(), auto_worker_rate(synchronous=True)
-        ('sqrt', 'none')
+        >>> auto_worker_rate(), auto_worker_rate(adaptive=True)
+        ('sqrt', 'anneal')
+        >>> auto_worker_rate(synchronous=True, adaptive=True)
+        'none'
     """
-    return "none" if synchronous or outer_given else "sqrt"
+    if synchronous or outer_given:
+        return "none"
+    return "anneal" if adaptive else "sqrt"
 
 
 def worker_rate_scale(num_workers, rule):
@@ -387,12 +393,13 @@ def worker_rate_scale(num_workers, rule):
 
     `"linear"`: N, the linear scaling rule for SGD (Goyal et al. 2017,
     arXiv:1706.02677). `"sqrt"`: `sqrt(N)`, the square-root rule for adaptive
-    optimizers such as Adam (Malladi et al. 2022, arXiv:2205.10287). `"none"`: 1.
-    A number is the factor itself. Why the workers and not the PS: docs/defaults.md.
+    optimizers such as Adam (Malladi et al. 2022, arXiv:2205.10287). `"anneal"`:
+    `sqrt(N)` once annealed, from N (`worker_rate_peak`). `"none"`: 1. A number is
+    the factor itself. Why the workers and not the PS: docs/defaults.md.
 
     Args:
         num_workers: N, the number of workers (at least 1).
-        rule: `"linear"`, `"sqrt"`, `"none"` or a number > 0.
+        rule: `"linear"`, `"sqrt"`, `"anneal"`, `"none"` or a number > 0.
 
     Returns:
         A Python float (1.0 for one worker under a named rule).
@@ -404,7 +411,21 @@ def worker_rate_scale(num_workers, rule):
     if not isinstance(rule, str):
         return float(rule)
     n = max(1, int(num_workers))
-    return {"none": 1.0, "linear": float(n), "sqrt": float(np.sqrt(n))}[rule]
+    return {"none": 1.0, "linear": float(n), "sqrt": float(np.sqrt(n))}.get(rule, np.sqrt(n))
+
+
+def worker_rate_peak(num_workers, rule):
+    """The factor on each worker's rate at the end of the warm-up: N for `"anneal"`
+    (the large batch's linear rule), from which it falls to `worker_rate_scale`;
+    `worker_rate_scale` itself for the other rules.
+
+    Examples:
+        >>> worker_rate_peak(8, "anneal"), worker_rate_peak(4, "sqrt")
+        (8.0, 2.0)
+    """
+    if rule == "anneal":
+        return float(max(1, int(num_workers)))
+    return worker_rate_scale(num_workers, rule)
 
 
 def warmed_up_rate_scale(scale, step, warmup_steps, xp=np):
@@ -421,8 +442,32 @@ def warmed_up_rate_scale(scale, step, warmup_steps, xp=np):
         >>> [float(warmed_up_rate_scale(3.0, t, 4)) for t in (0, 1, 3, 100)]
         [1.5, 2.0, 3.0, 3.0]
     """
-    ramp = xp.minimum(1.0, (xp.asarray(step, dtype=xp.float32) + 1.0) / float(warmup_steps))
-    return 1.0 + (float(scale) - 1.0) * ramp
+    return annealed_rate_scale(scale, scale, step, warmup_steps, warmup_steps, xp)
+
+
+def annealed_rate_scale(peak, final, step, warmup_steps, anneal_steps, xp=np):
+    """The workers' factor at `step`: from 1 up to `peak` linearly over the first
+    `warmup_steps` steps (Goyal et al.'s warm-up), then linearly down to `final` by
+    step `anneal_steps`, then `final`.
+
+    Args:
+        peak: the factor after the warm-up (`worker_rate_peak`).
+        final: the factor from `anneal_steps` on (`worker_rate_scale`).
+        step: the optimizer's step count (every worker's steps), a number or a tensor.
+        warmup_steps: steps to reach `peak`, at least 1.
+        anneal_steps: the step at which `final` is reached (the first `fit`'s end).
+        xp: `numpy`, or `tensorflow.experimental.numpy` inside a window.
+
+    Examples:
+        >>> [float(annealed_rate_scale(8.0, 2.0, t, 4, 10)) for t in (0, 3, 6, 9, 50)]
+        [2.75, 8.0, 5.0, 2.0, 2.0]
+    """
+    t = xp.asarray(step, dtype=xp.float32) + 1.0
+    ramp = xp.minimum(1.0, t / float(warmup_steps))
+    span = max(1.0, float(anneal_steps) - float(warmup_steps))
+    fall = xp.clip((t - float(warmup_steps)) / span, 0.0, 1.0)
+    top = float(peak) + (float(final) - float(peak)) * fall
+    return 1.0 + (top - 1.0) * ramp
 
 
 SYNC_OUTER_MOMENTUM = 0.9  # DiLoCo's outer momentum (Douillard et al. 2023)

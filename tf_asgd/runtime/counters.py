@@ -49,11 +49,18 @@ class AsyncStats:
             synchronous default, about 1 under the asynchronous one
             (docs/defaults.md).
         lr_scale: the factor on each worker's learning rate (the strategy's
-            `lr_scaling`): the workers' local steps run at the compiled
-            optimizer's rate times this (1.0: the user's rate). With
-            `outer_gain`, it is how much the strategy scales the effective rate.
+            `lr_scaling`) from `lr_anneal_steps` on: the workers' local steps
+            run at the compiled optimizer's rate times this (1.0: the user's
+            rate). With `outer_gain`, it is how much the strategy scales the
+            effective rate.
+        lr_scale_peak: the factor after the warm-up: N under `"anneal"` (the
+            default for Adam and its kin), from which it falls linearly to
+            `lr_scale`; `lr_scale` itself otherwise.
         lr_warmup_steps: the optimizer steps (every worker's) over which the
-            workers' factor rises linearly from 1 to `lr_scale`.
+            workers' factor rises linearly from 1 to `lr_scale_peak`.
+        lr_anneal_steps: the optimizer step by which it has fallen to
+            `lr_scale` (the first `fit`'s end; `lr_warmup_steps` where it does
+            not anneal).
         noise_scale: the gradient noise scale of the last finished epoch's
             synchronous rounds, in windows (McCandlish et al. 2018,
             `rules.noise_scale`): about how many workers' windows a round can
@@ -88,6 +95,8 @@ class AsyncStats:
     outer_gain: float = 1.0
     lr_scale: float = 1.0
     lr_warmup_steps: int = 0
+    lr_scale_peak: float = 1.0
+    lr_anneal_steps: int = 0
     noise_scale: float = float("nan")
     noise_scale_rounds: int = 0
 
@@ -111,9 +120,14 @@ class AsyncStats:
             f"           staleness mean {self.mean_staleness:.2f} max {self.max_staleness} "
             f"(pushes by staleness {{{counts}}}), pulled {_megabytes(self.bytes_pulled)}, "
             f"pushed {_megabytes(self.bytes_pushed)}, outer gain {self.outer_gain:.2f}, "
-            f"workers' rate x{self.lr_scale:.3g}"
+            f"workers' rate {self._rate_summary()}"
             f"{self._noise_summary()})"
         )
+
+    def _rate_summary(self):
+        if self.lr_scale_peak == self.lr_scale:
+            return f"x{self.lr_scale:.3g}"
+        return f"x{self.lr_scale_peak:.3g} falling to x{self.lr_scale:.3g}"
 
     def _noise_summary(self):
         if not self.noise_scale_rounds:

@@ -27,6 +27,27 @@ def _is_gem(optimizer):
     return getattr(optimizer, "asgd_push_rule", None) is not None
 
 
+# Keras's optimizers whose step is normalised per coordinate (or a sign): Adam's kin.
+_ADAPTIVE = (
+    "Adam", "AdamW", "Adamax", "Nadam", "Lamb", "Lion",
+    "RMSprop", "Adagrad", "Adadelta", "Adafactor",
+)  # fmt: skip
+
+
+def is_adaptive(optimizer):
+    """Whether `optimizer` (a loss-scaling wrapper unwrapped) is, or subclasses, one of
+    Keras's adaptive optimizers (Adam, AdamW, Adamax, Nadam, Lamb, Lion, RMSprop,
+    Adagrad, Adadelta, Adafactor): under `lr_scaling="auto"` their workers' rate anneals
+    from N (`update_rules.auto_worker_rate`). Any other optimizer is not.
+
+    Example:
+        >>> is_adaptive(keras.optimizers.Adam()), is_adaptive(keras.optimizers.SGD())
+        (True, False)
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return any(isinstance(inner, getattr(keras.optimizers, name)) for name in _ADAPTIVE)
+
+
 def check_compiled(optimizer):
     """Refuses what the compiled optimizer (run by Keras's step in a window)
     cannot honour. Raises `UnsupportedFeatureError`."""

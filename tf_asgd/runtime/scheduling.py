@@ -87,7 +87,12 @@ class WindowTrainer:
             list(model.trainable_variables) + list(model.non_trainable_variables)
         )
         self.outer = outer_optimizer
-        self.lr_scale = strategy.worker_rate_scale(opt)  # the workers' rate factor
+        # The workers' rate factor: `lr_scale_peak` after the warm-up, `lr_scale` from
+        # the first fit's end on (`update_rules.annealed_rate_scale`).
+        self.lr_scale, self.lr_scale_peak = (
+            strategy.worker_rate_scale(opt),
+            strategy.worker_rate_peak(opt),
+        )
         synchronous = getattr(strategy, "synchronous", False)
         self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
         # Tracked there, so a checkpoint of the model can hold them.
@@ -135,10 +140,18 @@ class WindowTrainer:
 
     @property
     def lr_warmup_steps(self):
-        """Steps over which the workers' rate rises to `lr_scale`: a share
+        """Steps over which the workers' rate rises to `lr_scale_peak`: a share
         (`update_rules.WORKER_RATE_WARMUP`) of the model's first `fit`."""
         first = self._fit_state.first_fit_steps or 0
         return max(1, round(update_rules.WORKER_RATE_WARMUP * first))
+
+    @property
+    def lr_anneal_steps(self):
+        """The step by which the workers' rate has fallen to `lr_scale`: the first
+        `fit`'s end (every worker's steps); the warm-up's end where nothing anneals."""
+        if self.lr_scale_peak == self.lr_scale:
+            return self.lr_warmup_steps
+        return max(self.lr_warmup_steps, self._fit_state.first_fit_steps or 0)
 
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
@@ -148,6 +161,7 @@ class WindowTrainer:
         )
         stats.noise_scale, stats.noise_scale_rounds = self.noise.value, self.noise.rounds
         stats.lr_scale, stats.lr_warmup_steps = self.lr_scale, self.lr_warmup_steps
+        stats.lr_scale_peak, stats.lr_anneal_steps = self.lr_scale_peak, self.lr_anneal_steps
         return stats
 
     # ---- chief side -------------------------------------------------------

@@ -282,14 +282,17 @@ class WindowFunction:
 
     def _workers_rate(self):
         """While the local steps are traced: the local optimizer at the workers'
-        rate, its own times the trainer's `lr_scale`, warmed up over the
-        compiled optimizer's first `lr_warmup_steps` steps (every worker's)."""
-        scale, warmup = self._trainer.lr_scale, self._trainer.lr_warmup_steps
-        if scale == 1.0:
+        rate, its own times the trainer's factor: warmed up to `lr_scale_peak`
+        over the compiled optimizer's first `lr_warmup_steps` steps (every
+        worker's), then annealed to `lr_scale` by `lr_anneal_steps`."""
+        t = self._trainer
+        peak, final = t.lr_scale_peak, t.lr_scale
+        if peak == final == 1.0:
             return contextlib.nullcontext()
+        warmup, anneal = t.lr_warmup_steps, t.lr_anneal_steps
         return internals.scaled_learning_rate(
             self.local_optimizer,
-            lambda step: update_rules.warmed_up_rate_scale(scale, step, warmup, xp=tnp),
+            lambda step: update_rules.annealed_rate_scale(peak, final, step, warmup, anneal, tnp),
         )
 
     def _step(self, batch, weights, opt_values, metric_values):
