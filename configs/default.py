@@ -47,7 +47,8 @@ def get_config():
     c.pull_compression = "none"  # pulls: none | bf16
     # A PS lost mid-run is recovered from the newest snapshot (a local run restarts it).
     c.snapshot_every = 60.0  # seconds; 0 = none: a lost PS stops the run (--resume)
-    # The workers' rate: auto = x sqrt(N) under the default outer rule (GEM: unchanged).
+    # The workers' rate: auto = x N annealed to x sqrt(N) (Adam's kin) or x sqrt(N) (others)
+    # under the default outer rule (GEM: unchanged).
     c.lr_scaling = "auto"  # auto | none | sqrt | linear | a factor, e.g. "2"
     c.outer = config_dict.ConfigDict()  # the PS's outer optimizer
     c.outer.name = "default"

@@ -174,9 +174,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
 
     Defaults: each push counts the average `1/N`
     (`update_rules.default_outer_optimizer(N)`, no staleness scaling), and the
-    workers' local steps run at the compiled optimizer's rate times `sqrt(N)`
-    (`lr_scaling`), so that N averaged windows move about as far as a batch N
-    times larger. See docs/defaults.md.
+    workers' local steps run at a multiple of the compiled optimizer's rate
+    (`lr_scaling`: N falling to `sqrt(N)` with Adam and its kin, `sqrt(N)` with
+    SGD), so that N averaged windows move about as far as a batch N times
+    larger. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
     With `synchronous=True` windows run in rounds instead: N windows from
     the same central weights, one outer step on their pushes (see Args).
@@ -290,16 +291,20 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             See docs/faults.md.
         lr_scaling: the workers' learning rate, for N workers. `"auto"` (the
             default): where the PS averages the pushes (the asynchronous
-            default outer optimizer), each worker's local steps run at the
-            compiled optimizer's rate times `sqrt(N)`, so that a round of N
+            default outer optimizer), each worker's local steps run at a
+            multiple of the compiled optimizer's rate, so that a round of N
             averaged windows moves about as far as a batch N times larger
-            would; with an `outer_optimizer` given, synchronous rounds or GEM,
-            the rate is the user's. `"sqrt"`, `"linear"` (times N) or a number
-            set the factor; `"none"` keeps the user's rate. The factor rises
-            linearly from 1 over the first 5% of the model's first `fit`
-            (Goyal et al.'s warm-up). The chief's optimizer, its callbacks
-            and checkpoints keep the user's rate; `model_stats(model).lr_scale`
-            reports the factor. Why: docs/defaults.md.
+            would: with Adam and its kin (`optimizer_options.is_adaptive`) N
+            times it, falling linearly to `sqrt(N)` times it by the end of the
+            model's first `fit` (`"anneal"`); with others `sqrt(N)` times it.
+            With an `outer_optimizer` given, synchronous rounds or GEM, the
+            rate is the user's. `"sqrt"`, `"anneal"`, `"linear"` (times N) or
+            a number set the factor for any optimizer; `"none"` keeps the
+            user's rate. The factor rises linearly from 1 over the first 5%
+            of the model's first `fit` (Goyal et al.'s warm-up). The chief's
+            optimizer, its callbacks and checkpoints keep the user's rate;
+            `model_stats(model)` reports the factors (`lr_scale_peak`,
+            `lr_scale`). Why: docs/defaults.md.
         epoch_barrier: `True` (the default): each epoch's end waits for its
             windows, so validation and callbacks see every window of the
             epoch applied (stock TF's `fit` does the same). `False`
