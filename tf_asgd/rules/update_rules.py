@@ -411,7 +411,8 @@ def worker_rate_scale(num_workers, rule):
     if not isinstance(rule, str):
         return float(rule)
     n = max(1, int(num_workers))
-    return {"none": 1.0, "linear": float(n), "sqrt": float(np.sqrt(n))}.get(rule, np.sqrt(n))
+    root = float(np.sqrt(n))
+    return {"none": 1.0, "linear": float(n), "sqrt": root, "anneal": root}[rule]
 
 
 def worker_rate_peak(num_workers, rule):
