@@ -290,7 +290,7 @@ class LocalCluster:
                 f"restart_task({task!r}): with shared_process=True one process hosts every "
                 "task; restart_task('all') restarts them all."
             )
-        tasks = self.tasks() if task == "all" else [task]
+        tasks = self._hosted(task)
         self.kill_task(task)
         _mark_gone(self._addresses(tasks), gone=False)
         for name in tasks:
@@ -314,11 +314,15 @@ class LocalCluster:
         """
         proc = self._procs.get(task)
         if proc is not None and proc.poll() is None:
-            _mark_gone(self._addresses(self.tasks() if task == "all" else [task]))
+            _mark_gone(self._addresses(self._hosted(task)))
             proc.send_signal(sig)
             proc.wait(timeout=30)
-            for name in self.tasks() if task == "all" else [task]:
+            for name in self._hosted(task):
                 self._hold_port(name)
+
+    def _hosted(self, task):
+        """The task names the process `task` hosts: every task for "all" (the shared one)."""
+        return self.tasks() if task == "all" else [task]
 
     def _hold_port(self, task):
         """Binds a killed task's port until `restart_task`, so that no other process
