@@ -305,3 +305,55 @@ def resnet_bn(
     x = L.GlobalAveragePooling2D(name="pool")(x)
     outputs = L.Dense(num_classes, name="logits")(x)
     return keras.Model(inputs, outputs, name="resnet_bn")
+
+
+@keras.saving.register_keras_serializable(package="tf_asgd")
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned embedding of each position to a `(batch, length, width)` input."""
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(
+            shape=tuple(input_shape[1:]), initializer="random_normal", name="positions"
+        )
+
+    def call(self, x):
+        return x + self.positions
+
+
+def mnist1d_transformer(input_shape=(40, 1), num_classes=10, width=64, heads=4, blocks=2):
+    """A small Transformer encoder over MNIST-1D's signals: a second model family
+    (attention and LayerNorm, no convolution stack) for the benchmarks.
+
+    A width-`width` `Conv1D` (kernel 3) embeds each position, `PositionEmbedding`
+    adds learned positions, then `blocks` post-norm encoder blocks (`heads`-head
+    self-attention, a GELU MLP of `2 * width`, each added back and
+    `LayerNormalization`ed), global average pooling and Dense logits.
+
+    Args:
+        input_shape: `(length, channels)`; `tf_asgd.data.load_mnist1d`'s `(40, 1)`.
+        num_classes: outputs (logits).
+        width: the embedding width.
+        heads: attention heads of each block (`width // heads` per head).
+        blocks: encoder blocks.
+
+    Returns:
+        A functional `keras.Model` named "mnist1d_transformer".
+
+    Examples:
+        >>> mnist1d_transformer().count_params()
+        70410
+    """
+    L = keras.layers
+    inputs = keras.Input(input_shape)
+    x = PositionEmbedding(name="positions")(
+        L.Conv1D(width, 3, padding="same", name="embed")(inputs)
+    )
+    for b in range(blocks):
+        attended = L.MultiHeadAttention(heads, width // heads, name=f"block{b + 1}_attention")(x, x)
+        x = L.LayerNormalization(name=f"block{b + 1}_norm1")(x + attended)
+        hidden = L.Dense(2 * width, activation="gelu", name=f"block{b + 1}_mlp1")(x)
+        x = L.LayerNormalization(name=f"block{b + 1}_norm2")(
+            x + L.Dense(width, name=f"block{b + 1}_mlp2")(hidden)
+        )
+    x = L.GlobalAveragePooling1D(name="pool")(x)
+    return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="mnist1d_transformer")

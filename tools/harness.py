@@ -359,6 +359,8 @@ SETUPS = {
     # Large enough that batches of N x 32 keep paying (nothing memorised); Adam's rate is
     # the best final of a grid at batch 32 (docs/defaults.md).
     "mnist1d64k_adam": ("mnist1d64k", "mnist1d_cnn", "adam_4e-3", 32, 8000, 20.0),
+    # Another model family (attention, LayerNorm) at Keras's default Adam rate.
+    "mnist1d_transformer_adam": ("mnist1d", "mnist1d_transformer", "adam_1e-3", 32, 1500, 20.0),
     "digits_sgd": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
     "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
     "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),

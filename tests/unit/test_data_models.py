@@ -155,6 +155,26 @@ def test_mnist1d_cnn_is_the_papers_and_learns(mnist1d):
     assert acc > 0.5, acc  # chance is 0.1
 
 
+def test_mnist1d_transformer_attends_and_learns(mnist1d):
+    model = models.mnist1d_transformer()
+    assert model.name == "mnist1d_transformer"
+    attention = [la for la in model.layers if isinstance(la, keras.layers.MultiHeadAttention)]
+    assert len(attention) == 2 and all(a.num_heads == 4 for a in attention)
+    assert model.get_layer("positions").positions.shape == (40, 64)
+    assert model.output_shape == (None, 10)
+    (x, y), (xt, yt) = mnist1d
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)  # 250 steps
+    _, acc = model.evaluate(xt, yt, verbose=0)
+    assert acc > 0.4, acc  # chance is 0.1
+    restored = keras.models.clone_model(model)  # the custom layer's config round-trips
+    assert restored.count_params() == model.count_params()
+
+
 def test_resnet_bn_shape_parameters_and_residual_blocks():
     model = models.resnet_bn()
     assert model.name == "resnet_bn"
