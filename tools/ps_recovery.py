@@ -4,8 +4,8 @@
 off, at the default and every 2 s, side by side; 2 workers, 1 PS, the GEM convnet and a
 3.7M MLP); `faults` (ps:0 SIGKILLed halfway through `fit` and restarted 2 s later against
 the fault-free `fit`; 2 PS with variables split; the digits convnet, the MNIST-1D CNN,
-and that CNN on 16k signals trained to its plateau, on 2 and 4 workers over `--seeds`;
-`--synchronous`: in synchronous rounds); `chaos` (a task killed every 20 to 40 s for
+and that CNN on 16k signals trained to its plateau, on 2 and 4 workers over `--seeds`);
+`--synchronous` runs both in synchronous rounds; `chaos` (a task killed every 20 to 40 s for
 `--minutes`, then a fault-free `fit` of as many epochs). Method: docs/architecture.md
 (Tools).
 
@@ -54,14 +54,14 @@ def _applied_twice(log):
 # ---- cost --------------------------------------------------------------------------
 
 
-def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
+def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64, synchronous=False):
     """One `fit` of `steps` steps with `snapshot_every=every`: samples/s and snapshots."""
     import keras
 
     import tf_asgd
 
     strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=n_sync, snapshot_every=every
+        cluster.resolver, n_sync=n_sync, snapshot_every=every, synchronous=synchronous
     )
     with strategy.scope():
         model = harness.throughput_model(model_name)
@@ -76,6 +76,7 @@ def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64):
     idle = _idle_at(strategy.window_log(model), [s[3] for s in snaps])
     return {
         "model": model_name,
+        "synchronous": synchronous,
         "snapshot_every": "off" if every is None else every,
         "seconds": seconds,
         "samples_per_s": steps * batch / seconds,
@@ -115,11 +116,13 @@ def run_cost(args):
     with harness.local_cluster(2) as cluster:
         for model_name in args.models:
             # Steps for about --seconds with snapshots off, measured once.
-            probe = cost_cell(cluster, model_name, None, 200)
+            probe = cost_cell(cluster, model_name, None, 200, synchronous=args.synchronous)
             steps = max(20, int(200 * args.seconds / probe["seconds"]) // 20 * 20)
             for _ in range(args.rounds):
                 for every in everies:
-                    rows.append(cost_cell(cluster, model_name, every, steps))
+                    rows.append(
+                        cost_cell(cluster, model_name, every, steps, synchronous=args.synchronous)
+                    )
                     print(_fmt_row(rows[-1]), flush=True)
     return rows, _cost_summary(rows)
 
@@ -386,7 +389,7 @@ def main(argv=None):
                    help="faults: each fault-free run again, to compare")  # fmt: skip
     p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
     p.add_argument("--synchronous", action="store_true",
-                   help="faults: synchronous rounds (synchronous=True)")  # fmt: skip
+                   help="cost and faults: synchronous rounds (synchronous=True)")  # fmt: skip
     args = p.parse_args(argv)
     args.device_ms = harness.single(p, args, "device_ms")  # chaos: emulated device ms a batch
     bad = set(args.mode) - set(MODES)
