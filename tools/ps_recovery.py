@@ -3,11 +3,10 @@
 `--mode` (comma-separated): `cost` (samples/s and the workers' idle time with snapshots
 off, at the default and every 2 s, side by side; 2 workers, 1 PS, the GEM convnet and a
 3.7M MLP); `faults` (ps:0 SIGKILLed halfway through `fit` and restarted 2 s later against
-the fault-free `fit`; 2 PS with variables split; the digits convnet, the MNIST-1D CNN,
-and that CNN on 16k signals trained to its plateau, on 2 and 4 workers over `--seeds`);
-`--synchronous` runs both in synchronous rounds; `chaos` (a task killed every 20 to 40 s for
-`--minutes`, then a fault-free `fit` of as many epochs). Method: docs/architecture.md
-(Tools).
+the fault-free `fit`; 2 PS with variables split; the digits convnet, the MNIST-1D CNN and
+that CNN on 16k signals trained to its plateau, on 2 and 4 workers over `--seeds`); both
+in synchronous rounds with `--synchronous`; `chaos` (a task killed every 20 to 40 s for
+`--minutes`, then a fault-free `fit` of as many epochs). Method: docs/architecture.md.
 
 Writes `cost.csv`, `faults.csv`, `chaos.csv` and their tables (`tables.md`) under `--out`.
 
