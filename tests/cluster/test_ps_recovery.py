@@ -163,6 +163,32 @@ def test_a_ps_lost_in_the_last_epochs_callbacks_is_recovered_and_its_windows_tra
         assert accuracy > 0.9
 
 
+def test_a_ps_lost_between_epochs_is_recovered_at_the_next_epochs_start(local_cluster, digits):
+    """ps:0 killed and restarted at an epoch's end, after every callback has read it: the
+    next epoch's start (Keras resetting the metrics, then the windows) meets the lost PS,
+    recovers it, and `fit` completes with each window applied once."""
+
+    class KillAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                cluster.kill_task("ps:0")
+                time.sleep(2.0)
+                cluster.restart_task("ps:0")
+
+    with local_cluster(2, 2, own=True, shared_process=False) as cluster:
+        strategy = _sharded_strategy(cluster)
+        model = dense_digits_model(strategy, seed=6)
+        history, accuracy = _fit(model, digits, [KillAtEpochEnd()])
+        assert len(history.history["loss"]) == EPOCHS
+        assert len(strategy.recoveries) == 1
+        stats = strategy.model_stats(model)
+        assert stats.applied == int(strategy.counters.version.numpy()) == EPOCHS * STEPS // N_SYNC
+        log = strategy.window_log(model)
+        applied = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
+        assert sorted(applied) == list(range(EPOCHS * STEPS // N_SYNC))
+        assert accuracy > 0.9
+
+
 def test_a_ps_lost_in_synchronous_mode_is_recovered_and_its_rounds_run_again_whole(
     local_cluster, digits
 ):

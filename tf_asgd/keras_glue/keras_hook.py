@@ -461,6 +461,17 @@ def _get_metrics_result_or_logs(original, model, logs):
 
 
 def _reset_metrics(original, model):
+    """Keras's reset, then the epoch's metrics from it; in `fit` (each epoch's start, where
+    the reset writes and reads the metric variables) a lost PS is recovered and the reset
+    done again."""
+    try:
+        _reset_epoch_metrics(original, model)
+    except tf.errors.OpError as e:
+        _recover_in_fit(model, e)
+        _reset_epoch_metrics(original, model)
+
+
+def _reset_epoch_metrics(original, model):
     original(model)
     state = _fitting_state(model)
     if state is not None and state.trainer is not None:

@@ -340,18 +340,17 @@ def _snapshot_if_due(trainer, recovery):
 
 
 def finish(trainer, recovery, attempts=3):
-    """`trainer.finish()` (the epoch's end), with a lost PS recovered and the end retried,
-    and a snapshot taken when due (free where the epoch's end waited for its windows)."""
+    """`trainer.finish()` (the epoch's end) and a snapshot when due (free where the epoch's
+    end waited for its windows); a PS lost in either is recovered and the end retried."""
     for attempt in range(attempts):
         try:
             logs = trainer.finish()
-            break
+            _snapshot_if_due(trainer, recovery)
+            return logs
         except tf.errors.OpError as e:
             if attempt == attempts - 1:
                 raise
             recovery.recover(e, trainer)
-    _snapshot_if_due(trainer, recovery)
-    return logs
 
 
 def validate_snapshot_every(value):
