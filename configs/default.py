@@ -47,9 +47,9 @@ def get_config():
     c.pull_compression = "none"  # pulls: none | bf16
     # A PS lost mid-run is recovered from the newest snapshot (a local run restarts it).
     c.snapshot_every = 60.0  # seconds; 0 = none: a lost PS stops the run (--resume)
-    # The workers' rate: auto = x N annealed to x sqrt(N) (Adam's kin) or x sqrt(N) (others)
+    # The workers' rate: auto = x N annealed to x 1 (Adam's kin) or x sqrt(N) (others)
     # under the default outer rule (GEM: unchanged).
-    c.lr_scaling = "auto"  # auto | none | sqrt | linear | a factor, e.g. "2"
+    c.lr_scaling = "auto"  # auto | none | sqrt | linear | anneal | a factor, e.g. "2"
     c.outer = config_dict.ConfigDict()  # the PS's outer optimizer
     c.outer.name = "default"
     c.outer.learning_rate = 0.0

@@ -175,7 +175,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     Defaults: each push counts the average `1/N`
     (`update_rules.default_outer_optimizer(N)`, no staleness scaling), and the
     workers' local steps run at a multiple of the compiled optimizer's rate
-    (`lr_scaling`: N falling to `sqrt(N)` with Adam and its kin, `sqrt(N)` with
+    (`lr_scaling`: N falling to 1 with Adam and its kin, `sqrt(N)` with
     SGD), so that N averaged windows move about as far as a batch N times
     larger. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
@@ -295,7 +295,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             multiple of the compiled optimizer's rate, so that a round of N
             averaged windows moves about as far as a batch N times larger
             would: with Adam and its kin (`optimizer_options.is_adaptive`) N
-            times it, falling linearly to `sqrt(N)` times it by the end of the
+            times it, falling linearly to the rate itself by the end of the
             model's first `fit` (`"anneal"`); with others `sqrt(N)` times it.
             With an `outer_optimizer` given, synchronous rounds or GEM, the
             rate is the user's. `"sqrt"`, `"anneal"`, `"linear"` (times N) or

@@ -34,7 +34,7 @@ OUTER_HELP = (
     "adaptive (synchronous: each round's gain from the rounds' noise scale, "
     "noise_scale.round_gain); each with +sqrt, +linear, +anneal, +none or +F for the "
     "workers' rate (lr_scaling; default: the strategy's auto under the asynchronous "
-    "default, N annealed to sqrt(N) for Adam's kin and sqrt(N) for others, else the "
+    "default, N annealed to 1 for Adam's kin and sqrt(N) for others, else the "
     "user's rate)"
 )
 

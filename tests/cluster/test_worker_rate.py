@@ -1,7 +1,7 @@
 """The workers' learning rate (`lr_scaling`): a window's steps run at the compiled
 optimizer's rate times the factor, warmed up (and annealed), exactly; the chief's
 optimizer keeps the user's rate; the default scales only where the PS averages the
-pushes: N annealed to sqrt(N) for Adam's kin, sqrt(N) for others."""
+pushes: N annealed to 1 for Adam's kin, sqrt(N) for others."""
 
 import keras
 import numpy as np
@@ -103,12 +103,12 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
 
 def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(local_cluster):
     """Where the PS averages the pushes: Adam's kin (a loss-scaling wrapper unwrapped) at
-    N after the warm-up, falling to sqrt(N); SGD and any other optimizer at sqrt(N)."""
+    N after the warm-up, falling to the user's rate; SGD and any other optimizer at sqrt(N)."""
     cluster = local_cluster(4)
     adam, sgd = keras.optimizers.Adam(1e-3), keras.optimizers.SGD(0.05, momentum=0.9)
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
     assert strategy.lr_scaling == "auto"
-    assert strategy.worker_rate_scale(adam) == strategy.worker_rate_scale(sgd) == 2.0
+    assert strategy.worker_rate_scale(adam) == 1.0 and strategy.worker_rate_scale(sgd) == 2.0
     assert strategy.worker_rate_peak(adam) == 4.0 and strategy.worker_rate_peak(sgd) == 2.0
     for kin in (
         keras.optimizers.AdamW(1e-3),

@@ -112,11 +112,11 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
     assert sqrt * 2 <= user and linear <= 1.5 * large
 
 
-def test_annealing_the_workers_rate_gets_linears_speed_and_sqrts_noise_floor(reference):
-    """The default for Adam's kin (`"anneal"`: N after the warm-up, falling to sqrt(N) by
-    the run's end) reaches the target as soon as N does (within 1.2 times its steps),
-    and ends at sqrt(N)'s noise floor, not N's: averaging N windows divides their noise
-    variance by N, so at sqrt(N) times the rate the averaged noise is one worker's."""
+def test_annealing_the_workers_rate_gets_linears_speed_and_ends_below_sqrts_floor(reference):
+    """The default for Adam's kin (`"anneal"`: N after the warm-up, falling to the user's
+    rate by the run's end) reaches the target as soon as N does (within 1.2 times its
+    steps), and ends below sqrt(N)'s noise floor: averaging N windows divides their noise
+    variance by N, so at the user's rate the averaged noise is below one worker's."""
     target, _ = reference
     asynchronous = update_rules.default_outer_optimizer(WORKERS)
     curves = {
@@ -127,7 +127,7 @@ def test_annealing_the_workers_rate_gets_linears_speed_and_sqrts_noise_floor(ref
     floor = {rule: float(np.mean(curve[-STEPS // 10 :])) for rule, curve in curves.items()}
     print(f"steps to the target {steps}, final loss {floor}")
     assert steps["anneal"] <= 1.2 * steps["linear"] and steps["anneal"] < steps["sqrt"]
-    assert floor["anneal"] <= 1.2 * floor["sqrt"] and floor["anneal"] < floor["linear"]
+    assert floor["anneal"] < floor["sqrt"] < floor["linear"]
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 8, 10, 16, 64])

@@ -62,9 +62,10 @@ CONFIG_FIELDS = {
     "compression": "how pushes travel to the PS: none | bf16 | int8 (per-block absmax) | "
     "topk (the largest 1%); lossy codecs keep an error-feedback residual per worker",
     "pull_compression": "how pulls travel to the workers: none | bf16 (the PS keeps float32)",
-    "lr_scaling": "the workers' learning rate: auto (times sqrt(N) where the PS averages the "
-    "pushes, the default outer rule; else unchanged) | none | sqrt | linear (times N) | a "
-    "factor, e.g. 2; warmed up over the first 5% of the run",
+    "lr_scaling": "the workers' learning rate: auto (where the PS averages the pushes, the "
+    "default outer rule: times N falling to 1 by the run's end for Adam's kin, times sqrt(N) "
+    "for others; else unchanged) | none | sqrt | linear (times N) | anneal | a factor, e.g. "
+    "2; warmed up over the first 5% of the run",
     "snapshot_every": "seconds between snapshots of the central state: a PS lost mid-run and "
     "back on its address is recovered from the newest (a local run restarts it itself); "
     "0 = none, so a lost PS stops the run and --resume continues from the newest checkpoint",

@@ -394,8 +394,9 @@ def worker_rate_scale(num_workers, rule):
     `"linear"`: N, the linear scaling rule for SGD (Goyal et al. 2017,
     arXiv:1706.02677). `"sqrt"`: `sqrt(N)`, the square-root rule for adaptive
     optimizers such as Adam (Malladi et al. 2022, arXiv:2205.10287). `"anneal"`:
-    `sqrt(N)` once annealed, from N (`worker_rate_peak`). `"none"`: 1. A number is
-    the factor itself. Why the workers and not the PS: docs/defaults.md.
+    1 once annealed, from N (`worker_rate_peak`): the user's rate, where the mean of N
+    windows has a window's noise variance over N. `"none"`: 1. A number is the factor
+    itself. Why the workers and not the PS: docs/defaults.md.
 
     Args:
         num_workers: N, the number of workers (at least 1).
@@ -407,12 +408,14 @@ def worker_rate_scale(num_workers, rule):
     Examples:
         >>> worker_rate_scale(8, "linear"), worker_rate_scale(4, "sqrt")
         (8.0, 2.0)
+        >>> worker_rate_scale(8, "anneal")
+        1.0
     """
     if not isinstance(rule, str):
         return float(rule)
     n = max(1, int(num_workers))
     root = float(np.sqrt(n))
-    return {"none": 1.0, "linear": float(n), "sqrt": root, "anneal": root}[rule]
+    return {"none": 1.0, "linear": float(n), "sqrt": root, "anneal": 1.0}[rule]
 
 
 def worker_rate_peak(num_workers, rule):
