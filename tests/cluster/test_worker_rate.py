@@ -3,6 +3,8 @@ optimizer's rate times the factor, warmed up (and annealed), exactly; the chief'
 optimizer keeps the user's rate; the default scales only where the PS averages the
 pushes: N annealed to 1 for Adam's kin, sqrt(N) for others."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -72,11 +74,11 @@ def test_one_worker_at_a_factor_equals_plain_keras_at_the_ramped_rate(local_clus
 
 
 def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
-    local_cluster, flat, monkeypatch
+    local_cluster, flat, monkeypatch, caplog
 ):
     """1 worker under `"anneal"`, its peak made 3 (it is N, 1 here): every step of `fit`
     equals plain Keras's Adam at the user's rate times the factor, up to 3 over the
-    warm-up, then down to sqrt(1) = 1 by the first fit's end."""
+    warm-up, then down to 1 by the first fit's end; a later fit says it runs at 1."""
     monkeypatch.setattr(update_rules, "worker_rate_peak", lambda n, rule: 3.0)
     (x, y), _ = flat
     x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 2, anneal by step 40
@@ -99,6 +101,9 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
     plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with caplog.at_level(logging.WARNING):
+        model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
+    assert "anneal from 3 spanned the model's first fit" in caplog.text
 
 
 def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(local_cluster):

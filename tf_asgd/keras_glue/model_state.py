@@ -8,6 +8,7 @@ between the strategy and the layers below it: the Keras hook reads and writes th
 (the outer optimizer, the running fit's steps per epoch) as arguments.
 """
 
+import logging
 import weakref
 
 from tf_asgd.keras_glue.evaluation import Evaluator
@@ -50,6 +51,15 @@ class ModelState:
         self.epochs_left = max(1, epochs)
         if self.first_fit_steps is None:
             self.first_fit_steps = steps_per_epoch * max(1, epochs)
+        elif self.trainer is not None and self.trainer.lr_scale_peak != self.trainer.lr_scale:
+            logging.getLogger(__name__).warning(
+                "This fit runs the workers at %.3g times the optimizer's rate: the factor's "
+                "anneal from %.3g spanned the model's first fit. Give the whole run to one "
+                "fit, or set lr_scaling='sqrt' or a number for a loop of fits "
+                "(docs/defaults.md).",
+                self.trainer.lr_scale,
+                self.trainer.lr_scale_peak,
+            )
 
     def end_fit(self):
         """Records that `model.fit` ended (also after an error)."""
