@@ -27,6 +27,8 @@ class ModelState:
             included; 0 outside `fit`.
         first_fit_steps: the steps the model's first `fit` was asked for (its
             epochs times `steps_per_epoch`); None before it.
+        said_anneal_ended: whether a later `fit` has logged that the workers'
+            rate anneal ended with the first (said once per model).
         evaluator: the model's `evaluation.Evaluator`, or None before its
             first evaluation on the workers (`ModelStates.ensure_evaluator`).
         outer_state: the `tf.Module` that tracks the outer optimizer's slots
@@ -39,6 +41,7 @@ class ModelState:
         self.steps_per_epoch = None
         self.epochs_left = 0
         self.first_fit_steps = None
+        self.said_anneal_ended = False  # a later fit's warning, given once
         self.evaluator = None
         self.outer_state = None
 
@@ -51,15 +54,24 @@ class ModelState:
         self.epochs_left = max(1, epochs)
         if self.first_fit_steps is None:
             self.first_fit_steps = steps_per_epoch * max(1, epochs)
-        elif self.trainer is not None and self.trainer.lr_scale_peak != self.trainer.lr_scale:
+        elif self._should_say_anneal_ended():
+            self.said_anneal_ended = True
             logging.getLogger(__name__).warning(
-                "This fit runs the workers at %.3g times the optimizer's rate: the factor's "
-                "anneal from %.3g spanned the model's first fit. Give the whole run to one "
-                "fit, or set lr_scaling='sqrt' or a number for a loop of fits "
-                "(docs/defaults.md).",
-                self.trainer.lr_scale,
+                "The workers' rate factor anneals from %.3g to %.3g over the model's first "
+                "fit; this fit runs at %.3g times the optimizer's rate once that is over. "
+                "Give the whole run to one fit, or set lr_scaling='sqrt' or a number for a "
+                "loop of fits (docs/defaults.md).",
                 self.trainer.lr_scale_peak,
+                self.trainer.lr_scale,
+                self.trainer.lr_scale,
             )
+
+    def _should_say_anneal_ended(self):
+        """Whether a later fit should hear that the workers' rate anneal spanned the first."""
+        trainer = self.trainer
+        if self.said_anneal_ended or trainer is None:
+            return False
+        return trainer.lr_scale_peak != trainer.lr_scale
 
     def end_fit(self):
         """Records that `model.fit` ended (also after an error)."""
