@@ -8,7 +8,6 @@ between the strategy and the layers below it: the Keras hook reads and writes th
 (the outer optimizer, the running fit's steps per epoch) as arguments.
 """
 
-import logging
 import weakref
 
 from tf_asgd.keras_glue.evaluation import Evaluator
@@ -27,8 +26,9 @@ class ModelState:
             included; 0 outside `fit`.
         first_fit_steps: the steps the model's first `fit` was asked for (its
             epochs times `steps_per_epoch`); None before it.
-        said_anneal_ended: whether a later `fit` has logged that the workers'
-            rate anneal ended with the first (said once per model).
+        fit_span: `(first step, steps)` of the running or last `fit`: the
+            optimizer's step count at its start, and the steps it was asked for.
+        fits: the model's `fit` calls so far, the running one included.
         evaluator: the model's `evaluation.Evaluator`, or None before its
             first evaluation on the workers (`ModelStates.ensure_evaluator`).
         outer_state: the `tf.Module` that tracks the outer optimizer's slots
@@ -41,37 +41,23 @@ class ModelState:
         self.steps_per_epoch = None
         self.epochs_left = 0
         self.first_fit_steps = None
-        self.said_anneal_ended = False  # a later fit's warning, given once
+        self.fit_span = (0, 0)
+        self.fits = 0
         self.evaluator = None
         self.outer_state = None
 
-    def start_fit(self, steps_per_epoch, epochs=1):
-        """Records that `model.fit` started, with `steps_per_epoch` steps an epoch
-        and `epochs` epochs to run (the first fit's steps set the workers' rate
-        warm-up: `WindowTrainer.lr_warmup_steps`)."""
+    def start_fit(self, steps_per_epoch, epochs=1, start_step=0):
+        """Records that `model.fit` started, with `steps_per_epoch` steps an epoch,
+        `epochs` epochs to run, and the optimizer's step count `start_step` (the
+        first fit's steps set the workers' rate warm-up, each fit's span its
+        anneal: `WindowTrainer.lr_anneal_span`)."""
         self.fitting = True
         self.steps_per_epoch = steps_per_epoch
         self.epochs_left = max(1, epochs)
+        self.fits += 1
+        self.fit_span = (int(start_step), steps_per_epoch * max(1, epochs))
         if self.first_fit_steps is None:
             self.first_fit_steps = steps_per_epoch * max(1, epochs)
-        elif self._should_say_anneal_ended():
-            self.said_anneal_ended = True
-            logging.getLogger(__name__).warning(
-                "The workers' rate factor anneals from %.3g to %.3g over the model's first "
-                "fit; this fit runs at %.3g times the optimizer's rate once that is over. "
-                "Give the whole run to one fit, or set lr_scaling='sqrt' or a number for a "
-                "loop of fits (docs/defaults.md).",
-                self.trainer.lr_scale_peak,
-                self.trainer.lr_scale,
-                self.trainer.lr_scale,
-            )
-
-    def _should_say_anneal_ended(self):
-        """Whether a later fit should hear that the workers' rate anneal spanned the first."""
-        trainer = self.trainer
-        if self.said_anneal_ended or trainer is None:
-            return False
-        return trainer.lr_scale_peak != trainer.lr_scale
 
     def end_fit(self):
         """Records that `model.fit` ended (also after an error)."""

@@ -449,27 +449,32 @@ def warmed_up_rate_scale(scale, step, warmup_steps, xp=np):
     return annealed_rate_scale(scale, scale, step, warmup_steps, warmup_steps, xp)
 
 
-def annealed_rate_scale(peak, final, step, warmup_steps, anneal_steps, xp=np):
+def annealed_rate_scale(peak, final, step, warmup_steps, anneal_steps, xp=np, anneal_from=None):
     """The workers' factor at `step`: from 1 up to `peak` linearly over the first
-    `warmup_steps` steps (Goyal et al.'s warm-up), then linearly down to `final` by
-    step `anneal_steps`, then `final`.
+    `warmup_steps` steps (Goyal et al.'s warm-up), then linearly down to `final`
+    from step `anneal_from` to step `anneal_steps`, then `final`.
 
     Args:
         peak: the factor after the warm-up (`worker_rate_peak`).
         final: the factor from `anneal_steps` on (`worker_rate_scale`).
         step: the optimizer's step count (every worker's steps), a number or a tensor.
         warmup_steps: steps to reach `peak`, at least 1.
-        anneal_steps: the step at which `final` is reached (the first `fit`'s end).
+        anneal_steps: the step at which `final` is reached (a `fit`'s last step).
         xp: `numpy`, or `tensorflow.experimental.numpy` inside a window.
+        anneal_from: the step from which the factor falls, a number or a tensor
+            (default `warmup_steps`; a later `fit`'s first step).
 
     Examples:
         >>> [float(annealed_rate_scale(8.0, 2.0, t, 4, 10)) for t in (0, 3, 6, 9, 50)]
         [2.75, 8.0, 5.0, 2.0, 2.0]
+        >>> [float(annealed_rate_scale(8.0, 2.0, t, 4, 21, anneal_from=11)) for t in (10, 15, 20)]
+        [8.0, 5.0, 2.0]
     """
     t = xp.asarray(step, dtype=xp.float32) + 1.0
     ramp = xp.minimum(1.0, t / float(warmup_steps))
-    span = max(1.0, float(anneal_steps) - float(warmup_steps))
-    fall = xp.clip((t - float(warmup_steps)) / span, 0.0, 1.0)
+    start = xp.asarray(warmup_steps if anneal_from is None else anneal_from, dtype=xp.float32)
+    span = xp.maximum(1.0, xp.asarray(anneal_steps, dtype=xp.float32) - start)
+    fall = xp.clip((t - start) / span, 0.0, 1.0)
     top = float(peak) + (float(final) - float(peak)) * fall
     return 1.0 + (top - 1.0) * ramp
 

@@ -146,12 +146,22 @@ class WindowTrainer:
         return max(1, round(update_rules.WORKER_RATE_WARMUP * first))
 
     @property
+    def lr_anneal_span(self):
+        """`(from, to)`: the optimizer steps over which the running fit's factor falls
+        from `lr_scale_peak` to `lr_scale`, each fit over its own steps (every
+        worker's): the model's first fit from its warm-up's end, a later one from
+        its first step; both to their last step."""
+        start, steps = self._fit_state.fit_span
+        first = start + (self.lr_warmup_steps if self._fit_state.fits <= 1 else 1)
+        return float(first), float(max(first, start + steps))
+
+    @property
     def lr_anneal_steps(self):
-        """The step by which the workers' rate has fallen to `lr_scale`: the first
-        `fit`'s end (every worker's steps); the warm-up's end where nothing anneals."""
+        """The step by which the workers' rate has fallen to `lr_scale`: the running
+        (or last) `fit`'s end; the warm-up's end where nothing anneals."""
         if self.lr_scale_peak == self.lr_scale:
             return self.lr_warmup_steps
-        return max(self.lr_warmup_steps, self._fit_state.first_fit_steps or 0)
+        return int(self.lr_anneal_span[1])
 
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
@@ -254,11 +264,7 @@ class WindowTrainer:
             if not windows:
                 return
         else:
-            args = (
-                self._iterator,
-                tf.constant(plan),
-                tf.constant([len(windows), budget], tf.float64),
-            )
+            args = (self._iterator, tf.constant(plan), closure_limits(self, windows, budget))
             if self._concrete is None or self._concrete[0] is not self._iterator:
                 self.window.prepare(self._iterator)  # errors before anything is traced
                 self._concrete = (
@@ -492,6 +498,12 @@ def _run_round(trainer, windows):
         trainer._schedule([window])
 
 
+def closure_limits(trainer, windows, budget):
+    """A closure's `limits` (`WindowProgram.run`): its windows, its budget in seconds,
+    and the steps over which the workers' rate anneals (`lr_anneal_span`)."""
+    return tf.constant([len(windows), budget, *trainer.lr_anneal_span], tf.float64)
+
+
 def _fed_closure(trainer, windows, plan, budget):
     """`(concrete function, args, windows)` of `trainer`'s closure of `windows` on
     batches the chief read (`python_inputs.ChiefFeed`): they travel as its
@@ -508,14 +520,14 @@ def _fed_closure(trainer, windows, plan, budget):
     args = (
         feed.pack([w for _, w in windows]),
         tf.constant(plan),
-        tf.constant([len(windows), budget], tf.float64),
+        closure_limits(trainer, windows, budget),
     )
     concrete = trainer._fed_concrete.get(feed.key)
     if concrete is None:
         trainer.window.prepare(None, feed.element_spec)  # errors before anything is traced
         function = python_inputs.window_on_sent_batches(trainer.window, feed.element_spec)
         concrete = trainer._fed_concrete[feed.key] = function.get_concrete_function(
-            feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([2], tf.float64)
+            feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([4], tf.float64)
         )
     return concrete, args, windows
 

@@ -52,6 +52,7 @@ class WindowFunction:
             else None
         )
         self._metrics_checked = False  # metric states checked to merge (`prepare`)
+        self._anneal_span = None  # the workers' rate anneal's (from, to) tensors, in a trace
         self.state = WindowState(trainer, own_train_step=self._model_step is not None)
 
     @property
@@ -125,8 +126,9 @@ class WindowFunction:
             plan: int64 `[2, N]`: each window's id (unique; a re-run keeps
                 it) and local steps (`n_sync`, or fewer for an epoch's last
                 window); the first `K` are used.
-            limits: float64 `[2]`: `K`, the closure's windows, and its
-                budget, the seconds after which no new window starts.
+            limits: float64 `[4]`: `K`, the closure's windows; its budget,
+                the seconds after which no new window starts; and the steps
+                from and to which the workers' rate anneals (`closure_limits`).
 
         Returns:
             float64 `[windows run, row size]`: one packed result per window
@@ -143,6 +145,7 @@ class WindowFunction:
     def _run(self, iterator, plan, limits, shift_data):
         window_ids, num_steps = plan[0], plan[1]
         count, budget = tf.cast(limits[0], tf.int32), limits[1]
+        self._anneal_span = (limits[2], limits[3])  # read by `_workers_rate` in this trace
         worker = tf.cast(
             tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64
         )
@@ -284,15 +287,18 @@ class WindowFunction:
         """While the local steps are traced: the local optimizer at the workers'
         rate, its own times the trainer's factor: warmed up to `lr_scale_peak`
         over the compiled optimizer's first `lr_warmup_steps` steps (every
-        worker's), then annealed to `lr_scale` by `lr_anneal_steps`."""
+        worker's), then annealed to `lr_scale` over the closure's anneal span
+        (the running fit's, `WindowTrainer.lr_anneal_span`)."""
         t = self._trainer
         peak, final = t.lr_scale_peak, t.lr_scale
         if peak == final == 1.0:
             return contextlib.nullcontext()
-        warmup, anneal = t.lr_warmup_steps, t.lr_anneal_steps
+        warmup, (start, end) = t.lr_warmup_steps, self._anneal_span
         return internals.scaled_learning_rate(
             self.local_optimizer,
-            lambda step: update_rules.annealed_rate_scale(peak, final, step, warmup, anneal, tnp),
+            lambda step: update_rules.annealed_rate_scale(
+                peak, final, step, warmup, end, tnp, anneal_from=start
+            ),
         )
 
     def _step(self, batch, weights, opt_values, metric_values):
