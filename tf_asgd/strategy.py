@@ -295,8 +295,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             multiple of the compiled optimizer's rate, so that a round of N
             averaged windows moves about as far as a batch N times larger
             would: with Adam and its kin (`optimizer_options.is_adaptive`) N
-            times it, falling linearly to the rate itself by the end of the
-            model's first `fit` (`"anneal"`); with others `sqrt(N)` times it.
+            times it, falling linearly to the rate itself by the end of
+            each `fit` (`"anneal"`); with others `sqrt(N)` times it.
             With an `outer_optimizer` given, synchronous rounds or GEM, the
             rate is the user's. `"sqrt"`, `"anneal"`, `"linear"` (times N) or
             a number set the factor for any optimizer; `"none"` keeps the

@@ -33,7 +33,9 @@ OUTER_HELP = (
     "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
     "adaptive (synchronous: each round's gain from the rounds' noise scale, "
     "noise_scale.round_gain); each with +sqrt, +linear, +anneal, +none or +F for the "
-    "workers' rate (lr_scaling; default: the strategy's auto under the asynchronous "
+    "workers' rate, +anneal:F (N falling to F by the run's end) or +fits:K:F:MODE (the "
+    "run as K fits: MODE first anneals over the first only, each over every fit, eachw "
+    "with a warm-up in each too) (lr_scaling; default: the strategy's auto under the asynchronous "
     "default, N annealed to 1 for Adam's kin and sqrt(N) for others, else the "
     "user's rate)"
 )
@@ -42,7 +44,8 @@ OUTER_HELP = (
 def worker_rate(name, workers, synchronous, optimizer):
     """`(peak, final)`: the factor on the workers' rate after the warm-up and from the
     run's end on, under the outer rule `name`: its `+RULE` suffix, else the strategy's
-    `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1."""
+    `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1;
+    `(peak, final, K, mode)` for `+fits:K:F:MODE` (`workers_optimizer`)."""
     from tf_asgd.rules import update_rules
     from tf_asgd.runtime import optimizer_options
 
@@ -54,6 +57,11 @@ def worker_rate(name, workers, synchronous, optimizer):
             if base == "default"
             else "none"
         )
+    if rule.startswith("fits:"):
+        _, k, final, mode = rule.split(":")
+        return float(workers), float(final), int(k), mode
+    if rule.startswith("anneal:"):
+        return float(workers), float(rule.split(":")[1])
     if rule not in update_rules.WORKER_RATE_RULES:
         rule = float(rule)
     peak = update_rules.worker_rate_peak(workers, rule)
@@ -112,7 +120,8 @@ def scaled_optimizer(name, scale):
 def workers_optimizer(name, scale, warmup_steps, anneal_steps):
     """The setup's optimizer at its own rate times the factor `scale` = `(peak, final)`:
     from 1 to `peak` over the first `warmup_steps`, then to `final` by `anneal_steps`
-    (`update_rules.annealed_rate_scale`, as the strategy does)."""
+    (`update_rules.annealed_rate_scale`, as the strategy does); `(peak, final, K, mode)`:
+    the run as K fits (`worker_rate`)."""
     import keras
     import tensorflow.experimental.numpy as tnp
 
@@ -123,8 +132,23 @@ def workers_optimizer(name, scale, warmup_steps, anneal_steps):
             self.rate = rate
 
         def __call__(self, step):
+            if len(scale) == 4:
+                return self.rate * _fits_factor(step)
             factor = update_rules.annealed_rate_scale(*scale, step, warmup_steps, anneal_steps, tnp)
             return self.rate * factor
+
+    def _fits_factor(step):
+        peak, final, k, mode = scale
+        period = max(1, anneal_steps // k)
+        t = tnp.asarray(step, dtype=tnp.float32)
+        first = update_rules.annealed_rate_scale(peak, final, t, warmup_steps, period, tnp)
+        if mode == "first":
+            return first
+        local = tnp.mod(t, float(period))
+        again = update_rules.annealed_rate_scale(
+            peak, final, local, warmup_steps if mode == "eachw" else 1, period, tnp
+        )
+        return tnp.where(t < period, first, again)
 
     return _with_learning_rate(name, WorkersRate)
 

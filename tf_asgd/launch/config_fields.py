@@ -63,7 +63,7 @@ CONFIG_FIELDS = {
     "topk (the largest 1%); lossy codecs keep an error-feedback residual per worker",
     "pull_compression": "how pulls travel to the workers: none | bf16 (the PS keeps float32)",
     "lr_scaling": "the workers' learning rate: auto (where the PS averages the pushes, the "
-    "default outer rule: times N falling to 1 by the run's end for Adam's kin, times sqrt(N) "
+    "default outer rule: times N falling to 1 by each fit's end for Adam's kin, times sqrt(N) "
     "for others; else unchanged) | none | sqrt | linear (times N) | anneal | a factor, e.g. "
     "2; warmed up over the first 5% of the run",
     "snapshot_every": "seconds between snapshots of the central state: a PS lost mid-run and "

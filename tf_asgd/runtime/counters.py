@@ -55,12 +55,12 @@ class AsyncStats:
             effective rate.
         lr_scale_peak: the factor after the warm-up: N under `"anneal"` (the
             default for Adam and its kin), from which it falls linearly to
-            `lr_scale`; `lr_scale` itself otherwise.
+            `lr_scale` over each `fit`; `lr_scale` itself otherwise.
         lr_warmup_steps: the optimizer steps (every worker's) over which the
             workers' factor rises linearly from 1 to `lr_scale_peak`.
         lr_anneal_steps: the optimizer step by which it has fallen to
-            `lr_scale` (the first `fit`'s end; `lr_warmup_steps` where it does
-            not anneal).
+            `lr_scale` (the running or last `fit`'s end, each `fit` annealing
+            over its own steps; `lr_warmup_steps` where it does not anneal).
         noise_scale: the gradient noise scale of the last finished epoch's
             synchronous rounds, in windows (McCandlish et al. 2018,
             `rules.noise_scale`): about how many workers' windows a round can

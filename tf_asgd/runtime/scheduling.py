@@ -88,7 +88,7 @@ class WindowTrainer:
         )
         self.outer = outer_optimizer
         # The workers' rate factor: `lr_scale_peak` after the warm-up, `lr_scale` from
-        # the first fit's end on (`update_rules.annealed_rate_scale`).
+        # each fit's end (`update_rules.annealed_rate_scale`, `lr_anneal_span`).
         self.lr_scale, self.lr_scale_peak = (
             strategy.worker_rate_scale(opt),
             strategy.worker_rate_peak(opt),
