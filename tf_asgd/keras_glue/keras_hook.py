@@ -106,15 +106,6 @@ def _wrap(name, ours_impl, entry_point=False):
     setattr(internals.TensorFlowTrainer, name, wrapper)
 
 
-def _annealed_from(model, strategy):
-    """The optimizer's step count as a fit starts, where the workers' rate anneals
-    over each fit (`lr_scaling`); else 0, and nothing is read from the PS."""
-    opt = model.optimizer
-    if strategy.worker_rate_peak(opt) == strategy.worker_rate_scale(opt):
-        return 0
-    return int(internals.iteration_variable(opt).numpy())
-
-
 def _fit(original, model, *args, **kwargs):
     strategy = _strategy_of(model)
     state = strategy.model_states.get(model)
@@ -136,11 +127,7 @@ def _fit(original, model, *args, **kwargs):
         feed.steps_per_epoch = kwargs["steps_per_epoch"]
         python_inputs.start_fit(model, feed)
     state = strategy.model_states.get_or_create(model)
-    state.start_fit(
-        kwargs["steps_per_epoch"],
-        kwargs["epochs"] - kwargs["initial_epoch"],
-        start_step=_annealed_from(model, strategy),
-    )
+    state.start_fit(kwargs["steps_per_epoch"], kwargs["epochs"] - kwargs["initial_epoch"])
     strategy.ps_recovery.start_fit()
     # One Keras "execution" is one window of n_sync steps, for this fit only.
     users_steps_per_execution = model.steps_per_execution

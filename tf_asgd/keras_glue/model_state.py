@@ -27,7 +27,9 @@ class ModelState:
         first_fit_steps: the steps the model's first `fit` was asked for (its
             epochs times `steps_per_epoch`); None before it.
         fit_span: `(first step, steps)` of the running or last `fit`: the
-            optimizer's step count at its start, and the steps it was asked for.
+            optimizer's step count at its start (None until the trainer reads
+            it, at the fit's first window: `WindowTrainer.lr_anneal_span`), and
+            the steps it was asked for.
         fits: the model's `fit` calls so far, the running one included.
         evaluator: the model's `evaluation.Evaluator`, or None before its
             first evaluation on the workers (`ModelStates.ensure_evaluator`).
@@ -46,16 +48,15 @@ class ModelState:
         self.evaluator = None
         self.outer_state = None
 
-    def start_fit(self, steps_per_epoch, epochs=1, start_step=0):
-        """Records that `model.fit` started, with `steps_per_epoch` steps an epoch,
-        `epochs` epochs to run, and the optimizer's step count `start_step` (the
-        first fit's steps set the workers' rate warm-up, each fit's span its
-        anneal: `WindowTrainer.lr_anneal_span`)."""
+    def start_fit(self, steps_per_epoch, epochs=1):
+        """Records that `model.fit` started, with `steps_per_epoch` steps an epoch
+        and `epochs` epochs to run (the first fit's steps set the workers' rate
+        warm-up, each fit's span its anneal: `WindowTrainer.lr_anneal_span`)."""
         self.fitting = True
         self.steps_per_epoch = steps_per_epoch
         self.epochs_left = max(1, epochs)
         self.fits += 1
-        self.fit_span = (int(start_step), steps_per_epoch * max(1, epochs))
+        self.fit_span = (None, steps_per_epoch * max(1, epochs))
         if self.first_fit_steps is None:
             self.first_fit_steps = steps_per_epoch * max(1, epochs)
 

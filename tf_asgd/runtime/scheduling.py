@@ -151,8 +151,14 @@ class WindowTrainer:
         from `lr_scale_peak` to `lr_scale`, each fit over its own steps (every
         worker's): the model's first fit from its warm-up's end, a later one from
         its first step; both to their last step."""
-        start, steps = self._fit_state.fit_span
-        first = start + (self.lr_warmup_steps if self._fit_state.fits <= 1 else 1)
+        if self.lr_scale_peak == self.lr_scale:
+            return 0.0, 0.0
+        state = self._fit_state
+        start, steps = state.fit_span
+        if start is None:  # read once a fit, inside it: a PS lost meanwhile is recovered
+            start = int(internals.iteration_variable(self.optimizer).numpy())
+            state.fit_span = (start, steps)
+        first = start + (self.lr_warmup_steps if state.fits <= 1 else 1)
         return float(first), float(max(first, start + steps))
 
     @property
