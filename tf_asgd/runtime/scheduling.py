@@ -505,7 +505,7 @@ def _run_round(trainer, windows):
 
 
 def closure_limits(trainer, windows, budget):
-    """A closure's `limits` (`WindowProgram.run`): its windows, its budget in seconds,
+    """A closure's `limits` (`WindowFunction.run`): its windows, its budget in seconds,
     and the steps over which the workers' rate anneals (`lr_anneal_span`)."""
     return tf.constant([len(windows), budget, *trainer.lr_anneal_span], tf.float64)
 
