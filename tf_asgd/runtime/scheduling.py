@@ -151,15 +151,7 @@ class WindowTrainer:
         from `lr_scale_peak` to `lr_scale`, each fit over its own steps (every
         worker's): the model's first fit from its warm-up's end, a later one from
         its first step; both to their last step."""
-        if self.lr_scale_peak == self.lr_scale:
-            return 0.0, 0.0
-        state = self._fit_state
-        start, steps = state.fit_span
-        if start is None:  # read once a fit, inside it: a PS lost meanwhile is recovered
-            start = int(internals.iteration_variable(self.optimizer).numpy())
-            state.fit_span = (start, steps)
-        first = start + (self.lr_warmup_steps if state.fits <= 1 else 1)
-        return float(first), float(max(first, start + steps))
+        return _anneal_span(self, self._fit_state)
 
     @property
     def lr_anneal_steps(self):
@@ -502,6 +494,18 @@ def _run_round(trainer, windows):
     trainer.window.state.start_rounds().capture()
     for window in windows:
         trainer._schedule([window])
+
+
+def _anneal_span(trainer, state):
+    """`WindowTrainer.lr_anneal_span`, with `state` its fit state (a `ModelState`)."""
+    if trainer.lr_scale_peak == trainer.lr_scale:
+        return 0.0, 0.0
+    start, steps = state.fit_span
+    if start is None:  # read once a fit, inside it: a PS lost meanwhile is recovered
+        start = int(internals.iteration_variable(trainer.optimizer).numpy())
+        state.fit_span = (start, steps)
+    first = start + (trainer.lr_warmup_steps if state.fits <= 1 else 1)
+    return float(first), float(max(first, start + steps))
 
 
 def closure_limits(trainer, windows, budget):
