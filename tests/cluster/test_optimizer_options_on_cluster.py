@@ -189,7 +189,7 @@ def test_option_matches_keras_exactly(cluster, digits, make):
 
 # ---- mixed precision --------------------------------------------------------
 
-MIXED_EPOCHS = 10
+MIXED_EPOCHS = 15  # long enough that asynchronous timing moves held-out accuracy little
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
