@@ -150,6 +150,8 @@ def _fit(original, model, *args, **kwargs):
             _join(strategy.coordinator, state.trainer, failed)
         finally:
             python_inputs.end_fit(model, state.trainer)
+        if not failed and state.trainer is not None:  # for a PS lost before the next fit
+            strategy.ps_recovery.end_fit(state.trainer)
 
 
 def _raise_if_ps_lost(error, strategy):

@@ -1,16 +1,17 @@
-"""A parameter server lost during `fit`, recovered inside `fit`.
+"""A parameter server lost during `fit` (or between two), recovered inside `fit`.
 
 A snapshot is the whole cluster where no push is half applied: the chief reads every PS
 variable (model, optimizer, outer slots, push counters, the ring of applied windows) and
 each worker copies its own variables (its optimizer state, which Adam's bias correction
-reads with the PS's step count) beside them. One is taken at each `fit`'s start, then as
-often as costs at most `SNAPSHOT_BUDGET` of the time, at least every `snapshot_every`
-seconds. When a PS is lost, the chief waits (at most `connect_timeout`) for it to answer,
-reconnects, gives every PS variable a new resource holding the snapshot (no shard newer
-than another), drops the traces that captured the old ones, has each worker copy its own
-variables back, and `fit` goes on. The pushes since the snapshot are rolled back; they
-and the windows in flight train again under their own ids, which the restored ring of
-applied ids does not hold, so none is applied twice. How: docs/ps_recovery.md.
+reads with the PS's step count) beside them. One is taken at each `fit`'s start and end,
+then as often as costs at most `SNAPSHOT_BUDGET` of the time, at least every
+`snapshot_every` seconds. When a PS is lost, the chief waits (at most `connect_timeout`)
+for it to answer, reconnects, gives every PS variable a new resource holding the
+snapshot (no shard newer than another), drops the traces that captured the old ones, has
+each worker copy its own variables back, and `fit` goes on. The pushes since the
+snapshot are rolled back; they and the windows in flight train again under their own
+ids, which the restored ring of applied ids does not hold, so none is applied twice.
+How: docs/ps_recovery.md.
 """
 
 import dataclasses
@@ -34,6 +35,10 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
+_EARLIER_FIT = (
+    ", the last fit's end (what was written to the PS between the fits, such as "
+    "set_weights, is not in it)"
+)
 
 
 @dataclasses.dataclass
@@ -93,6 +98,8 @@ class PSRecovery:
         internals.on_variable_created(strategy, lambda v: self._created.append(weakref.ref(v)))
         self._server_def = internals.server_def()
         self.snapshot = None
+        self._at_fit_end = False  # `snapshot` was taken as the last `fit` ended
+        self._earlier_fit = False  # `snapshot` is an earlier `fit`'s end: a fresh one is due
         self.recoveries = []
         self.snapshots = []
         self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
@@ -148,14 +155,32 @@ class PSRecovery:
                 pass  # a worker lost meanwhile: its own variables restart with it
 
     def start_fit(self):
-        """Makes a snapshot due: the next quiet moment of the `fit` starting takes one."""
-        self.snapshot = None
+        """Makes a snapshot due: the next quiet moment of the `fit` starting takes one.
+        Until then a lost PS goes back to the last `fit`'s end (`end_fit`), if one was
+        taken there; else it cannot be recovered."""
+        if not self._at_fit_end:
+            self.snapshot = None
+        self._earlier_fit = self.snapshot is not None
+
+    def end_fit(self, trainer):
+        """Takes a snapshot as a `fit` ends cleanly (nothing in flight), for a PS lost
+        before the next `fit`'s first one. A PS lost during the read leaves none."""
+        self._at_fit_end = False
+        if self.snapshot_every is None:
+            return
+        try:
+            self.take(trainer)
+        except tf.errors.OpError as e:
+            self.snapshot = None
+            log.warning("No snapshot at the fit's end (a PS did not answer): %s", e)
+            return
+        self._at_fit_end = True
 
     def due(self):
         """Whether a snapshot should be taken at the next quiet moment."""
         if self.snapshot_every is None:
             return False
-        if self.snapshot is None:
+        if self.snapshot is None or self._earlier_fit:
             return True
         read, waited = self.snapshots[-1][:2]  # the last one's cost
         interval = min(self.snapshot_every, (read + waited) / SNAPSHOT_BUDGET)
@@ -173,6 +198,7 @@ class PSRecovery:
         self.snapshot = Snapshot(
             [weakref.ref(r) for r in variables], values, time.monotonic(), marks
         )
+        self._at_fit_end = self._earlier_fit = False
         seconds = time.perf_counter() - start
         self.snapshots.append((seconds, waited, nbytes, time.time()))
 
@@ -184,7 +210,7 @@ class PSRecovery:
             The `Recovery`.
         """
         strategy = self._strategy()
-        if self.snapshot is None:
+        if self.snapshot is None or not self._covers(trainer):
             raise error
         lost = lost_tasks.lost_ps(error, strategy.cluster_spec) or self._probe(error)
         if not lost:
@@ -193,10 +219,11 @@ class PSRecovery:
         age = start - self.snapshot.taken_at
         log.warning(
             "Lost parameter server %s; waiting up to %g s for it to answer again, then "
-            "going back to the snapshot of %.1f s ago.",
+            "going back to the snapshot of %.1f s ago%s.",
             ", ".join(lost),
             strategy.connect_timeout,
             age,
+            _EARLIER_FIT if self._earlier_fit else "",
         )
         try:
             in_flight = trainer.abandon()
@@ -243,6 +270,19 @@ class PSRecovery:
             version,
         )
         return done
+
+    def _covers(self, trainer):
+        """Whether going back to the snapshot undoes only what can train again: always
+        within the `fit` that took it. One of an earlier `fit`'s end must hold every PS
+        variable there is now (a model built since is not in it) and have no window
+        logged after it (an ended `fit`'s windows cannot train again)."""
+        if not self._earlier_fit:
+            return True
+        held = {id(ref()) for ref in self.snapshot.variables}
+        if any(id(r) not in held for _, rs in self._ps_variables() for r in rs):
+            return False
+        mark = self.snapshot.marks.get(trainer, len(trainer.window_log))
+        return mark == len(trainer.window_log)
 
     def _probe(self, error):
         """The PS tasks that fail a read of one of their variables, where `error` may be
