@@ -214,9 +214,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `tf_asgd.OuterSGD(learning_rate, momentum, nesterov)` (DiLoCo's is
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
             `tf_asgd.DelayedNesterov(learning_rate, momentum, delay)`. `None`:
-            `update_rules.default_outer_optimizer(num_workers)` (the rate
-            `update_rules.default_outer_learning_rate(num_workers)`, after
-            a schedule over the first pushes that starts from the average
+            `update_rules.default_outer_optimizer(num_workers, ...)` (the
+            rate `update_rules.default_outer_learning_rate(num_workers)`, on
+            3 and 4 workers at the user's rate or `sqrt(N)` times it after a
+            schedule over the first pushes that starts from the average
             `1 / num_workers`), or `OuterSGD()` (add as is) for GEM.
             Its state lives on the PS beside each variable (or shard).
         worker_state: what a worker does with its own optimizer state
@@ -682,9 +683,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             adaptive=optimizer_options.is_adaptive(optimizer),
         )
 
-    def _outer_optimizer_for(self, push_rule):
-        """The outer optimizer a model's pushes get (see `outer_optimizer`);
-        refuses GEM in synchronous mode."""
+    def _outer_optimizer_for(self, optimizer):
+        """The outer optimizer the pushes of a model compiled with `optimizer` get (see
+        `outer_optimizer`); refuses GEM in synchronous mode."""
+        push_rule = getattr(optimizer, "asgd_push_rule", None)
         if self.synchronous:
             rounds.refuse_push_rule(push_rule)
         if self.outer_optimizer is not None:
@@ -693,4 +695,6 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             return update_rules.OuterSGD()  # GEM: the paper's PS adds pushes as is
         if self.synchronous:
             return update_rules.default_synchronous_outer_optimizer(self.num_workers)
-        return update_rules.default_outer_optimizer(self.num_workers)
+        return update_rules.default_outer_optimizer(
+            self.num_workers, self.worker_rate_peak(optimizer)
+        )

@@ -68,8 +68,9 @@ def worker_rate(name, workers, synchronous, optimizer):
     return peak, update_rules.worker_rate_scale(workers, rule)
 
 
-def outer_rule(name, workers, synchronous):
-    """The outer optimizer `name` (see `OUTER_HELP`) for `workers` workers."""
+def outer_rule(name, workers, synchronous, worker_peak=1.0):
+    """The outer optimizer `name` (see `OUTER_HELP`) for `workers` workers whose rate
+    peaks at `worker_peak` times the setup's (the strategy's default depends on it)."""
     from tf_asgd.rules import update_rules
 
     name = name.partition("+")[0]
@@ -77,7 +78,7 @@ def outer_rule(name, workers, synchronous):
     if name == "default" and synchronous:
         return update_rules.default_synchronous_outer_optimizer(workers)
     if name == "default":
-        return update_rules.default_outer_optimizer(workers)
+        return update_rules.default_outer_optimizer(workers, worker_peak)
     if name == "average":
         return update_rules.OuterSGD(1.0 / workers)
     if name == "diloco":
@@ -431,8 +432,8 @@ def run_setup(setup, data, seed, args):
             # In steps per worker: N workers need about 1/N of plain's steps at best.
             per_worker = every * max(1, round(steps * args.outer_steps / n / every))
             asynchronous = method == "async_outer"
-            opt = outer_rule(scaling, n, not asynchronous)
             scale = worker_rate(scaling, n, not asynchronous, harness.SETUPS[setup][2])
+            opt = outer_rule(scaling, n, not asynchronous, worker_peak=scale[0])
             points, noise = outer_rounds(
                 setup,
                 data,

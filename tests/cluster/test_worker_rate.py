@@ -132,6 +132,10 @@ def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(l
     ):
         assert strategy.worker_rate_peak(kin) == 4.0, kin
     assert strategy.worker_rate_peak(keras.optimizers.Muon(1e-3)) == 2.0
+    # The PS's first-round rise stays where the workers' peak leaves room for it.
+    outer_for = strategy._outer_optimizer_for  # private: the outer a model would get
+    assert outer_for(adam) == tf_asgd.OuterSGD(0.25)
+    assert outer_for(sgd) == update_rules.default_outer_optimizer(4) != tf_asgd.OuterSGD(0.25)
     assert (
         strategy.worker_rate_scale(GEM(keras.optimizers.SGD(0.05, momentum=0.9))) == 1.0
     )  # GEM's steps stay the paper's

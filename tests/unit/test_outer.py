@@ -121,6 +121,23 @@ def test_default_outer_optimizer_rises_over_the_first_round_then_falls():
     np.testing.assert_allclose(rates, expected)
 
 
+def test_the_first_round_rise_keeps_the_workers_rate_within_the_linear_rule():
+    """The rise on 3 and 4 workers times the workers' peak factor stays within N: it
+    stays at the user's rate (1) and `sqrt(N)` (SGD's default), and is dropped under the
+    anneal, whose workers start at N, and for a factor that leaves no room for it."""
+    for n in (3, 4):
+        boosted = update_rules.default_outer_optimizer(n)
+        rise = update_rules.outer_learning_rate(boosted, n) * n  # at its peak, over 1/N
+        for rule in ("none", "sqrt", "anneal", "linear", 1.5):
+            peak = update_rules.worker_rate_peak(n, rule)
+            opt = update_rules.default_outer_optimizer(n, worker_peak=peak)
+            assert (opt == boosted) == (peak * rise <= n), (n, rule)
+            assert (opt == boosted) == (rule in ("none", "sqrt", 1.5)), (n, rule)
+        assert update_rules.default_outer_optimizer(n, worker_peak=n) == update_rules.OuterSGD(
+            1.0 / n
+        )
+
+
 def test_schedule_is_normalised_so_equal_optimizers_compare_equal():
     assert update_rules.OuterSGD(0.5, schedule=[[4, 1]]) == update_rules.OuterSGD(
         0.5, schedule=((4, 1.0),)

@@ -75,9 +75,8 @@ class ModelStates:
 
     Args:
         strategy: the `AsyncParameterServerStrategy` the models belong to.
-        outer_optimizer_for: `fn(push_rule) -> outer optimizer`: what a
-            model's pushes get on the PS (its optimizer's `asgd_push_rule`,
-            None without one).
+        outer_optimizer_for: `fn(optimizer) -> outer optimizer`: what the
+            pushes of a model compiled with `optimizer` get on the PS.
     """
 
     def __init__(self, strategy, outer_optimizer_for):
@@ -102,9 +101,8 @@ class ModelStates:
         state = self.get_or_create(model)
         trainer = state.trainer
         if trainer is None or trainer.optimizer is not model.optimizer:
-            push_rule = getattr(model.optimizer, "asgd_push_rule", None)
             trainer = WindowTrainer(
-                model, self._strategy, self._outer_optimizer_for(push_rule), state
+                model, self._strategy, self._outer_optimizer_for(model.optimizer), state
             )
             state.trainer = trainer
         return trainer

@@ -324,7 +324,7 @@ def default_outer_learning_rate(num_workers):
     return 1.0 / max(1, int(num_workers))
 
 
-def default_outer_optimizer(num_workers):
+def default_outer_optimizer(num_workers, worker_peak=1.0):
     """The strategy's default outer optimizer for `num_workers` workers.
 
     `OuterSGD(default_outer_learning_rate(N))`: the average `1 / N` a push.
@@ -332,10 +332,14 @@ def default_outer_optimizer(num_workers):
     windows all start from the same weights, so the first round starts from
     the average; after it pushes decorrelate, and the rate rises over the
     first round to `min(2 / N, 1 / 2, stability_limit(N))` and falls back to
-    the average over the next `10 N` pushes. Why: docs/defaults.md.
+    the average over the next `10 N` pushes. Only where that rise times the
+    workers' own peak factor stays within N, the large batch's linear rule:
+    not under the anneal, whose workers start at N. Why: docs/defaults.md.
 
     Args:
         num_workers: N, the number of workers (at least 1).
+        worker_peak: the factor on the workers' rate after the warm-up
+            (`worker_rate_peak`): 1 at the user's rate.
 
     Returns:
         An `OuterSGD` without momentum.
@@ -344,10 +348,12 @@ def default_outer_optimizer(num_workers):
         >>> opt = default_outer_optimizer(4)
         >>> [round(float(outer_learning_rate(opt, t)), 3) for t in (0, 4, 24, 44)]
         [0.25, 0.445, 0.348, 0.25]
+        >>> default_outer_optimizer(4, worker_peak=4.0) == OuterSGD(0.25)
+        True
     """
     n = num_workers
     average, peak = default_outer_learning_rate(n), min(2.0 / n, 0.5, stability_limit(n))
-    if 3 <= n <= 4 and peak > average:
+    if 3 <= n <= 4 and peak > average and worker_peak * peak / average <= n:
         return OuterSGD(average, schedule=((n, average), (10 * n, peak)))
     return OuterSGD(average)
 
