@@ -215,7 +215,7 @@ def outer_sgd(spec, workers):
 
 def _is_outer_rate(spec):
     try:
-        return spec in ("default", "sync") or bool(parse_outer(spec))
+        return spec in ("default", "sync", "rise") or bool(parse_outer(spec))
     except ValueError:
         return False
 
@@ -235,12 +235,22 @@ def variant(row):
     return f"outer {outer}" if codec == "none" else f"{codec}, outer {outer}"
 
 
-def _outer_options(outer, workers):
-    """The strategy's keyword arguments for an `--outer-rates` value."""
+def _outer_options(outer, workers, optimizer):
+    """The strategy's keyword arguments for an `--outer-rates` value (`optimizer`: the
+    setup's, whose kind sets the workers' rate under `rise`)."""
+    from tf_asgd.rules import update_rules
+    from tf_asgd.runtime import optimizer_options
+
     if outer == "default":
         return {}
     if outer == "sync":  # synchronous rounds under their default outer optimizer
         return {"synchronous": True}
+    if outer == "rise":  # the first-round rise on 3 and 4 workers, whatever the workers' rate
+        adaptive = optimizer_options.is_adaptive(harness.make_optimizer(optimizer))
+        return {
+            "outer_optimizer": update_rules.default_outer_optimizer(workers),
+            "lr_scaling": update_rules.auto_worker_rate(adaptive=adaptive),
+        }
     return {"outer_optimizer": outer_sgd(outer, workers)}
 
 
@@ -266,7 +276,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
         per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i),
         compression=push,
         pull_compression=pull,
-        **_outer_options(outer, workers),
+        **_outer_options(outer, workers, opt),
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
@@ -655,8 +665,10 @@ def main(argv=None):
         "--outer-rates",
         type=harness.str_list,
         default=["default"],
-        help="default (the strategy's), sync (synchronous rounds) or constant per-push outer "
-        "rates, as numbers or fractions of the stability limit: e.g. default,sync,0.667*limit",
+        help="default (the strategy's), sync (synchronous rounds), rise (the default with the "
+        "PS's first-round rise on 3 and 4 workers kept under any workers' rate) or constant "
+        "per-push outer rates, as numbers or fractions of the stability limit: e.g. "
+        "default,sync,0.667*limit",
     )
     p.add_argument(
         "--bandwidth",
@@ -696,7 +708,7 @@ def main(argv=None):
     args.device_ms = harness.single(p, args, "device_ms")
     for rate in args.outer_rates:
         if not _is_outer_rate(rate):
-            p.error(f"--outer-rates: {rate!r} is neither 'default', 'sync' nor a number > 0")
+            p.error(f"--outer-rates: {rate!r} is not 'default', 'sync', 'rise' or a number > 0")
     for s in args.setups:
         if s not in harness.SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")

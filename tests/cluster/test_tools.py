@@ -602,7 +602,7 @@ def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _tool("time_to_accuracy.py").main(["--outer-rates", "0.5*n"])
     assert exit_info.value.code == 2
-    assert "neither 'default', 'sync' nor a number > 0" in capsys.readouterr().err
+    assert "is not 'default', 'sync', 'rise' or a number > 0" in capsys.readouterr().err
 
 
 def test_batch_scaling_tool(tmp_path):
