@@ -51,7 +51,8 @@ CONFIG_FIELDS = {
     "outer.name": "the PS's outer optimizer: default (each push of N workers scaled by "
     f"{OUTER_RATE_FORMULA}, the average ({OUTER_RATE_AT_8} at 8 workers), inside the "
     "stability limit 2 sin(pi/(4N-2)); on 3 and 4 workers after a rise and fall over the "
-    "first pushes; GEM: added as is) | sgd | nesterov (DiLoCo) | delayed_nesterov (async DiLoCo)",
+    "first pushes, except under Adam's annealed rate; GEM: added as is) | sgd | nesterov "
+    "(DiLoCo) | delayed_nesterov (async DiLoCo)",
     "outer.learning_rate": "outer learning rate (0 = the optimizer's own: sgd 1, nesterov and "
     "delayed_nesterov 0.7)",
     "outer.momentum": "outer momentum (sgd, nesterov, delayed_nesterov)",
