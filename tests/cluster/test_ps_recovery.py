@@ -190,17 +190,20 @@ def test_a_ps_lost_between_epochs_is_recovered_at_the_next_epochs_start(local_cl
         assert accuracy > 0.9
 
 
-def test_a_ps_lost_between_fits_is_recovered_at_the_next_fits_start(local_cluster, digits, caplog):
-    """A loop of `fit`s: ps:0 killed and restarted after the first `fit` has returned. The
-    second `fit` meets the lost PS at its start, goes back to the snapshot of the first
-    fit's end (nothing of it rolled back), and completes: each window of both fits applied
-    once, and the model is where the first fit left it, then trained on. A snapshot that
-    lacks a central variable made since is not gone back to: `fit` stops with the named
-    error, nothing restored."""
+@pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "synchronous"])
+def test_a_ps_lost_between_fits_is_recovered_at_the_next_fits_start(
+    local_cluster, digits, caplog, synchronous
+):
+    """A loop of `fit`s, asynchronous or in synchronous rounds: ps:0 killed and restarted after the
+    first `fit` has returned. The second `fit` meets the lost PS at its start, goes back to
+    the snapshot of the first fit's end (nothing of it rolled back), and completes: each
+    window of both fits applied once, and the model is where the first fit left it, then
+    trained on. A snapshot that lacks a central variable made since is not gone back to:
+    `fit` stops with the named error, nothing restored."""
     fits, epochs = 2, 3
     windows = epochs * STEPS // N_SYNC
     with local_cluster(2, 2, own=True, shared_process=False) as cluster:
-        strategy = _sharded_strategy(cluster)
+        strategy = _sharded_strategy(cluster, synchronous=synchronous)
         model = dense_digits_model(strategy, seed=7)
         (x, y), (xt, yt) = digits
         for fit in range(fits):
