@@ -1,0 +1,117 @@
+"""How much of the synchronous ceiling N workers get, per seed, from saved runs.
+
+Reads the ceiling (`batch_scaling.py --rates`: `ceiling.csv`) and runs of a rule
+(`batch_scaling.py --methods ...`: `curves.csv`), and prints, per worker count and seed,
+the share of the ceiling in two framings:
+
+- *against the recipe*: the rule's speed-up over plain Keras at the user's recipe (to its
+  final minus 1 point), over the ceiling's speed-up (each batch size at its best rate, to
+  the best batch-B final minus 1 point; Shallue et al. 2019, arXiv:1811.03600);
+- *strict*: the ceiling's steps over the rule's steps, both to the ceiling's target.
+
+    python tools/ceiling_share.py --ceiling results/synchronous_rounds/ceiling/ceiling.csv \
+        --curves results/workers_rate/anneal_to_one/mnist1d64k_2_4/curves.csv
+"""
+
+import argparse
+import csv
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+
+def read(paths):
+    """Rows of every CSV in `paths`, as dicts of strings."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def ceilings(rows):
+    """`{(seed, N): (steps, speed-up, target)}`: each batch size's fastest rate."""
+    out = {}
+    for row in rows:
+        key = (int(row["seed"]), int(row["workers"]))
+        steps, target = float(row["steps_to_target"]), float(row["target"])
+        if key not in out or steps < out[key][0]:
+            out[key] = (steps, float(row["speedup"]), target)
+    return out
+
+
+def runs(rows, method, variant):
+    """`{(seed, N): run}` of one method and rule, each with its held-out points; the plain
+    runs under N = 1."""
+    out = {}
+    for row in rows:
+        plain = row["method"] == "plain"
+        if not plain and (row["method"] != method or (variant and row["lr_scaling"] != variant)):
+            continue
+        key = (int(row["seed"]), int(row["workers"]))
+        run = out.setdefault(key, dict(speedup=float(row["speedup"]), points=[]))
+        run["points"].append((int(row["step"]), float(row["accuracy"])))
+    return out
+
+
+def shares(ceiling, rules):
+    """Table rows per (N, seed): the rule's speed-up, the ceiling, both shares."""
+    table = []
+    for (seed, n), run in sorted(rules.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if n == 1 or (seed, n) not in ceiling:
+            continue
+        steps, speedup, target = ceiling[(seed, n)]
+        reached = next((s for s, a in sorted(run["points"]) if a >= target), math.inf)
+        strict = steps / reached if math.isfinite(reached) else 0.0
+        recipe = run["speedup"] / speedup if speedup else 0.0
+        table.append(dict(workers=n, seed=seed, speedup=run["speedup"], ceiling=speedup,
+                          recipe=recipe, strict=strict))  # fmt: skip
+    return table
+
+
+def summary(table):
+    """Markdown lines: every cell, then the means per N."""
+    head = ["workers", "seed", "speed-up", "ceiling", "share, against the recipe", "strict"]
+    cells = [
+        [r["workers"], r["seed"], f"{r['speedup']:.2f}x", f"{r['ceiling']:.2f}x",
+         f"{r['recipe']:.2f}", f"{r['strict']:.2f}"]
+        for r in table
+    ]  # fmt: skip
+    means = []
+    for n in sorted({r["workers"] for r in table}):
+        group = [r for r in table if r["workers"] == n]
+        keys = ("speedup", "ceiling", "recipe", "strict")
+        mean = {k: np.mean([r[k] for r in group]) for k in keys}
+        means.append(
+            [n, f"{len(group)} seeds", f"{mean['speedup']:.2f}x", f"{mean['ceiling']:.2f}x",
+             f"{mean['recipe']:.2f} (of the means: {mean['speedup'] / mean['ceiling']:.2f}; "
+             f"lowest {min(r['recipe'] for r in group):.2f})",
+             f"{mean['strict']:.2f} (lowest {min(r['strict'] for r in group):.2f})"]
+        )  # fmt: skip
+    return harness.markdown_table(head, cells) + [""] + harness.markdown_table(head, means)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ceiling", nargs="+", required=True, help="ceiling.csv files")
+    p.add_argument("--curves", nargs="+", required=True, help="curves.csv files of the rule")
+    p.add_argument("--method", default="async_outer", help="the runs' method")
+    p.add_argument("--variant", default="", help="the runs' lr_scaling column (default: any)")
+    p.add_argument("--out", help="also write the tables to this markdown file")
+    args = p.parse_args(argv)
+    table = shares(ceilings(read(args.ceiling)), runs(read(args.curves), args.method, args.variant))
+    if not table:
+        raise SystemExit("No run of the rule has a ceiling of its seed and worker count.")
+    lines = summary(table)
+    print("\n".join(lines))
+    if args.out:
+        harness.write_lines(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()
