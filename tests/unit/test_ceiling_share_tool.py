@@ -3,6 +3,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT
@@ -30,6 +31,14 @@ def test_both_shares_follow_their_definitions_on_saved_runs():
     # Strict: the rule's first held-out point at 0.9575 or above.
     first = min(s for s, a in rules[(0, 2)]["points"] if a >= 0.9575)
     assert cell["strict"] == pytest.approx(1150 / first)
+    # Finals against plain's: 0.970 against 0.9625 at the last point.
+    assert cell["final"] == pytest.approx(0.0075)
+    # Smoothed over 400 minibatches: the last 200 steps of 2 workers (to step 4,000) and
+    # the last 400 of plain's (to 8,000).
+    rule = [a for s, a in rules[(0, 2)]["points"] if s > 3800]
+    plain = [a for s, a in rules[(0, 1)]["points"] if s > 7600]
+    assert (len(rule), len(plain)) == (4, 8)
+    assert cell["smoothed"] == pytest.approx(np.mean(rule) - np.mean(plain))
     lines = ceiling_share.summary(list(cells.values()))
     assert any(line.startswith("| 2 | 2 seeds |") for line in lines)
 
