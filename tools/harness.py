@@ -370,6 +370,9 @@ SETUPS = {
     "digits_rmsprop": ("digits", "digits_convnet", "rmsprop_1e-3", 32, 900, 50.0),
     "digits_lion": ("digits", "digits_convnet", "lion_3e-4", 32, 900, 50.0),
     "digits_nadam": ("digits", "digits_convnet", "nadam_1e-3", 32, 900, 50.0),
+    # Rates well above Keras's default, where N times them may pass the edge.
+    "digits_adam_hot": ("digits", "digits_convnet", "adam_1e-2", 32, 900, 50.0),
+    "mnist1d_transformer_adam_hot": ("mnist1d", "mnist1d_transformer", "adam_3e-3", 32, 1500, 20.0),
 }
 
 
@@ -407,7 +410,13 @@ def make_optimizer(name):
         # rate for batch 32, without its step decay.
         return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     kind, _, rate = name.partition("_")
-    kinds = {"adamw": "AdamW", "rmsprop": "RMSprop", "lion": "Lion", "nadam": "Nadam"}
+    kinds = {
+        "adam": "Adam",
+        "adamw": "AdamW",
+        "rmsprop": "RMSprop",
+        "lion": "Lion",
+        "nadam": "Nadam",
+    }
     if kind in kinds and rate:
         return getattr(keras.optimizers, kinds[kind])(float(rate))
     raise ValueError(f"Unknown optimizer {name!r}.")
