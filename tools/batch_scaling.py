@@ -277,7 +277,7 @@ def outer_rounds(
 
     batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
-    warmup = max(1, round(update_rules.WORKER_RATE_WARMUP * steps))
+    warmup = max(1, round(update_rules.worker_rate_warmup(*worker_scale[:2]) * steps))
     opt = harness.SETUPS[setup][2]
     copies = [
         _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup, steps))

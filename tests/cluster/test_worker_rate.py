@@ -86,7 +86,7 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
     over its own steps."""
     monkeypatch.setattr(update_rules, "worker_rate_peak", lambda n, rule: 3.0)
     (x, y), _ = flat
-    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 2, anneal by step 40
+    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 10, anneal by step 40
     strategy = tf_asgd.AsyncParameterServerStrategy(
         local_cluster(1).resolver, n_sync=5, lr_scaling="anneal"
     )
@@ -97,12 +97,12 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
     model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     stats = strategy.model_stats(model)
     assert (stats.lr_scale_peak, stats.lr_scale) == (3.0, 1.0)
-    assert (stats.lr_warmup_steps, stats.lr_anneal_steps) == (2, 40)
+    assert (stats.lr_warmup_steps, stats.lr_anneal_steps) == (10, 40)  # a quarter
     np.testing.assert_allclose(float(model.optimizer.learning_rate), 0.01, rtol=1e-6)
 
     plain = _linear()
     plain.set_weights(start)
-    ramped = _Ramped(0.01, 3.0, 2, final=1.0, anneal=40, later=(40, 60))
+    ramped = _Ramped(0.01, 3.0, 10, final=1.0, anneal=40, later=(40, 60))
     plain.compile(keras.optimizers.Adam(ramped), LOSS)
     plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), plain.get_weights()):

