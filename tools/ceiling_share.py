@@ -1,14 +1,12 @@
 """How much of the synchronous ceiling N workers get, per seed, from saved runs.
 
-Reads the ceiling (`batch_scaling.py --rates`: `ceiling.csv`) and runs of a rule
-(`batch_scaling.py --methods ...`: `curves.csv`), and prints (and writes to
-`--out`/shares.md), per worker count and seed, the share of the ceiling in two framings,
-and the rule's final against plain's, at the last point and smoothed over the last 400
-minibatches of samples (as the GPU A-SGD paper smooths its curves):
+Reads the ceiling (`batch_scaling.py --rates`: `ceiling.csv`) and a rule's runs
+(`curves.csv`); prints (and writes to `--out`/shares.md), per worker count and seed, the
+share of the ceiling in two framings, and the rule's final minus plain's, at the last
+point and smoothed over the last 400 minibatches (as the GPU A-SGD paper smooths):
 
-- *against the recipe*: the rule's speed-up over plain Keras at the user's recipe (to its
-  final minus 1 point), over the ceiling's speed-up (each batch size at its best rate, to
-  the best batch-B final minus 1 point; Shallue et al. 2019, arXiv:1811.03600);
+- *against the recipe*: the rule's speed-up over plain Keras at the user's recipe, over
+  the ceiling's (each batch size at its best rate; Shallue et al. 2019, arXiv:1811.03600);
 - *strict*: the ceiling's steps over the rule's steps, both to the ceiling's target.
 
     python tools/ceiling_share.py --ceiling results/synchronous_rounds/ceiling/ceiling.csv \
