@@ -121,15 +121,17 @@ def main(argv=None):
     p.add_argument("--curves", nargs="+", required=True, help="curves.csv files of the rule")
     p.add_argument("--method", default="async_outer", help="the runs' method")
     p.add_argument("--variant", default="", help="the runs' lr_scaling column (default: any)")
+    p.add_argument("--setup", default="", help="the rows of this setup only (default: all)")
     args = p.parse_args(argv)
-    rules = runs(read(args.curves), args.method, args.variant)
+    pick = lambda rows: [r for r in rows if not args.setup or r["setup"] == args.setup]  # noqa: E731
+    rules = runs(pick(read(args.curves)), args.method, args.variant)
     rules = {
         (seed, n): run
         for (seed, n), run in rules.items()
         if (args.workers is None or n in args.workers or n == 1)
         and (args.seeds is None or seed in args.seeds)
     }
-    table = shares(ceilings(read(args.ceiling)), rules)
+    table = shares(ceilings(pick(read(args.ceiling))), rules)
     if not table:
         raise SystemExit("No run of the rule has a ceiling of its seed and worker count.")
     lines = summary(table)

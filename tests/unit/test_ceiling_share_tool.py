@@ -48,3 +48,5 @@ def test_runs_without_a_ceiling_are_refused(tmp_path):
     empty.write_text("setup,seed,workers,rate,final_accuracy,target,steps_to_target,speedup\n")
     with pytest.raises(SystemExit, match="has a ceiling"):
         ceiling_share.main(["--ceiling", str(empty), "--curves", RUNS])
+    with pytest.raises(SystemExit, match="has a ceiling"):  # no run of another setup
+        ceiling_share.main(["--ceiling", CEILING, "--curves", RUNS, "--setup", "digits_adam"])
