@@ -112,7 +112,7 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
     assert sqrt * 2 <= user and linear <= 1.5 * large
 
 
-def test_annealing_the_workers_rate_gets_linears_speed_and_ends_below_sqrts_floor(reference):
+def test_annealing_the_workers_rate_is_sooner_than_sqrt_and_ends_below_its_floor(reference):
     """The default for Adam's kin (`"anneal"`: N after its warm-up over the first quarter,
     falling to the user's rate by the run's end) reaches the target sooner than sqrt(N),
     within twice N's steps (here 571 against 771 and 331: the quarter's warm-up is what it
