@@ -300,14 +300,24 @@ def learning_rate_variable(optimizer):
     return lr if isinstance(lr, keras.Variable) else None
 
 
+def has_rate_schedule(optimizer):
+    """Whether the optimizer's rate (of the innermost optimizer it wraps) is a
+    `LearningRateSchedule`, which Keras calls with the private `_iterations`."""
+    rate = getattr(wrapped_optimizers(optimizer)[-1], "_learning_rate", None)  # private
+    return isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+
+
 class _ScaledRate(keras.optimizers.schedules.LearningRateSchedule):
     """An optimizer's own rate (a variable, a schedule or a callable) times
-    `scale_at(step)`; read by Keras as any schedule, with the step counter."""
+    `scale_at(step)`, both at `step + step_offset`; read by Keras as any schedule,
+    with the optimizer's step counter."""
 
-    def __init__(self, rate, scale_at):
-        self.rate, self.scale_at = rate, scale_at
+    def __init__(self, rate, scale_at, step_offset=None):
+        self.rate, self.scale_at, self.step_offset = rate, scale_at, step_offset
 
     def __call__(self, step):
+        if self.step_offset is not None:
+            step = tf.cast(step, tf.int64) + tf.cast(self.step_offset, tf.int64)
         rate = self.rate
         if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
             rate = rate(step)
@@ -317,14 +327,15 @@ class _ScaledRate(keras.optimizers.schedules.LearningRateSchedule):
 
 
 @contextlib.contextmanager
-def scaled_learning_rate(optimizer, scale_at):
+def scaled_learning_rate(optimizer, scale_at, step_offset=None):
     """While open (while a window is traced), `optimizer`'s steps run at its own
-    learning rate times `scale_at(step)`. Keras reads the rate through the private
+    learning rate times `scale_at(step)`, both read at its step counter plus
+    `step_offset` (a tensor; None: 0). Keras reads the rate through the private
     `_learning_rate` (of the innermost optimizer a `LossScaleOptimizer` wraps); the
     variable itself, and what the chief and callbacks see, stay the user's."""
     inner = wrapped_optimizers(optimizer)[-1]
     rate = inner._learning_rate  # private: Keras's rate, a variable or a schedule
-    inner._learning_rate = _ScaledRate(rate, scale_at)  # private: as above
+    inner._learning_rate = _ScaledRate(rate, scale_at, step_offset)  # private: as above
     try:
         yield
     finally:
@@ -431,6 +442,24 @@ def flat_tensor_specs(element_spec):
     ragged or sparse component is one variant): the `output_types` and
     `output_shapes` of raw dataset ops. `tf.TypeSpec` has no public accessor."""
     return [t for spec in tf.nest.flatten(element_spec) for t in spec._flat_tensor_specs]
+
+
+def auto_shard_dataset(dataset, num_workers, index, policy):
+    """TF's auto-shard graph rewrite (`FILE`: a share of the files before the reader;
+    `HINT`: at `tf.data.experimental.SHARD_HINT`), as `MultiWorkerMirroredStrategy`
+    applies it: `tf.raw_ops.AutoShardDataset`, its policy given explicitly (a dataset
+    rebuilt from a graph has default options)."""
+    specs = flat_tensor_specs(dataset.element_spec)
+    variant = tf.raw_ops.AutoShardDataset(
+        input_dataset=tf.data.experimental.to_variant(dataset),
+        num_workers=num_workers,
+        index=index,
+        auto_shard_policy=int(policy),
+        num_replicas=0,
+        output_types=[s.dtype for s in specs],
+        output_shapes=[s.shape for s in specs],
+    )
+    return tf.data.experimental.from_variant(variant, dataset.element_spec)
 
 
 # ---- Inputs, checkpoints and shutdown under a parameter-server cluster --------

@@ -24,13 +24,9 @@ from tf_asgd.keras_glue.evaluation import validate_evaluation
 from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
 from tf_asgd.rules import update_rules
 from tf_asgd.rules.compression import as_compression, as_pull_compression
-from tf_asgd.runtime import optimizer_options, ps_recovery, python_inputs, rounds
+from tf_asgd.runtime import input_sharding, optimizer_options, ps_recovery, python_inputs, rounds
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
-
-# ExternalStatePolicy.WARN of DatasetToGraphV2, as TF's coordinator serializes
-# a dataset for its workers (values.serialize_dataset_to_graph).
-_EXTERNAL_STATE_WARN = 0
 
 # The strategies of this process whose coordinator runs. TF's eager context holds one
 # cluster connection per process, so a new strategy's connection ends the earlier ones';
@@ -43,6 +39,12 @@ def _stop_earlier_strategies():
     for earlier in list(_connected):
         _connected.discard(earlier)
         internals.stop_coordinator(earlier.coordinator)
+
+
+def _shard_ops():
+    """How many `ShardDataset` ops the graph being traced holds."""
+    ops = tf.compat.v1.get_default_graph().get_operations()
+    return sum(op.type == "ShardDataset" for op in ops)
 
 
 class _WindowDataset:
@@ -60,18 +62,14 @@ class _WindowDataset:
     calls Python) it yields the `python_inputs.ChiefFeed` that reads it on the
     chief and sends the batches with each closure.
 
-    Every worker runs the same dataset graph, so with a global seed set
-    (`keras.utils.set_random_seed`) all would draw the same batches in the
-    same order. Training data given as arrays (the hook builds their dataset,
-    a cheap gather per batch) is therefore sharded by batch: worker `i` of
-    `n` takes batches `i, i + n, ...`, so that the workers together see each
-    example once per pass, as one Keras process would. A `tf.data.Dataset`
-    given to `fit` is not sharded by default (each worker would run the
-    whole pipeline, e.g. decode every image, to keep `1/n` of it): each
-    worker reads all of it, and worker `i` skips `i` batches before its
-    first window (`window.WindowFunction._shift_data_once`), so that no two
-    workers train on the same batch at the same time. Shard such data
-    yourself with `per_worker_dataset_fn` (by file, before decoding, ideally).
+    The training data is split over the workers as TF's
+    `MultiWorkerMirroredStrategy` splits it (`input_sharding`): arrays by batch;
+    a `tf.data.Dataset` by its `auto_shard_policy`, by default by file where the
+    pipeline reads at least as many files as there are workers, else by batch,
+    so that the workers together see each example once per pass. Under
+    `AutoShardPolicy.OFF` every worker reads all of it, and worker `i` skips
+    `i` batches before its first window (`window.WindowFunction._shift_data_once`).
+    `per_worker_dataset_fn` runs on the worker's shard.
     """
 
     def __init__(self, dataset, strategy):
@@ -92,36 +90,33 @@ class _WindowDataset:
         return self._iterator
 
     def _new_iterator(self):
+        plan = self._strategy.training_data.shard_plan(self._dataset, self._strategy.num_workers)
         transform = self._strategy.per_worker_dataset_fn
-        if transform is None and self._strategy.training_data.is_sharded_by_batch(self._dataset):
-            n = self._strategy.num_workers
-
-            def transform(dataset, index):
-                return dataset.shard(n, index)
-
-        if transform is None:
+        if plan.policy == input_sharding.Policy.OFF and transform is None:
             source = self._dataset.repeat()
         else:
-            source = self._per_worker_fn(transform)
-        return iter(self._strategy.coordinator.create_per_worker_dataset(source))
+            source = self._per_worker_fn(transform, plan)
+        iterator = iter(self._strategy.coordinator.create_per_worker_dataset(source))
+        if plan.policy != input_sharding.Policy.OFF:
+            self._strategy.training_data.mark_sharded(iterator)
+        return iterator
 
-    def _per_worker_fn(self, transform):
-        """A dataset function that applies `transform(dataset, worker_index)`
-        on each worker. The chief's dataset travels as its serialized graph,
-        as TF's coordinator sends a dataset object; a function that captured
-        the dataset itself would fail on the worker."""
-        graph = tf.raw_ops.DatasetToGraphV2(
-            input_dataset=tf.data.experimental.to_variant(self._dataset),
-            external_state_policy=_EXTERNAL_STATE_WARN,
-            strip_device_assignment=True,
-        )
+    def _per_worker_fn(self, transform, plan):
+        """A dataset function that, on each worker, rebuilds the dataset from its
+        serialized graph (as TF's coordinator sends a dataset object; a function that
+        captured the dataset itself would fail on the worker), takes the worker's shard
+        of it (`plan`, an `input_sharding.ShardPlan`) and applies
+        `transform(dataset, worker_index)` (None: none)."""
+        graph = plan.graph
         spec = self._dataset.element_spec
 
         def dataset_fn():
-            dataset = tf.data.experimental.from_variant(
-                tf.raw_ops.DatasetFromGraph(graph_def=graph), spec
-            )
+            dataset = input_sharding.rebuild(graph, spec)
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            dataset = input_sharding.shard(dataset, plan, index)
+            if transform is None:
+                return dataset.repeat()
+            before = _shard_ops()
             out = transform(dataset, index)
             if not isinstance(out, tf.data.Dataset):
                 raise TypeError(
@@ -132,6 +127,15 @@ class _WindowDataset:
                 raise ValueError(
                     "per_worker_dataset_fn must keep the dataset's element_spec "
                     f"(the model was built for it): got {out.element_spec}, expected {spec}."
+                )
+            if _shard_ops() > before and plan.policy != input_sharding.Policy.OFF:
+                raise ValueError(
+                    "per_worker_dataset_fn shards the dataset, which fit already shards "
+                    "over the workers (each worker would keep 1/N of its 1/N). Either drop "
+                    "the shard from per_worker_dataset_fn, or turn the automatic sharding "
+                    "off: options = tf.data.Options(); options.experimental_distribute."
+                    "auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF; "
+                    "dataset = dataset.with_options(options)."
                 )
             return out.repeat()
 
@@ -203,13 +207,15 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             places whole variables round-robin over the PS tasks.
         per_worker_dataset_fn: optional `fn(dataset, worker_index) -> dataset`,
             run on each worker (inside a `tf.function`; `worker_index` is a
-            scalar tensor) on the batched dataset that `fit` was given, before
-            it is repeated. Shard the data per worker
-            (`lambda ds, i: ds.shard(num_workers, i)`) or emulate workers of
-            different speeds (`tf_asgd.data.emulated_device_time`). It must keep
-            the dataset's `element_spec`. `None`: training arrays are sharded
-            by batch over the workers, and a `tf.data.Dataset` is read whole by
-            every worker, each starting at its own batch offset.
+            scalar tensor) on the worker's shard of the batched data that `fit`
+            was given, before it is repeated: e.g. emulate workers of different
+            speeds (`tf_asgd.data.emulated_device_time`). It must keep the
+            dataset's `element_spec`. Training data is sharded over the workers
+            as `tf.distribute` does: arrays by batch, a `tf.data.Dataset` by its
+            `options().experimental_distribute.auto_shard_policy` (`AUTO`: by file
+            where it reads enough files, else by batch). A function that shards
+            again is refused; to shard by hand, set the policy to `OFF` (the
+            function then gets all of the data). See docs/guide/data.md.
         outer_optimizer: what the PS does with each push:
             `tf_asgd.OuterSGD(learning_rate, momentum, nesterov)` (DiLoCo's is
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or

@@ -105,18 +105,31 @@ def test_bad_strategy_arguments(cluster, kwargs, match):
         _strategy(cluster, **kwargs)
 
 
-@pytest.mark.parametrize("source", ["per_worker_dataset_fn", "arrays by default"])
+def _policy_off(dataset):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.with_options(options)
+
+
+@pytest.mark.parametrize(
+    "source", ["a dataset by default", "by hand under policy OFF", "arrays by default"]
+)
 def test_each_worker_trains_on_its_own_shard(cluster, digits, source):
-    """With `per_worker_dataset_fn=lambda d, i: d.shard(2, i)` on a dataset,
-    or by default for arrays, worker i of 2 takes batches i, i + 2, ...: in
-    order, batch b holds label b % 2, so each worker sees one label only. A
-    metric that averages the label shows it, window by window."""
+    """By default for a dataset (auto-sharded by batch, as it reads no files) or for
+    arrays, or by hand with `per_worker_dataset_fn=lambda d, i: d.shard(2, i)` on a
+    dataset whose `auto_shard_policy` is OFF, worker i of 2 takes batches i, i + 2, ...:
+    in order, batch b holds label b % 2, so each worker sees one label only. A metric
+    that averages the label shows it, window by window."""
     (x, _), _ = digits
     n = len(x) // 64 * 64
     y = np.repeat(np.tile([0, 1], n // 64), 32)  # batch b holds label b % 2
-    if source == "per_worker_dataset_fn":
+    dataset = tf.data.Dataset.from_tensor_slices((x[:n], y)).batch(32)
+    if source == "by hand under policy OFF":
         strategy = _strategy(cluster, n_sync=4, per_worker_dataset_fn=lambda d, i: d.shard(2, i))
-        data = dict(x=tf.data.Dataset.from_tensor_slices((x[:n], y)).batch(32), steps_per_epoch=40)
+        data = dict(x=_policy_off(dataset), steps_per_epoch=40)
+    elif source == "a dataset by default":
+        strategy = _strategy(cluster, n_sync=4)
+        data = dict(x=dataset, steps_per_epoch=40)
     else:
         strategy = _strategy(cluster, n_sync=4)
         data = dict(x=x[:n], y=y, batch_size=32, shuffle=False)
@@ -149,6 +162,11 @@ def test_each_worker_trains_on_its_own_shard(cluster, digits, source):
             "per_worker_dataset_fn must keep the dataset's element_spec",
         ),
         (lambda d, i: 3, TypeError, "per_worker_dataset_fn must return a tf.data.Dataset, got int"),
+        (
+            lambda d, i: d.shard(2, i),
+            ValueError,
+            "per_worker_dataset_fn shards the dataset, which fit already shards",
+        ),
     ],
 )
 def test_bad_per_worker_dataset_fn(cluster, digits, fn, error, match):

@@ -23,24 +23,29 @@ def _linear(seed=0):
 
 class _Ramped(keras.optimizers.schedules.LearningRateSchedule):
     """The reference: `rate(step)` times the warmed-up (and annealed) factor, in plain
-    Keras: up to `peak` over `warmup` steps, then down to `final` by step `anneal`;
-    with `later=(start, end)`, from step `start` on (a second fit's) down again from
-    `peak` over steps `start + 1` to `end`."""
+    Keras. Each fit of `fits`, `(first step, steps, warm-up steps)`, warms the factor
+    up from 1 to `peak` over its warm-up and then (with `final`) anneals it to `final`
+    by its last step; without `final` it stays at `peak` after the first fit's warm-up."""
 
-    def __init__(self, rate, peak, warmup, final=None, anneal=None, later=None):
-        self.rate, self.peak, self.warmup = rate, peak, warmup
-        self.final = peak if final is None else final
-        self.anneal = warmup if anneal is None else anneal
-        self.later = later
+    def __init__(self, rate, peak, fits, final=None):
+        self.rate, self.peak, self.fits = rate, peak, fits
+        self.final = final
 
     def __call__(self, step):
         rate = self.rate(step) if callable(self.rate) else self.rate
-        args = (self.peak, self.final, step, self.warmup)
-        factor = update_rules.annealed_rate_scale(*args, self.anneal, xp=tnp)
-        if self.later is not None:
-            start, end = self.later
-            again = update_rules.annealed_rate_scale(*args, end, xp=tnp, anneal_from=start + 1)
-            factor = tnp.where(tnp.asarray(step) >= start, again, factor)
+        factor = None
+        for first, steps, warmup in self.fits:
+            final, anneal = (self.peak, warmup) if self.final is None else (self.final, steps)
+            this = update_rules.annealed_rate_scale(
+                self.peak,
+                final,
+                tnp.asarray(step, tnp.float32) - first,
+                warmup,
+                anneal,
+                tnp,
+                anneal_from=warmup,
+            )
+            factor = this if factor is None else tnp.where(tnp.asarray(step) >= first, this, factor)
         return rate * factor
 
 
@@ -71,7 +76,7 @@ def test_one_worker_at_a_factor_equals_plain_keras_at_the_ramped_rate(local_clus
 
     plain = _linear()
     plain.set_weights(start)
-    plain.compile(keras.optimizers.SGD(_Ramped(rate, 3.0, 2), momentum=0.5), LOSS)
+    plain.compile(keras.optimizers.SGD(_Ramped(rate, 3.0, [(0, 40, 2)]), momentum=0.5), LOSS)
     plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -82,8 +87,8 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
 ):
     """1 worker under `"anneal"`, its peak made 3 (it is N, 1 here): every step of `fit`
     equals plain Keras's Adam at the user's rate times the factor, up to 3 over the
-    warm-up, then down to 1 by the first fit's end; a second fit anneals again from 3
-    over its own steps."""
+    warm-up, then down to 1 by the first fit's end; a second fit warms up again over a
+    quarter of its own steps and anneals over the rest."""
     monkeypatch.setattr(update_rules, "worker_rate_peak", lambda n, rule: 3.0)
     (x, y), _ = flat
     x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 10, anneal by step 40
@@ -102,7 +107,7 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
 
     plain = _linear()
     plain.set_weights(start)
-    ramped = _Ramped(0.01, 3.0, 10, final=1.0, anneal=40, later=(40, 60))
+    ramped = _Ramped(0.01, 3.0, [(0, 40, 10), (40, 20, 5)], final=1.0)
     plain.compile(keras.optimizers.Adam(ramped), LOSS)
     plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), plain.get_weights()):

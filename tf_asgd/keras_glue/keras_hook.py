@@ -126,6 +126,10 @@ def _fit(original, model, *args, **kwargs):
     if feed is not None:  # Python-side data: the chief reads it and sends the batches
         feed.steps_per_epoch = kwargs["steps_per_epoch"]
         python_inputs.start_fit(model, feed)
+        log.info("tf_asgd: training data: read on the chief, each batch sent to one worker.")
+    else:  # before anything is scheduled: a FILE policy it cannot honour raises here
+        plan = strategy.training_data.shard_plan(kwargs["x"], strategy.num_workers)
+        log.info("tf_asgd: training data: %s.", plan.describe())
     state = strategy.model_states.get_or_create(model)
     state.start_fit(kwargs["steps_per_epoch"], kwargs["epochs"] - kwargs["initial_epoch"])
     strategy.ps_recovery.start_fit()

@@ -11,6 +11,7 @@ between the strategy and the layers below it: the Keras hook reads and writes th
 import weakref
 
 from tf_asgd.keras_glue.evaluation import Evaluator
+from tf_asgd.runtime import input_sharding
 from tf_asgd.runtime.scheduling import WindowTrainer
 
 
@@ -24,8 +25,6 @@ class ModelState:
         steps_per_epoch: the running `fit`'s steps per epoch; None outside `fit`.
         epochs_left: the running `fit`'s epochs not yet ended, the running one
             included; 0 outside `fit`.
-        first_fit_steps: the steps the model's first `fit` was asked for (its
-            epochs times `steps_per_epoch`); None before it.
         fit_span: `(first step, steps)` of the running or last `fit`: the
             optimizer's step count at its start (None until the trainer reads
             it, at the fit's first window: `WindowTrainer.lr_anneal_span`), and
@@ -42,7 +41,6 @@ class ModelState:
         self.fitting = False
         self.steps_per_epoch = None
         self.epochs_left = 0
-        self.first_fit_steps = None
         self.fit_span = (0, 0)
         self.fits = 0
         self.evaluator = None
@@ -50,15 +48,13 @@ class ModelState:
 
     def start_fit(self, steps_per_epoch, epochs=1):
         """Records that `model.fit` started, with `steps_per_epoch` steps an epoch
-        and `epochs` epochs to run (the first fit's steps set the workers' rate
-        warm-up, each fit's span its anneal: `WindowTrainer.lr_anneal_span`)."""
+        and `epochs` epochs to run (its span sets the workers' rate warm-up and
+        anneal: `WindowTrainer.lr_anneal_span`)."""
         self.fitting = True
         self.steps_per_epoch = steps_per_epoch
         self.epochs_left = max(1, epochs)
         self.fits += 1
         self.fit_span = (None, steps_per_epoch * max(1, epochs))
-        if self.first_fit_steps is None:
-            self.first_fit_steps = steps_per_epoch * max(1, epochs)
 
     def end_fit(self):
         """Records that `model.fit` ended (also after an error)."""
@@ -126,6 +122,8 @@ class TrainingData:
         self._batch_sharded = weakref.WeakSet()  # datasets sharded by batch over the workers
         self._last_iterator = None  # (dataset, per_worker_dataset_fn, iterator)
         self._last_repeated = None  # (a fit's dataset, its repeat())
+        self._plans = weakref.WeakKeyDictionary()  # dataset -> its input_sharding.ShardPlan
+        self._sharded_iterators = weakref.WeakSet()  # per-worker iterators over shards
 
     def shard_by_batch(self, dataset):
         """Marks a dataset built from arrays (by `keras_hook`) to be sharded by
@@ -135,6 +133,32 @@ class TrainingData:
     def is_sharded_by_batch(self, dataset):
         """Whether `shard_by_batch(dataset)` was called."""
         return dataset in self._batch_sharded
+
+    def shard_plan(self, dataset, num_workers):
+        """How `dataset` is split over `num_workers` workers (an
+        `input_sharding.ShardPlan`), resolved once per dataset object: arrays (marked
+        by `shard_by_batch`) by batch, a `tf.data.Dataset` by its `auto_shard_policy`."""
+        plan = self._plans.get(dataset)
+        if plan is None or plan.num_workers != num_workers:
+            if self.is_sharded_by_batch(dataset):
+                plan = input_sharding.ShardPlan(
+                    input_sharding.Policy.DATA,
+                    "arrays",
+                    input_sharding.serialize(dataset),
+                    num_workers,
+                )
+            else:
+                plan = input_sharding.plan(dataset, num_workers)
+            self._plans[dataset] = plan
+        return plan
+
+    def mark_sharded(self, iterator):
+        """Marks a per-worker iterator as reading each worker's own shard."""
+        self._sharded_iterators.add(iterator)
+
+    def is_sharded(self, iterator):
+        """Whether `mark_sharded(iterator)` was called: its workers need no offset."""
+        return iterator in self._sharded_iterators
 
     def repeated(self, dataset):
         """`dataset.repeat()`, the last call's object again for the same

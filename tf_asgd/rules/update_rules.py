@@ -477,12 +477,13 @@ def annealed_rate_scale(peak, final, step, warmup_steps, anneal_steps, xp=np, an
     Args:
         peak: the factor after the warm-up (`worker_rate_peak`).
         final: the factor from `anneal_steps` on (`worker_rate_scale`).
-        step: the optimizer's step count (every worker's steps), a number or a tensor.
-        warmup_steps: steps to reach `peak`, at least 1.
-        anneal_steps: the step at which `final` is reached (a `fit`'s last step).
+        step: the optimizer's step count (every worker's steps) since the `fit`'s
+            first step, a number or a tensor.
+        warmup_steps: steps to reach `peak`, at least 1 (a number or a tensor).
+        anneal_steps: the step at which `final` is reached (the `fit`'s steps).
         xp: `numpy`, or `tensorflow.experimental.numpy` inside a window.
         anneal_from: the step from which the factor falls, a number or a tensor
-            (default `warmup_steps`; a later `fit`'s first step).
+            (default `warmup_steps`).
 
     Examples:
         >>> [float(annealed_rate_scale(8.0, 2.0, t, 4, 10)) for t in (0, 3, 6, 9, 50)]
@@ -491,7 +492,7 @@ def annealed_rate_scale(peak, final, step, warmup_steps, anneal_steps, xp=np, an
         [8.0, 5.0, 2.0]
     """
     t = xp.asarray(step, dtype=xp.float32) + 1.0
-    ramp = xp.minimum(1.0, t / float(warmup_steps))
+    ramp = xp.minimum(1.0, t / xp.asarray(warmup_steps, dtype=xp.float32))
     start = xp.asarray(warmup_steps if anneal_from is None else anneal_from, dtype=xp.float32)
     span = xp.maximum(1.0, xp.asarray(anneal_steps, dtype=xp.float32) - start)
     fall = xp.clip((t - start) / span, 0.0, 1.0)

@@ -56,11 +56,21 @@ class AsyncStats:
         lr_scale_peak: the factor after the warm-up: N under `"anneal"` (the
             default for Adam and its kin), from which it falls linearly to
             `lr_scale` over each `fit`; `lr_scale` itself otherwise.
-        lr_warmup_steps: the optimizer steps (every worker's) over which the
-            workers' factor rises linearly from 1 to `lr_scale_peak`.
-        lr_anneal_steps: the optimizer step by which it has fallen to
+        lr_warmup_steps: the optimizer steps (every worker's) at the start of
+            each `fit` over which the workers' factor rises linearly from 1 to
+            `lr_scale_peak` (a quarter of the running or last fit's steps under
+            `"anneal"`, 5% otherwise).
+        lr_anneal_steps: the global optimizer step by which it has fallen to
             `lr_scale` (the running or last `fit`'s end, each `fit` annealing
-            over its own steps; `lr_warmup_steps` where it does not anneal).
+            over its own steps; its warm-up's end where it does not anneal).
+        workers_learning_rate: the rate the workers' local steps run at now: the
+            compiled optimizer's at the global step, times the factor (also in
+            `fit`'s logs, so `History` and TensorBoard show it).
+        local_steps_own: whether each worker's local optimizer counts its own
+            steps for what it derives from them for its own moments (Adam's
+            bias correction), its schedule seeing the global count: True for
+            every compiled optimizer; False where a model's own `train_step`
+            drives further optimizers on the PS, whose counters stay global.
         noise_scale: the gradient noise scale of the last finished epoch's
             synchronous rounds, in windows (McCandlish et al. 2018,
             `rules.noise_scale`): about how many workers' windows a round can
@@ -97,6 +107,8 @@ class AsyncStats:
     lr_warmup_steps: int = 0
     lr_scale_peak: float = 1.0
     lr_anneal_steps: int = 0
+    workers_learning_rate: float = float("nan")
+    local_steps_own: bool = True
     noise_scale: float = float("nan")
     noise_scale_rounds: int = 0
 
@@ -139,10 +151,13 @@ class AsyncStats:
         """Windows pushed and mean staleness, for Keras logs (progress bar, History).
 
         Returns:
-            A dict `{"windows": windows, "staleness": mean_staleness}`, with
-            `"noise_scale"` where it is measured.
+            A dict `{"windows": windows, "staleness": mean_staleness,
+            "workers_learning_rate": ...}`, with `"noise_scale"` where it is
+            measured.
         """
         logs = {"windows": self.windows, "staleness": self.mean_staleness}
+        if np.isfinite(self.workers_learning_rate):
+            logs["workers_learning_rate"] = self.workers_learning_rate
         if self.noise_scale_rounds:
             logs["noise_scale"] = self.noise_scale
         return logs

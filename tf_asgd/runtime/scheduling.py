@@ -71,7 +71,7 @@ class WindowTrainer:
         outer_optimizer: what the PS applies to this model's pushes (an
             `OuterSGD` or a `DelayedNesterov`).
         fit_state: what says the running fit's epoch length: an object with
-            `steps_per_epoch` (None outside `fit`) and `first_fit_steps`, the
+            `steps_per_epoch` (None outside `fit`) and `fit_span`, the
             model's `model_state.ModelState`.
     """
 
@@ -140,27 +140,27 @@ class WindowTrainer:
 
     @property
     def lr_warmup_steps(self):
-        """Steps over which the workers' rate rises to `lr_scale_peak`: a share
-        (`update_rules.worker_rate_warmup`) of the model's first `fit`."""
-        first = self._fit_state.first_fit_steps or 0
+        """Steps over which the workers' rate rises to `lr_scale_peak` at the start
+        of each `fit`: a share (`update_rules.worker_rate_warmup`) of the running (or
+        last) fit's steps."""
         share = update_rules.worker_rate_warmup(self.lr_scale_peak, self.lr_scale)
-        return max(1, round(share * first))
+        return max(1, round(share * (self._fit_state.fit_span[1] or 0)))
 
     @property
     def lr_anneal_span(self):
-        """`(from, to)`: the optimizer steps over which the running fit's factor falls
-        from `lr_scale_peak` to `lr_scale`, each fit over its own steps (every
-        worker's): the model's first fit from its warm-up's end, a later one from
-        its first step; both to their last step."""
-        return _anneal_span(self, self._fit_state)
+        """`(first, last)`: the running (or last) fit's global optimizer steps (every
+        worker's), over which the factor warms up and then falls from `lr_scale_peak`
+        to `lr_scale`."""
+        return _fit_steps(self, self._fit_state)
 
     @property
     def lr_anneal_steps(self):
-        """The step by which the workers' rate has fallen to `lr_scale`: the running
-        (or last) `fit`'s end; the warm-up's end where nothing anneals."""
+        """The global step by which the workers' rate has fallen to `lr_scale`: the
+        running (or last) `fit`'s end; its warm-up's end where nothing anneals."""
+        first, last = self.lr_anneal_span
         if self.lr_scale_peak == self.lr_scale:
-            return self.lr_warmup_steps
-        return int(self.lr_anneal_span[1])
+            return int(first) + self.lr_warmup_steps
+        return int(last)
 
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
@@ -171,6 +171,8 @@ class WindowTrainer:
         stats.noise_scale, stats.noise_scale_rounds = self.noise.value, self.noise.rounds
         stats.lr_scale, stats.lr_warmup_steps = self.lr_scale, self.lr_warmup_steps
         stats.lr_scale_peak, stats.lr_anneal_steps = self.lr_scale_peak, self.lr_anneal_steps
+        stats.workers_learning_rate = workers_learning_rate(self)
+        stats.local_steps_own = self.window.state.local_steps_own
         return stats
 
     # ---- chief side -------------------------------------------------------
@@ -497,22 +499,67 @@ def _run_round(trainer, windows):
         trainer._schedule([window])
 
 
-def _anneal_span(trainer, state):
+def _fit_steps(trainer, state):
     """`WindowTrainer.lr_anneal_span`, with `state` its fit state (a `ModelState`)."""
-    if trainer.lr_scale_peak == trainer.lr_scale:
-        return 0.0, 0.0
     start, steps = state.fit_span
     if start is None:  # read once a fit, inside it: a PS lost meanwhile is recovered
         start = int(internals.iteration_variable(trainer.optimizer).numpy())
         state.fit_span = (start, steps)
-    first = start + (trainer.lr_warmup_steps if state.fits <= 1 else 1)
-    return float(first), float(max(first, start + steps))
+        _say_workers_rate(trainer, start, steps)
+    return float(start), float(start + steps)
+
+
+def _say_workers_rate(trainer, start, steps):
+    """Logs, once a fit, the learning rate the workers' local steps run at."""
+    peak, final = trainer.lr_scale_peak, trainer.lr_scale
+    rule = trainer.strategy._worker_rate(trainer.optimizer)  # private: the resolved rule
+    if peak == final == 1.0:
+        log.info("tf_asgd: workers' learning rate: the optimizer's own (lr_scaling=%r).", rule)
+        return
+    shape = f"x{peak:g}" if peak == final else f"x{peak:g} falling to x{final:g} by its end"
+    log.warning(
+        "tf_asgd: workers' learning rate: the optimizer's rate times a factor rising "
+        "from 1 over this fit's first %d steps to %s (global steps %d to %d; "
+        "lr_scaling=%r resolved to %r; logged as 'workers_learning_rate').",
+        trainer.lr_warmup_steps,
+        shape,
+        start,
+        start + steps,
+        trainer.strategy.lr_scaling,
+        rule,
+    )
+
+
+def workers_learning_rate(trainer):
+    """The rate the workers' local steps run at now: the optimizer's at the global step
+    count, times the factor (for `History` and TensorBoard: `workers_learning_rate`)."""
+    optimizer = trainer.optimizer
+    step = int(internals.iteration_variable(optimizer).numpy())
+    first, last = trainer.lr_anneal_span
+    factor = update_rules.annealed_rate_scale(
+        trainer.lr_scale_peak,
+        trainer.lr_scale,
+        step - first,
+        trainer.lr_warmup_steps,
+        last - first,
+        anneal_from=trainer.lr_warmup_steps,
+    )
+    try:
+        rate = float(optimizer.learning_rate)
+    except (AttributeError, TypeError, ValueError):  # an optimizer without one rate
+        return float("nan")
+    return rate * float(factor)
 
 
 def closure_limits(trainer, windows, budget):
     """A closure's `limits` (`WindowFunction.run`): its windows, its budget in seconds,
-    and the steps over which the workers' rate anneals (`lr_anneal_span`)."""
-    return tf.constant([len(windows), budget, *trainer.lr_anneal_span], tf.float64)
+    the running fit's first and last global step, its warm-up steps, and 1 where each
+    worker reads all the data and starts at its own offset (0 where it reads its shard)."""
+    first, last = trainer.lr_anneal_span
+    offset = not trainer.strategy.training_data.is_sharded(trainer._iterator)  # private: ours
+    return tf.constant(
+        [len(windows), budget, first, last, trainer.lr_warmup_steps, offset], tf.float64
+    )
 
 
 def _fed_closure(trainer, windows, plan, budget):

@@ -52,7 +52,9 @@ class WindowFunction:
             else None
         )
         self._metrics_checked = False  # metric states checked to merge (`prepare`)
-        self._anneal_span = None  # the workers' rate anneal's (from, to) tensors, in a trace
+        # In a trace: the running fit's (first step, last step, warm-up steps) tensors,
+        # and the global step count minus the worker's own at the window's pull.
+        self._fit_span = self._step_offset = None
         self.state = WindowState(trainer, own_train_step=self._model_step is not None)
 
     @property
@@ -126,9 +128,12 @@ class WindowFunction:
             plan: int64 `[2, N]`: each window's id (unique; a re-run keeps
                 it) and local steps (`n_sync`, or fewer for an epoch's last
                 window); the first `K` are used.
-            limits: float64 `[4]`: `K`, the closure's windows; its budget,
-                the seconds after which no new window starts; and the steps
-                from and to which the workers' rate anneals (`closure_limits`).
+            limits: float64 `[6]`: `K`, the closure's windows; its budget,
+                the seconds after which no new window starts; the running
+                fit's first and last global step and its warm-up steps, over
+                which the workers' rate is warmed up and annealed; and 1 where
+                every worker reads all the data (each then skips its index in
+                batches once), 0 where each reads its shard (`closure_limits`).
 
         Returns:
             float64 `[windows run, row size]`: one packed result per window
@@ -145,11 +150,13 @@ class WindowFunction:
     def _run(self, iterator, plan, limits, shift_data):
         window_ids, num_steps = plan[0], plan[1]
         count, budget = tf.cast(limits[0], tf.int32), limits[1]
-        self._anneal_span = (limits[2], limits[3])  # read by `_workers_rate` in this trace
+        self._fit_span = (limits[2], limits[3], limits[4])  # read by `_workers_rate`
         worker = tf.cast(
             tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64
         )
-        shifted = self._shift_data_once(iterator, worker) if shift_data else tf.zeros_like(worker)
+        # Worker i skips i batches once where every worker reads all the data.
+        skip = worker * tf.cast(limits[5], tf.int64)
+        shifted = self._shift_data_once(iterator, skip) if shift_data else tf.zeros_like(worker)
         with tf.control_dependencies([shifted]):
             start = tf.timestamp()
         self._pull_plan = pull = Pull(
@@ -233,9 +240,9 @@ class WindowFunction:
         return row, has_next, flats
 
     def _shift_data_once(self, iterator, worker):
-        """Before its first window, worker `i` skips `i` batches (see
-        `strategy._WindowDataset`): seeded workers must not train on the same
-        batches. `data_shifted` is set by `WindowState.write`. Returns a
+        """Before its first window, worker `i` skips `worker` batches (its index
+        where every worker reads all the data, see `strategy._WindowDataset`):
+        seeded workers must not train on the same batches. `data_shifted` is set by `WindowState.write`. Returns a
         tensor that exists once the batches are skipped."""
         shifted = self.data_shifted.read_value()
         skip = tf.where(shifted, tf.zeros_like(worker), worker)
@@ -254,7 +261,8 @@ class WindowFunction:
         Returns `(pulled, replayed)`: a `Pulled` and a bool scalar."""
         meta, shared, weights = self._pull_plan.unpack(flats)
         optimizer_values = self.state.optimizer_values(shared, token)
-        return Pulled(meta.version, weights, optimizer_values), meta.replayed
+        pulled = Pulled(meta.version, weights, optimizer_values, global_steps=shared[-1])
+        return pulled, meta.replayed
 
     def _local_steps(self, iterator, num_steps, pulled):
         """Local steps: `num_steps` steps of the local optimizer on the worker's
@@ -277,6 +285,8 @@ class WindowFunction:
             return (i + 1, samples + batch_size(batch), *map(list, out))
 
         loop = (tf.zeros_like(num_steps), tf.constant(0, tf.int64))
+        own = pulled.optimizer_values[self.state.optimizer_variables.index(self.state.counters[0])]
+        self._step_offset = tf.cast(pulled.global_steps, tf.int64) - tf.cast(own, tf.int64)
         with self._workers_rate():
             _, samples, weights, opt_values, metric_values = tf.while_loop(
                 lambda i, *_: i < num_steps, one_step, (*loop, weights, opt_values, metric_values)
@@ -285,20 +295,29 @@ class WindowFunction:
 
     def _workers_rate(self):
         """While the local steps are traced: the local optimizer at the workers'
-        rate, its own times the trainer's factor: warmed up to `lr_scale_peak`
-        over the compiled optimizer's first `lr_warmup_steps` steps (every
-        worker's), then annealed to `lr_scale` over the closure's anneal span
-        (the running fit's, `WindowTrainer.lr_anneal_span`)."""
+        rate, its own times the trainer's factor, both at the global step count
+        (the worker's own count, which its moments' bias correction sees, plus
+        `_step_offset`). Each fit warms the factor up from 1 to `lr_scale_peak`
+        over its first `lr_warmup_steps` steps and anneals it to `lr_scale` by
+        its last step (`update_rules.annealed_rate_scale`; the span is the
+        closure's `limits`)."""
         t = self._trainer
         peak, final = t.lr_scale_peak, t.lr_scale
-        if peak == final == 1.0:
+        if peak == final == 1.0 and not internals.has_rate_schedule(self.local_optimizer):
             return contextlib.nullcontext()
-        warmup, (start, end) = t.lr_warmup_steps, self._anneal_span
+        first, last, warmup = (tf.cast(v, tf.float32) for v in self._fit_span)
         return internals.scaled_learning_rate(
             self.local_optimizer,
             lambda step: update_rules.annealed_rate_scale(
-                peak, final, step, warmup, end, tnp, anneal_from=start
+                peak,
+                final,
+                tf.cast(step, tf.float32) - first,
+                warmup,
+                last - first,
+                tnp,
+                anneal_from=warmup,
             ),
+            step_offset=self._step_offset,
         )
 
     def _step(self, batch, weights, opt_values, metric_values):

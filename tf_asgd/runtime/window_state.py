@@ -27,6 +27,7 @@ class Pulled(typing.NamedTuple):
     optimizer_values: (
         list  # the local optimizer's variables (shared from the PS, or the worker's own)
     )
+    global_steps: typing.Any = None  # the compiled optimizer's step count on the PS
 
 
 class Outgoing(typing.NamedTuple):
@@ -111,14 +112,20 @@ class WindowState:
 
     def create_optimizer_state(self, optimizers, variables):
         """The window's optimizer state: `variables` (of `optimizers`, the
-        local one first) are carried in that order. Shared: the local
-        optimizer's step counter (the compiled optimizer's, so that
-        `model.optimizer.iterations` counts every step applied) and each
-        optimizer's learning rate on a PS, read from the PS each window, so
-        schedules and callbacks such as ReduceLROnPlateau see the global
-        values. The rest (momentum, Adam's moments, other optimizers' step
-        counters) is the worker's own, kept in per-worker variables, except
-        EMA variables (`use_ema`): the PS updates those at each push
+        local one first) are carried in that order.
+
+        The local optimizer's step counter is the worker's own: its steps since
+        its moments began, so that what an optimizer derives from it for its
+        own moments (Adam's bias correction) matches them. Its schedules see
+        the global count instead (`WindowFunction._workers_rate`), and a push
+        advances the compiled optimizer's counter on the PS by the window's
+        steps, so `model.optimizer.iterations` counts every step applied.
+        Shared, read from the PS each window: each optimizer's learning rate
+        (so schedules and callbacks such as ReduceLROnPlateau act on every
+        worker) and other optimizers' step counters on a PS (not separated:
+        `local_steps_own`). The rest (momentum, Adam's moments) is the
+        worker's own, kept in per-worker variables, except EMA variables
+        (`use_ema`): the PS updates those at each push
         (`optimizer_options.CentralAverages`), and a window carries zeros
         in their place (its steps do not read them)."""
         lo, strategy = self.local_optimizer, self._trainer.strategy
@@ -126,18 +133,29 @@ class WindowState:
         with strategy.scope():
             self.optimizer_variables = list(variables)
             counter = internals.iteration_variable(lo)
-            self._shared = {id(counter): internals.iteration_variable(model.optimizer)}
+            # Read at each pull beside the shared variables: what schedules see.
+            self.global_steps = internals.iteration_variable(model.optimizer)
+            self._shared = {}
             self.counters = [counter]  # step counters advanced on the PS by a push
             for o in optimizers:
                 lr, it = internals.learning_rate_variable(o), internals.iteration_variable(o)
                 if lr is not None and (o is lo or "/job:ps" in device_of(raw(lr))):
                     self._shared[id(lr)] = lr
-                if id(it) not in self._shared and "/job:ps" in device_of(raw(it)):
+                if it is counter or id(it) in self._shared:
+                    continue
+                if "/job:ps" in device_of(raw(it)):
                     self._shared[id(it)] = it
                     self.counters.append(it)
+            self.local_steps_own = len(self.counters) == 1
             self.averages = self._central_averages(optimizers)
             self._ema = {id(a) for averages in self.averages for _, a in averages.pairs}
-            initial = [read(raw(v)) for v in variables if self._is_own(v)]
+            own = [v for v in variables if self._is_own(v)]
+            initial = [read(raw(v)) for v in own]
+            # Moments that start at zero start with no steps (a fresh model, or one
+            # whose moments were never written on the PS); restored moments keep the
+            # restored count, as one Keras process would.
+            if not any(np.any(v.numpy()) for v, o in zip(initial, own) if o is not counter):
+                initial = [tf.zeros_like(v) if o is counter else v for v, o in zip(initial, own)]
             self.worker_state = [internals.per_worker_variable(v) for v in initial]
             # What `worker_state="reset"` restores at each pull: zeros for
             # the usual zero-initialised slots, else the initial values.
@@ -153,7 +171,7 @@ class WindowState:
                 continue
             i = ids.index(id(internals.iteration_variable(o)))
             # A push writes the compiled optimizer's counter for the local one.
-            counter = self._shared[ids[0]] if i == 0 else self.counters[i]
+            counter = self.global_steps if i == 0 else self.counters[i]
             out.append(
                 optimizer_options.CentralAverages(
                     o, counter, i, self._trainer.variables, self._trainer.strategy
@@ -167,8 +185,10 @@ class WindowState:
         return id(variable) not in self._shared and id(variable) not in self._ema
 
     def shared_variables(self):
-        """The optimizer variables read from the PS at each pull, in order."""
-        return [self._shared[id(v)] for v in self.optimizer_variables if id(v) in self._shared]
+        """What a pull reads from the PS beside the weights: the shared optimizer
+        variables in order, then the global step counter (`global_steps`)."""
+        shared = [self._shared[id(v)] for v in self.optimizer_variables if id(v) in self._shared]
+        return shared + [self.global_steps]
 
     def counted_steps(self):
         """The step counters a push advances, as the PS writes them: the
@@ -178,7 +198,7 @@ class WindowState:
 
     def optimizer_values(self, shared, token):
         """The local optimizer's variable values in its order, for a window's
-        local steps: `shared` (the shared variables' values, as pulled), the
+        local steps: `shared` (the values of `shared_variables()`, as pulled), the
         worker's own state (read after `token`, or under
         `worker_state="reset"` its initial values) and zeros for EMA
         variables."""

@@ -1,0 +1,234 @@
+"""How a `tf.data.Dataset` given to `fit` is split over the workers.
+
+TensorFlow's convention (`tf.data.experimental.AutoShardPolicy`, applied by
+`MultiWorkerMirroredStrategy`): a dataset is sharded over the workers by default, by
+file where the pipeline reads files, else by data; the pipeline's
+`options().experimental_distribute.auto_shard_policy` chooses, and `OFF` opts out.
+`plan` resolves the policy on the chief, before anything is scheduled; `shard` applies
+it on each worker to the dataset rebuilt from its graph.
+
+Every worker rebuilds the same graph, so a seeded shuffle gives every worker the same
+order, and sharding that order by batch gives the workers disjoint batches: each
+example once per pass over the workers together. An unseeded shuffle would draw its
+own order on each worker; under sharding by data the chief fixes its seeds in the graph
+first (the same random seeds for every worker, new ones for each `fit` on a new
+dataset), so unseeded pipelines are partitioned too.
+
+Example:
+
+```python
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+model.fit(dataset.with_options(options), ...)  # every worker reads all of it
+```
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from tf_asgd import internals
+
+Policy = tf.data.experimental.AutoShardPolicy
+
+# tf.data's file readers (TF's `auto_shard.cc` looks for the same ones).
+READERS = frozenset(
+    {
+        "TFRecordDataset",
+        "TFRecordDatasetV2",
+        "TextLineDataset",
+        "FixedLengthRecordDataset",
+        "FixedLengthRecordDatasetV2",
+        "ArrayRecordDataset",
+        "RecordIODataset",
+        "SSTableDataset",
+    }
+)
+# Shuffles whose seeds are inputs: (op, index of `seed`, index of `seed2`).
+_SEEDED_SHUFFLES = {"ShuffleDatasetV3": (2, 3), "ShuffleAndRepeatDatasetV2": (2, 3)}
+_EXTERNAL_STATE_WARN = 0  # DatasetToGraphV2's ExternalStatePolicy.WARN, as TF's coordinator
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How a dataset is split over the workers.
+
+    Attributes:
+        policy: the `AutoShardPolicy` applied: `FILE`, `DATA`, `HINT` or `OFF`.
+        reason: why, in words, for the log line of each `fit`.
+        graph: the dataset's serialized graph as the workers rebuild it (a string
+            tensor), unseeded shuffles given fixed seeds under `DATA`.
+        num_workers: the workers it is split over.
+    """
+
+    policy: Policy
+    reason: str
+    graph: tf.Tensor
+    num_workers: int
+
+    def describe(self):
+        """One line for the log: what each worker reads."""
+        if self.policy == Policy.OFF:
+            return f"not sharded: every worker reads all of it ({self.reason})"
+        what = {Policy.FILE: "by file", Policy.DATA: "by batch", Policy.HINT: "by hint"}
+        return f"sharded {what[self.policy]} over {self.num_workers} workers ({self.reason})"
+
+
+def serialize(dataset):
+    """The dataset's graph, serialized as TF's coordinator ships it (a string tensor)."""
+    return tf.raw_ops.DatasetToGraphV2(
+        input_dataset=tf.data.experimental.to_variant(dataset),
+        external_state_policy=_EXTERNAL_STATE_WARN,
+        strip_device_assignment=True,
+    )
+
+
+def rebuild(graph, element_spec):
+    """The dataset of a serialized graph (`serialize`)."""
+    return tf.data.experimental.from_variant(
+        tf.raw_ops.DatasetFromGraph(graph_def=graph), element_spec
+    )
+
+
+def plan(dataset, num_workers, rng=None):
+    """Resolves the dataset's `auto_shard_policy` for `num_workers` workers, on the chief.
+
+    `AUTO` (TF's default) shards by file where the pipeline reads at least as many
+    files as there are workers, else by data. `FILE` with fewer files than workers,
+    or no file at all, is refused here rather than failing on the workers.
+
+    Args:
+        dataset: the `tf.data.Dataset` given to `fit`.
+        num_workers: the number of workers.
+        rng: a `numpy.random.Generator` for the seeds of unseeded shuffles (default: a
+            fresh one).
+
+    Returns:
+        A `ShardPlan`.
+
+    Raises:
+        ValueError: the policy is `FILE` and the pipeline reads fewer files than there
+            are workers (or reads none).
+    """
+    policy = Policy(int(dataset.options().experimental_distribute.auto_shard_policy))
+    graph = serialize(dataset)
+    if policy == Policy.OFF:
+        return ShardPlan(policy, "auto_shard_policy OFF", graph, num_workers)
+    if policy == Policy.HINT:
+        return ShardPlan(policy, "auto_shard_policy HINT", graph, num_workers)
+    graph_def = tf.compat.v1.GraphDef.FromString(graph.numpy())
+    files = _count_files(graph_def, num_workers)
+    if policy == Policy.FILE and (files is None or files < num_workers):
+        found = "no files" if files is None else f"{files} file(s)"
+        raise ValueError(
+            f"auto_shard_policy FILE needs at least as many input files as workers: the "
+            f"dataset reads {found} for {num_workers} workers. Write more files, or use "
+            "AutoShardPolicy.DATA (each worker reads everything and keeps its batches)."
+        )
+    if files is not None and files >= num_workers:
+        return ShardPlan(Policy.FILE, f"reads at least {files} files", graph, num_workers)
+    reason = "reads no files" if files is None else f"reads {files} file(s), fewer than workers"
+    if policy == Policy.DATA:
+        reason = "auto_shard_policy DATA"
+    graph_def, fixed = _fix_shuffle_seeds(graph_def, rng or np.random.default_rng())
+    if fixed:
+        reason += f"; {fixed} unseeded shuffle(s) seeded alike on every worker"
+        graph = tf.constant(graph_def.SerializeToString())
+    return ShardPlan(Policy.DATA, reason, graph, num_workers)
+
+
+def shard(dataset, shard_plan, index):
+    """On a worker: `dataset` (rebuilt from `shard_plan.graph`) as its shard.
+
+    Args:
+        dataset: the rebuilt dataset.
+        shard_plan: its `ShardPlan`.
+        index: the worker's index, a scalar tensor.
+
+    Returns:
+        The worker's part of `dataset` (all of it under `OFF`).
+    """
+    n = shard_plan.num_workers
+    if shard_plan.policy == Policy.OFF or n == 1:
+        return dataset
+    index = tf.cast(index, tf.int64)
+    if shard_plan.policy == Policy.DATA:
+        # TF's DATA rewrite shards the pipeline's last elements (its batches): the same.
+        return dataset.shard(n, index)
+    return internals.auto_shard_dataset(dataset, n, index, shard_plan.policy)
+
+
+def _functions_reading_files(graph_def):
+    """Names of the graph's library functions that read files, directly or through
+    functions they call."""
+    calls, reads = {}, set()
+    for f in graph_def.library.function:
+        name = f.signature.name
+        calls[name] = {
+            a.func.name for node in f.node_def for a in node.attr.values() if a.HasField("func")
+        }
+        if any(node.op in READERS for node in f.node_def):
+            reads.add(name)
+    grew = True
+    while grew:
+        grew = False
+        for name, called in calls.items():
+            if name not in reads and called & reads:
+                reads.add(name)
+                grew = True
+    return reads
+
+
+def _count_files(graph_def, num_workers):
+    """How many files the pipeline reads, counted up to `num_workers`; None if it reads
+    none (or none that TF's FILE sharding would find)."""
+    nodes = {node.name: node for node in graph_def.node}
+    reading = _functions_reading_files(graph_def)
+    for node in graph_def.node:
+        if node.op in READERS:  # a reader at the top: its file names are a constant
+            source = nodes.get(node.input[0].split(":")[0])
+            if source is not None and source.op == "Const":
+                return int(tf.make_ndarray(source.attr["value"].tensor).size)
+            return None
+        funcs = {a.func.name for a in node.attr.values() if a.HasField("func")}
+        if funcs & reading:  # flat_map / interleave over a dataset of file names
+            return _count_elements(graph_def, node.input[0].split(":")[0], num_workers)
+    return None
+
+
+def _count_elements(graph_def, node_name, limit):
+    """The elements (up to `limit`) of the dataset that node `node_name` makes."""
+    sub = tf.compat.v1.GraphDef()
+    sub.CopyFrom(graph_def)
+    for node in sub.node:
+        if node.op == "_Retval":
+            del node.input[:]
+            node.input.append(node_name)
+    try:
+        files = rebuild(tf.constant(sub.SerializeToString()), tf.TensorSpec([], tf.string))
+        return int(files.take(limit).reduce(0, lambda n, _: n + 1))
+    except (tf.errors.OpError, TypeError, ValueError):
+        return None
+
+
+def _fix_shuffle_seeds(graph_def, rng):
+    """`(graph_def, count)`: the graph with every top-level shuffle whose seeds are both 0
+    (random on each worker) given the same random seeds, and how many were."""
+    out = tf.compat.v1.GraphDef()
+    out.CopyFrom(graph_def)
+    nodes = {node.name: node for node in out.node}
+    fixed = 0
+    for node in out.node:
+        if node.op not in _SEEDED_SHUFFLES:
+            continue
+        seeds = [nodes.get(node.input[i].split(":")[0]) for i in _SEEDED_SHUFFLES[node.op]]
+        if any(s is None or s.op != "Const" for s in seeds):
+            continue
+        if any(tf.make_ndarray(s.attr["value"].tensor).item() != 0 for s in seeds):
+            continue
+        for s in seeds:
+            value = np.int64(rng.integers(1, 2**31 - 1))
+            s.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+        fixed += 1
+    return out, fixed
