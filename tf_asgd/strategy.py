@@ -308,7 +308,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             rate is the user's. `"sqrt"`, `"anneal"`, `"linear"` (times N) or
             a number set the factor for any optimizer; `"none"` keeps the
             user's rate. The factor rises linearly from 1 over the first
-            quarter of the model's first `fit` where it anneals, over its first
+            quarter of each `fit` where it anneals, over its first
             5% where it stays (Goyal et al.'s warm-up). The chief's
             optimizer, its callbacks and checkpoints keep the user's rate;
             `model_stats(model)` reports the factors (`lr_scale_peak`,

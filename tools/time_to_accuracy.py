@@ -273,7 +273,9 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
     strategy = tf_asgd.AsyncParameterServerStrategy(
         cluster.resolver,
         n_sync=n_sync,
-        per_worker_dataset_fn=lambda ds, i: device(ds.shard(workers, i), i),
+        # Fed as a user feeds fit: the seeded pipeline as it is (fit shards it over the
+        # workers); per_worker_dataset_fn only emulates each worker's device.
+        per_worker_dataset_fn=device,
         compression=push,
         pull_compression=pull,
         **_outer_options(outer, workers, opt),

@@ -359,12 +359,12 @@ def default_outer_optimizer(num_workers, worker_peak=1.0):
 
 
 WORKER_RATE_RULES = ("auto", "none", "linear", "sqrt", "anneal")
-WORKER_RATE_WARMUP = 0.05  # of the first fit's steps: Goyal et al.'s 5 of 90 epochs
-ANNEAL_WARMUP = 0.25  # of the first fit's steps, for the anneal's peak of N: docs/defaults.md
+WORKER_RATE_WARMUP = 0.05  # of each fit's steps: Goyal et al.'s 5 of 90 epochs
+ANNEAL_WARMUP = 0.25  # of each fit's steps, for the anneal's peak of N: docs/defaults.md
 
 
 def worker_rate_warmup(peak, final):
-    """The share of the first `fit`'s steps over which the workers' factor rises from 1 to
+    """The share of each `fit`'s steps over which the workers' factor rises from 1 to
     `peak`: a quarter where it peaks above where it ends (the anneal from N), else Goyal et
     al.'s 5%. Why: early on the gradient's signal dominates its noise and Adam's steps are
     at their largest, so N times the rate there makes each step larger, not less noisy.

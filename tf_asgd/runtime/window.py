@@ -240,10 +240,11 @@ class WindowFunction:
         return row, has_next, flats
 
     def _shift_data_once(self, iterator, worker):
-        """Before its first window, worker `i` skips `worker` batches (its index
-        where every worker reads all the data, see `strategy._WindowDataset`):
-        seeded workers must not train on the same batches. `data_shifted` is set by `WindowState.write`. Returns a
-        tensor that exists once the batches are skipped."""
+        """Before its first window, a worker skips `worker` batches (its index
+        where every worker reads all the data, see `strategy._WindowDataset`;
+        else 0): seeded workers must not train on the same batches.
+        `data_shifted` is set by `WindowState.write`. Returns a tensor that
+        exists once the batches are skipped."""
         shifted = self.data_shifted.read_value()
         skip = tf.where(shifted, tf.zeros_like(worker), worker)
 
