@@ -251,12 +251,20 @@ def stateless_optimizers(optimizers):
     being written to the (PS) variables through `tf.distribute`. With
     gradient accumulation or EMA, `_backend_apply_gradients` is
     `_stateless_apply_gradients`; an optimizer with its own `stateless_apply`
-    (`LossScaleOptimizer`) applies through it (`_apply_statelessly`)."""
+    (`LossScaleOptimizer`) applies through it (`_apply_statelessly`). An optimizer
+    whose class overrides `_backend_update_step` (Nadam, to advance its
+    `_u_product`) keeps its own, and its `super()` call reaches the
+    backend-neutral one: TF's is swapped on `TFOptimizer` itself while open."""
     patched = []
     for optimizer in optimizers:
-        methods = {
-            name: types.MethodType(getattr(BaseOptimizer, name), optimizer)
+        names = [
+            name
             for name in _BASE_METHODS
+            if name != "_backend_update_step"
+            or getattr(type(optimizer), name) is getattr(TFOptimizer, name)
+        ]
+        methods = {
+            name: types.MethodType(getattr(BaseOptimizer, name), optimizer) for name in names
         }
         methods["_var_key"] = types.MethodType(_var_key, optimizer)
         own = type(optimizer).stateless_apply
@@ -270,9 +278,12 @@ def stateless_optimizers(optimizers):
             )
         optimizer.__dict__.update(methods)
         patched.append((optimizer, methods))
+    tf_update_step = TFOptimizer._backend_update_step
+    TFOptimizer._backend_update_step = BaseOptimizer._backend_update_step  # see above
     try:
         yield
     finally:
+        TFOptimizer._backend_update_step = tf_update_step
         for optimizer, methods in patched:
             for name in methods:
                 optimizer.__dict__.pop(name, None)

@@ -18,7 +18,9 @@ def _linear(seed=0):
     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
 
 
-@pytest.mark.parametrize("make", [keras.optimizers.Adam, keras.optimizers.AdamW])
+@pytest.mark.parametrize(
+    "make", [keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.Nadam]
+)
 def test_each_workers_windows_are_plain_keras_on_its_own_batches(local_cluster, flat, make):
     """2 workers in synchronous rounds, the PS taking the mean of the two pushes
     (`OuterSGD(0.5)`), arrays sharded by batch: each window equals plain Keras's optimizer
@@ -98,6 +100,46 @@ def test_a_restored_run_warms_up_and_history_shows_the_workers_rate(local_cluste
     plain.compile(keras.optimizers.SGD(Ramp(), momentum=0.5), LOSS)
     plain.optimizer.build(plain.trainable_variables)
     plain.optimizer.iterations.assign(10_000)
+    plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_scheduler_sets_the_rate_the_workers_scale(local_cluster, flat):
+    """`LearningRateScheduler` sets the user's rate on the chief each epoch; every worker
+    reads it at its next pull and runs it times the factor (3 after a 2-step warm-up): each
+    step equals plain Keras at the epoch's rate times the ramped factor, and `History`
+    holds both the user's rate (`learning_rate`) and the workers' (`workers_learning_rate`)."""
+    (x, y), _ = flat
+    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs
+
+    def by_epoch(epoch, rate=None):
+        return 0.02 * 0.5**epoch
+
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        local_cluster(1).resolver, n_sync=5, lr_scaling=3.0
+    )
+    with strategy.scope():
+        model = _linear()
+        model.compile(keras.optimizers.SGD(0.02, momentum=0.5), LOSS)
+    start = model.get_weights()
+    scheduler = keras.callbacks.LearningRateScheduler(by_epoch)
+    history = model.fit(
+        x, y, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=[scheduler]
+    )
+    rates = [by_epoch(e) for e in range(4)]
+    assert history.history["learning_rate"] == pytest.approx(rates)
+    assert history.history["workers_learning_rate"] == pytest.approx([3 * r for r in rates])
+
+    class EpochRateRamped(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            t = keras.ops.cast(step, "float32")
+            rate = 0.02 * keras.ops.power(0.5, keras.ops.floor(t / 10.0))
+            return rate * (1.0 + 2.0 * keras.ops.minimum(1.0, (t + 1.0) / 2.0))
+
+    plain = _linear()
+    plain.set_weights(start)
+    plain.compile(keras.optimizers.SGD(EpochRateRamped(), momentum=0.5), LOSS)
     plain.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -46,8 +46,8 @@ def _window(theta, batches):
 
 def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None):
     """The central weights after the rounds of `log` in NumPy: each round's
-    windows from the same start, worker `i` reading the data set's batches
-    from batch `i` on (it skips `i` before its first window), each push
+    windows from the same start, worker `i` reading its shard of the data
+    set repeated (`fit` shards it by batch: batches `i, i + workers, ...`), each push
     through `update_rules.outer_step` by its ticket. `restarted`: `(worker,
     index in log)`: that worker was restarted before the record at that
     index, and its data stream starts again there. `displacements`: a list
@@ -56,7 +56,7 @@ def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None
     batches = [(a.astype(np.float64), b.astype(np.float64)) for a, b in batches]
     theta = [v.astype(np.float64) for v in init]
     state = [{}, {}]
-    position = {w: w for w in range(workers)}
+    position = {w: 0 for w in range(workers)}  # batches each worker has read
     ticket = 0
     by_round = {}
     for k, record in enumerate(log):  # in the order seen: each worker's in the order it ran them
@@ -65,9 +65,10 @@ def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None
         start = [t.copy() for t in theta]
         for k, record in by_round[r]:
             if restarted and record.worker == restarted[0] and k >= restarted[1]:
-                position[record.worker], restarted = record.worker, None  # a new iterator
+                position[record.worker], restarted = 0, None  # a new iterator
             steps = record.samples // BATCH
-            taken = [batches[(position[record.worker] + j) % BATCHES] for j in range(steps)]
+            w, read = record.worker, position[record.worker]
+            taken = [batches[(w + workers * (read + j)) % BATCHES] for j in range(steps)]
             position[record.worker] += steps
             update = _window(start, taken)
             if displacements is not None:

@@ -1,26 +1,14 @@
 """How a `tf.data.Dataset` given to `fit` is split over the workers.
 
-TensorFlow's convention (`tf.data.experimental.AutoShardPolicy`, applied by
-`MultiWorkerMirroredStrategy`): a dataset is sharded over the workers by default, by
-file where the pipeline reads files, else by data; the pipeline's
-`options().experimental_distribute.auto_shard_policy` chooses, and `OFF` opts out.
-`plan` resolves the policy on the chief, before anything is scheduled; `shard` applies
-it on each worker to the dataset rebuilt from its graph.
-
-Every worker rebuilds the same graph, so a seeded shuffle gives every worker the same
-order, and sharding that order by batch gives the workers disjoint batches: each
-example once per pass over the workers together. An unseeded shuffle would draw its
-own order on each worker; under sharding by data the chief fixes its seeds in the graph
-first (the same random seeds for every worker, new ones for each `fit` on a new
-dataset), so unseeded pipelines are partitioned too.
-
-Example:
-
-```python
-options = tf.data.Options()
-options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-model.fit(dataset.with_options(options), ...)  # every worker reads all of it
-```
+TensorFlow's convention (`tf.data.experimental.AutoShardPolicy`, as
+`MultiWorkerMirroredStrategy` applies it): by file where the pipeline reads files, else by
+data; the pipeline's `options().experimental_distribute.auto_shard_policy` chooses, and
+`OFF` opts out. `plan` resolves the policy on the chief before anything is scheduled;
+`shard` applies it on each worker to the dataset rebuilt from its graph. Every worker
+rebuilds the same graph, so a seeded shuffle draws the same order on each, and sharding
+it by batch gives disjoint batches; under sharding by data the chief gives unseeded
+shuffles the same seeds for every worker. Why and what each policy costs:
+docs/guide/data.md.
 """
 
 import dataclasses

@@ -153,15 +153,6 @@ class WindowTrainer:
         to `lr_scale`."""
         return _fit_steps(self, self._fit_state)
 
-    @property
-    def lr_anneal_steps(self):
-        """The global step by which the workers' rate has fallen to `lr_scale`: the
-        running (or last) `fit`'s end; its warm-up's end where nothing anneals."""
-        first, last = self.lr_anneal_span
-        if self.lr_scale_peak == self.lr_scale:
-            return int(first) + self.lr_warmup_steps
-        return int(last)
-
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
         gain = update_rules.outer_gain(self.outer, self.strategy.num_workers)
@@ -169,10 +160,7 @@ class WindowTrainer:
             self.bytes_per_pull, self.bytes_per_push, self.log.samples_per_window, gain
         )
         stats.noise_scale, stats.noise_scale_rounds = self.noise.value, self.noise.rounds
-        stats.lr_scale, stats.lr_warmup_steps = self.lr_scale, self.lr_warmup_steps
-        stats.lr_scale_peak, stats.lr_anneal_steps = self.lr_scale_peak, self.lr_anneal_steps
-        stats.workers_learning_rate = workers_learning_rate(self)
-        stats.local_steps_own = self.window.state.local_steps_own
+        _state_workers_rate(self, stats)
         return stats
 
     # ---- chief side -------------------------------------------------------
@@ -512,22 +500,37 @@ def _fit_steps(trainer, state):
 def _say_workers_rate(trainer, start, steps):
     """Logs, once a fit, the learning rate the workers' local steps run at."""
     peak, final = trainer.lr_scale_peak, trainer.lr_scale
-    rule = trainer.strategy._worker_rate(trainer.optimizer)  # private: the resolved rule
     if peak == final == 1.0:
-        log.info("tf_asgd: workers' learning rate: the optimizer's own (lr_scaling=%r).", rule)
+        log.info(
+            "tf_asgd: workers' learning rate: the optimizer's own (lr_scaling=%r).",
+            trainer.strategy.lr_scaling,
+        )
         return
     shape = f"x{peak:g}" if peak == final else f"x{peak:g} falling to x{final:g} by its end"
     log.warning(
         "tf_asgd: workers' learning rate: the optimizer's rate times a factor rising "
         "from 1 over this fit's first %d steps to %s (global steps %d to %d; "
-        "lr_scaling=%r resolved to %r; logged as 'workers_learning_rate').",
+        "lr_scaling=%r; logged as 'workers_learning_rate').",
         trainer.lr_warmup_steps,
         shape,
         start,
         start + steps,
         trainer.strategy.lr_scaling,
-        rule,
     )
+
+
+def _state_workers_rate(trainer, stats):
+    """Fills in `stats` (an `AsyncStats`) what the workers' rate is: its factors, its
+    warm-up, the global step by which it has fallen to `lr_scale` (the running or last
+    `fit`'s end; its warm-up's end where nothing anneals), the rate now, and whether the
+    local optimizer counts its own steps."""
+    first, last = trainer.lr_anneal_span
+    stats.lr_scale, stats.lr_scale_peak = trainer.lr_scale, trainer.lr_scale_peak
+    stats.lr_warmup_steps = trainer.lr_warmup_steps
+    annealed = trainer.lr_scale_peak != trainer.lr_scale
+    stats.lr_anneal_steps = int(last) if annealed else int(first) + trainer.lr_warmup_steps
+    stats.workers_learning_rate = workers_learning_rate(trainer)
+    stats.local_steps_own = trainer.window.state.local_steps_own
 
 
 def workers_learning_rate(trainer):
@@ -549,6 +552,9 @@ def workers_learning_rate(trainer):
     except (AttributeError, TypeError, ValueError):  # an optimizer without one rate
         return float("nan")
     return rate * float(factor)
+
+
+LIMITS = 6  # the entries of a closure's `limits` (`closure_limits`)
 
 
 def closure_limits(trainer, windows, budget):
@@ -585,7 +591,7 @@ def _fed_closure(trainer, windows, plan, budget):
         trainer.window.prepare(None, feed.element_spec)  # errors before anything is traced
         function = python_inputs.window_on_sent_batches(trainer.window, feed.element_spec)
         concrete = trainer._fed_concrete[feed.key] = function.get_concrete_function(
-            feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([4], tf.float64)
+            feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([LIMITS], tf.float64)
         )
     return concrete, args, windows
 

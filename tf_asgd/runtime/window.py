@@ -286,7 +286,9 @@ class WindowFunction:
             return (i + 1, samples + batch_size(batch), *map(list, out))
 
         loop = (tf.zeros_like(num_steps), tf.constant(0, tf.int64))
-        own = pulled.optimizer_values[self.state.optimizer_variables.index(self.state.counters[0])]
+        counter = self.state.counters[0]
+        i = next(i for i, v in enumerate(self.state.optimizer_variables) if v is counter)
+        own = pulled.optimizer_values[i]
         self._step_offset = tf.cast(pulled.global_steps, tf.int64) - tf.cast(own, tf.int64)
         with self._workers_rate():
             _, samples, weights, opt_values, metric_values = tf.while_loop(

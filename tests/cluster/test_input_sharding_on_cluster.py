@@ -31,11 +31,17 @@ class _IdCounts(keras.metrics.Metric):
         return tf.reduce_sum(self.counts)
 
 
-def _ids_dataset(policy=None):
+def _ids_dataset(policy=None, seeded=True):
     keras.utils.set_random_seed(0)
     ids = np.arange(IDS)
     x = np.stack([ids, ids % 7], axis=1).astype("float32") / IDS
-    dataset = tf.data.Dataset.from_tensor_slices((x, ids)).shuffle(IDS, seed=0).batch(BATCH)
+    dataset = tf.data.Dataset.from_tensor_slices((x, ids))
+    if seeded:
+        dataset = dataset.shuffle(IDS, seed=0)
+    else:
+        tf.random.set_seed(None)  # no global seed either: a random order on each worker
+        dataset = dataset.shuffle(IDS)
+    dataset = dataset.batch(BATCH)
     if policy is not None:
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = policy
@@ -69,6 +75,15 @@ def test_a_seeded_shuffled_dataset_trains_each_example_once_a_pass(local_cluster
     assert counts.sum() == IDS
     np.testing.assert_array_equal(counts, np.ones(IDS))
     assert f"sharded by batch over {workers} workers (reads no files)" in caplog.text
+
+
+def test_an_unseeded_shuffle_is_seeded_alike_on_every_worker(local_cluster, caplog):
+    """Without any seed each worker's shuffle would draw its own order; the chief seeds
+    it alike for all, so one pass still trains each example once."""
+    with caplog.at_level(logging.INFO, logger="tf_asgd"):
+        counts, _ = _fit_one_pass(local_cluster(2), _ids_dataset(seeded=False))
+    assert "1 unseeded shuffle(s) seeded alike on every worker" in caplog.text
+    np.testing.assert_array_equal(counts, np.ones(IDS))
 
 
 def test_policy_off_keeps_every_worker_reading_everything(local_cluster):
