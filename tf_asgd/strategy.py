@@ -288,13 +288,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             state (every PS variable, read on the chief where no push is half
             applied), in seconds: 60 by default; `None` takes none. Within it a
             snapshot is taken as often as costs at most 1% of the time. A PS
-            lost during asynchronous `fit` and answering again on its address
-            (restarted, or a pod back on its name) within `connect_timeout` is
-            recovered in the run: the whole cluster goes back to the newest
-            snapshot, the pushes since it are rolled back and train again
-            (`strategy.recoveries` counts them), and `fit` goes on. Without a
-            snapshot, in synchronous mode, or past `connect_timeout`, `fit`
-            stops with `tf_asgd.ClusterTaskLostError`.
+            lost during `fit` and answering again on its address (restarted,
+            or a pod back on its name) within `connect_timeout` is recovered
+            in the run: the whole cluster goes back to the newest snapshot,
+            the pushes since it are rolled back and train again (in
+            synchronous mode, the rounds since it, whole and in order;
+            `strategy.recoveries` counts them), and `fit` goes on. Without a
+            snapshot, or past `connect_timeout`, `fit` stops with
+            `tf_asgd.ClusterTaskLostError`.
             See docs/faults.md.
         lr_scaling: the workers' learning rate, for N workers. `"auto"` (the
             default): where the PS averages the pushes (the asynchronous
