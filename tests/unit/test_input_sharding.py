@@ -99,3 +99,19 @@ def test_unseeded_shuffles_get_the_same_seeds_on_every_worker():
     plan = input_sharding.plan(seeded, 2)
     assert "unseeded" not in plan.reason
     assert _shuffle_seeds(plan.graph) == _shuffle_seeds(input_sharding.serialize(seeded))
+
+
+def test_a_shuffled_file_list_is_seeded_alike_under_file_sharding(tmp_path):
+    """`list_files` shuffles its file names unseeded by default: each worker would split a
+    different order of files. Under FILE the chief seeds that shuffle too."""
+    _files(tmp_path, 3)
+    tf.random.set_seed(None)
+    dataset = (
+        tf.data.Dataset.list_files(str(tmp_path / "*.tfrecord"))
+        .interleave(tf.data.TFRecordDataset)
+        .batch(2)
+    )
+    assert [0, 0] in _shuffle_seeds(input_sharding.serialize(dataset))
+    plan = input_sharding.plan(dataset, 2)
+    assert plan.policy == Policy.FILE and "seeded alike" in plan.reason
+    assert all(seed != 0 and seed2 != 0 for seed, seed2 in _shuffle_seeds(plan.graph))

@@ -6,8 +6,8 @@ data; the pipeline's `options().experimental_distribute.auto_shard_policy` choos
 `OFF` opts out. `plan` resolves the policy on the chief before anything is scheduled;
 `shard` applies it on each worker to the dataset rebuilt from its graph. Every worker
 rebuilds the same graph, so a seeded shuffle draws the same order on each, and sharding
-it by batch gives disjoint batches; under sharding by data the chief gives unseeded
-shuffles the same seeds for every worker. Why and what each policy costs:
+it by batch gives disjoint batches; under sharding by file or data the chief gives
+unseeded shuffles the same seeds for every worker. Why and what each policy costs:
 docs/guide/data.md.
 """
 
@@ -46,7 +46,7 @@ class ShardPlan:
         policy: the `AutoShardPolicy` applied: `FILE`, `DATA`, `HINT` or `OFF`.
         reason: why, in words, for the log line of each `fit`.
         graph: the dataset's serialized graph as the workers rebuild it (a string
-            tensor), unseeded shuffles given fixed seeds under `DATA`.
+            tensor), unseeded shuffles given fixed seeds under `FILE` and `DATA`.
         num_workers: the workers it is split over.
     """
 
@@ -115,15 +115,18 @@ def plan(dataset, num_workers, rng=None):
             "AutoShardPolicy.DATA (each worker reads everything and keeps its batches)."
         )
     if files is not None and files >= num_workers:
-        return ShardPlan(Policy.FILE, f"reads at least {files} files", graph, num_workers)
-    reason = "reads no files" if files is None else f"reads {files} file(s), fewer than workers"
-    if policy == Policy.DATA:
-        reason = "auto_shard_policy DATA"
+        chosen, reason = Policy.FILE, f"reads at least {files} files"
+    else:
+        chosen = Policy.DATA
+        reason = "reads no files" if files is None else f"reads {files} file(s), fewer than workers"
+        if policy == Policy.DATA:
+            reason = "auto_shard_policy DATA"
+    # Shards must agree on the order they split (the batches, or a shuffled file list).
     graph_def, fixed = _fix_shuffle_seeds(graph_def, rng or np.random.default_rng())
     if fixed:
         reason += f"; {fixed} unseeded shuffle(s) seeded alike on every worker"
         graph = tf.constant(graph_def.SerializeToString())
-    return ShardPlan(Policy.DATA, reason, graph, num_workers)
+    return ShardPlan(chosen, reason, graph, num_workers)
 
 
 def shard(dataset, shard_plan, index):

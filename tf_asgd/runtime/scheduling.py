@@ -253,7 +253,9 @@ class WindowTrainer:
             if not windows:
                 return
         else:
-            args = (self._iterator, tf.constant(plan), closure_limits(self, windows, budget))
+            sharded = self.strategy.training_data.is_sharded(self._iterator)
+            limits = closure_limits(self, windows, budget, sharded)
+            args = (self._iterator, tf.constant(plan), limits)
             if self._concrete is None or self._concrete[0] is not self._iterator:
                 self.window.prepare(self._iterator)  # errors before anything is traced
                 self._concrete = (
@@ -557,12 +559,13 @@ def workers_learning_rate(trainer):
 LIMITS = 6  # the entries of a closure's `limits` (`closure_limits`)
 
 
-def closure_limits(trainer, windows, budget):
+def closure_limits(trainer, windows, budget, sharded=False):
     """A closure's `limits` (`WindowFunction.run`): its windows, its budget in seconds,
     the running fit's first and last global step, its warm-up steps, and 1 where each
-    worker reads all the data and starts at its own offset (0 where it reads its shard)."""
+    worker reads all the data and starts at its own offset (0 where it reads its shard:
+    `sharded`)."""
     first, last = trainer.lr_anneal_span
-    offset = not trainer.strategy.training_data.is_sharded(trainer._iterator)  # private: ours
+    offset = not sharded
     return tf.constant(
         [len(windows), budget, first, last, trainer.lr_warmup_steps, offset], tf.float64
     )
