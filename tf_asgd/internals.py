@@ -893,6 +893,16 @@ def on_every_worker(coordinator, function):
     return list(coordinator._create_per_worker_resources(function)._values)
 
 
+def rebuild_per_worker_iterator(coordinator, iterator):
+    """Makes each worker's instance of `iterator` (from `create_per_worker_dataset`) anew,
+    as TF's coordinator does for a worker that came back: the closure that created it runs
+    again on that worker, before anything else queued for it. A `tf.data` iterator whose
+    read was cancelled keeps the cancellation (or ends) for good. TF does this privately
+    (`Worker._on_worker_recovery`: `_values`, `_closure`, `_schedule_resource`)."""
+    for worker, value in zip(coordinator._cluster.workers, iterator._values):
+        worker._schedule_resource(value._closure)
+
+
 def server_def():
     """The chief's cluster definition once connected: what reconnects it to a PS that
     came back (`context.update_server_def`; TF keeps it privately)."""

@@ -46,6 +46,31 @@ def test_tf_ops_match_the_numpy_rule(opt):
             np.testing.assert_allclose(slot.numpy(), state[name], rtol=1e-5, atol=1e-6)
 
 
+def test_an_asynchronous_delayed_nesterov_close_writes_the_velocity_under_its_lock():
+    """Pushes reach a PS concurrently. A group's close that read the velocity, then
+    added what it computed from that read, would lose one of two closes that overlap;
+    the velocity is written only by one locked read-modify-write op."""
+    opt = update_rules.DelayedNesterov(0.7, 0.9, delay=2)
+    var = tf.Variable(tf.zeros([3]))
+    slots = outer.create_slots(opt, var)
+
+    @tf.function
+    def push(piece, ticket):
+        outer.apply(opt, var, piece, slots, tf.constant(1.0), ticket, 4)
+
+    graph = push.get_concrete_function(
+        tf.TensorSpec([3], tf.float32), tf.TensorSpec([], tf.int64)
+    ).graph
+    velocity = [t for t in graph.captures if t[0] is slots["velocity"].handle][0][1]
+
+    def writes(op):
+        return op.type.startswith(("Assign", "ResourceApply")) and any(t is velocity for t in op.inputs)
+
+    writers = [op for op in graph.get_operations() if writes(op)]
+    assert [op.type for op in writers] == ["ResourceApplyMomentum"]
+    assert writers[0].get_attr("use_locking")
+
+
 def test_defaults_are_the_classic_parameter_server():
     central, update = np.array([1.0, 2.0]), np.array([4.0, -4.0])
     out, state = update_rules.ps_push(central, update, 3, 7, {}, "dynsgd")

@@ -30,8 +30,10 @@ def test_the_rounds_since_the_snapshot_run_again_in_order_then_new_ones():
     rounds.close()
     third = _round(rounds, 4, 20)
     assert len(closed) == 2
+    assert rounds.count == 3
     # The PS is lost while `third` runs: `second` and `third` are undone.
     rounds.roll_back()
+    assert rounds.count == 1  # rounds applied, each once: the replays count again
     rounds.close()  # the barrier after the recovery: no outer step for the undone round
     assert len(closed) == 2
     assert rounds.next_replay() == second
@@ -44,4 +46,5 @@ def test_the_rounds_since_the_snapshot_run_again_in_order_then_new_ones():
     assert rounds.next_replay() == third
     rounds.close()
     assert rounds.next_replay() is None and len(closed) == 4
+    assert rounds.count == 3
     assert first not in rounds.taken and rounds.taken == [second, third]

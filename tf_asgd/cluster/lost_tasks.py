@@ -57,7 +57,7 @@ def task_lost_error(error, cluster, manager, epoch_var):
     return ClusterTaskLostError(
         f"Training stopped: lost contact with the cluster ({what}). The parameter "
         "servers hold the central variables, so training cannot go on without "
-        f"one. {where} (TensorFlow said: {_first_line(error)})"
+        f"one. {where} (TensorFlow said: {first_line(error)})"
     )
 
 
@@ -68,6 +68,7 @@ RESTARTED_SIGNS = (
     "some remote workers have been restarted",
     "Unable to find the relevant tensor remote_handle",
 )
+REFUSES = "which refuses connections"  # in `lost_ps`'s entry for a PS that is down
 _PS_DEVICE = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
 
 
@@ -94,7 +95,7 @@ def lost_ps(error, cluster):
     for i, address in enumerate(cluster["ps"]):
         task = f"ps:{i}"
         if task in down:
-            lost.append(f"{task} ({address}, which refuses connections)")
+            lost.append(f"{task} ({address}, {REFUSES})")
         elif i in named:
             lost.append(f"{task} ({address}, {'restarted' if restarted else 'lost'})")
     if restarted and not lost:  # TF did not say which one
@@ -123,14 +124,14 @@ def ps_lost_error(error, cluster):
         "`connect_timeout`). Restore the model from a checkpoint on a new "
         "strategy (keras.callbacks.BackupAndRestore, or tf_asgd.launch's --resume, which "
         "does this; docs/faults.md). "
-        f"(TensorFlow said: {_first_line(error)})"
+        f"(TensorFlow said: {first_line(error)})"
     )
 
 
 _STATUS_LINE = re.compile(r"\b(?:UNAVAILABLE|ABORTED|INVALID_ARGUMENT|CANCELLED):\s*(.+)")
 
 
-def _first_line(error):
+def first_line(error):
     """What a TF error's message says first, at most 300 characters: its first status
     line (`UNAVAILABLE: Socket closed`), else its first line."""
     text = str(error)

@@ -454,7 +454,10 @@ def _make_train_function(original, model, force=False):
     if model.train_function is not None and not force:
         return model.train_function
     trainer = _window_trainer(model)
-    model.train_function = ps_recovery.train_function(trainer, _strategy_of(model).ps_recovery)
+    recovery = _strategy_of(model).ps_recovery
+    model.train_function = ps_recovery.train_function(trainer, recovery)
+    if _fitting_state(model) is not None and not trainer.strategy.synchronous:
+        ps_recovery.snapshot_at_start(trainer, recovery)  # before on_train_begin
     return model.train_function
 
 

@@ -107,11 +107,22 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     taken = due * total
     # Subtracting what was read keeps any concurrent push's add for the next group.
     take = buffer.assign_sub(taken, read_value=False)
-    old = velocity.read_value()
-    new = old + due * ((mu - 1.0) * old - lr * taken)
+    # The group's momentum step, velocity = mu * velocity - lr * taken and
+    # shard += mu * velocity, in one op under both variables' locks: two pushes that
+    # close groups at once each step on the other's velocity (a read, then an add of
+    # what was computed from it, would lose one). A push that closes none steps by
+    # nothing (momentum 1, gradient 0, rate 0).
     with tf.control_dependencies([take]):
-        set_velocity = velocity.assign_add(new - old, read_value=False)
-    return [take, set_velocity, shard.assign_add(-lr * g + due * mu * new, read_value=False)]
+        close = tf.raw_ops.ResourceApplyMomentum(
+            var=shard.handle,
+            accum=velocity.handle,
+            lr=-due * mu,
+            grad=-due * lr * taken,
+            momentum=due * mu + (1.0 - due),
+            use_locking=True,
+            use_nesterov=False,
+        )
+    return [take, close, shard.assign_add(-lr * g, read_value=False)]
 
 
 def close_round(opt, shard, slots, num_workers):

@@ -119,11 +119,17 @@ class PSRecovery:
             if not internals.is_per_worker(v)
         ]
 
-    def _copy_worker_state(self, back):
+    def _copy_worker_state(self, back, deadline=None):
         """Copies every per-worker variable (the workers' own optimizer state, residuals,
         flags) to its shadow on the same worker, or with `back` the shadows back: the
         workers' half of a snapshot, which never crosses the network. A variable created
-        since the snapshot gets a shadow at its initial value: it goes back to that."""
+        since the snapshot gets a shadow at its initial value: it goes back to that.
+
+        A worker lost while its state is copied to its shadow keeps its last shadow (its
+        moments and its own step count from one moment, which agree). Copied back, the
+        copy is retried until every worker has it, or raises `RuntimeError` after
+        `deadline` (time.monotonic()): a worker left with state newer than the restored
+        PS would train on moments that the PS never saw."""
         strategy = self._strategy()
         self._shadows = {k: (r, s) for k, (r, s) in self._shadows.items() if r() is not None}
         shadows = {id(s) for _, s in self._shadows.values()}
@@ -148,11 +154,17 @@ class PSRecovery:
 
             self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
             self._copies[key] = tf.function(copy, autograph=False)
-        for run in internals.on_every_worker(strategy.coordinator, self._copies[key]):
-            try:
-                run.fetch()
-            except (tf.errors.CancelledError, tf.errors.UnavailableError):
-                pass  # a worker lost meanwhile: its own variables restart with it
+        while True:
+            failed = _failed_runs(internals.on_every_worker(strategy.coordinator, self._copies[key]))
+            if not failed or not back:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "Could not give worker(s) "
+                    f"{', '.join(f'worker:{i}' for i, _ in failed)} their optimizer state "
+                    f"back within connect_timeout: {_status(failed[0][1])}"
+                )
+            connect.pause(PROBE_RETRY_S)  # idempotent: every worker copies again
 
     def start_fit(self):
         """Makes a snapshot due: the next quiet moment of the `fit` starting takes one.
@@ -195,9 +207,11 @@ class PSRecovery:
         """Reads every PS variable (no push may be in flight: `trainer.quiesce()`, which
         took `waited` seconds)."""
         start = time.perf_counter()
-        self._copy_worker_state(back=False)
         variables = [r for _, rs in self._ps_variables() for r in rs]
+        # The PS first: one lost during the read leaves the last snapshot whole, its
+        # workers' half included.
         values = [np.asarray(r.read_value()) for r in variables]
+        self._copy_worker_state(back=False)
         marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
         nbytes = int(sum(v.nbytes for v in values))
         self.snapshot = Snapshot(
@@ -217,9 +231,11 @@ class PSRecovery:
         strategy = self._strategy()
         if self.snapshot is None or not self._covers(trainer):
             raise error
-        lost = lost_tasks.lost_ps(error, strategy.cluster_spec) or self._probe(error)
-        if not lost:
+        lost = self._lost(error)
+        if lost is None:
             raise error
+        if not lost:
+            return self._go_on(error, trainer)
         start = time.monotonic()
         age = start - self.snapshot.taken_at
         log.warning(
@@ -233,13 +249,14 @@ class PSRecovery:
         try:
             in_flight = trainer.abandon()
             deadline = start + strategy.connect_timeout
-            internals.wait_for_closures(strategy.coordinator, deadline - time.monotonic())
+            _wait_for_closures(strategy, deadline)
             ps = [("ps", i, a) for i, a in enumerate(strategy.cluster_spec["ps"])]
             connect.wait_for_tasks(ps, max(0.1, deadline - time.monotonic()))
             answered = time.monotonic()
             self._restore()
             self._reach_workers(strategy, deadline)
-            self._copy_worker_state(back=True)
+            self._copy_worker_state(back=True, deadline=deadline)
+            trainer.rebuild_input()
         except Exception as e:
             log.warning("Could not recover parameter server %s: %s", ", ".join(lost), e)
             raise error from e
@@ -276,6 +293,43 @@ class PSRecovery:
         )
         return done
 
+    def _lost(self, error):
+        """The PS tasks `error` lost: those that refuse connections, else those that no
+        longer hold their variables where `error` may be a PS's loss. `[]` where `error`
+        named a PS that still holds its variables (a worker that restarted mid-window says
+        the same); None where `error` is no PS's loss."""
+        named = lost_tasks.lost_ps(error, self._strategy().cluster_spec)
+        if any(lost_tasks.REFUSES in task for task in named):
+            return named
+        if not named and not _may_be_ps_loss(error):
+            return None
+        lost = self._probe()
+        return lost if lost or named else None
+
+    def _go_on(self, error, trainer):
+        """Where `error` named a PS that still holds its variables (a worker lost or
+        restarted mid-window says so too): nothing is rolled back. The windows in flight
+        train again; one whose push was applied is a replay and pushes nothing (its id
+        is in the ring of applied ids). Synchronous rounds raise `error`: a round's
+        windows cannot train again outside their round."""
+        strategy = self._strategy()
+        if strategy.synchronous:
+            raise error
+        log.warning(
+            "A window failed with an error that names a parameter server, but every "
+            "parameter server still holds its variables: nothing is rolled back, and the "
+            "windows in flight train again. (TensorFlow said: %s)",
+            _status(error),
+        )
+        in_flight = trainer.abandon()
+        try:
+            _wait_for_closures(strategy, time.monotonic() + strategy.connect_timeout)
+        except TimeoutError as e:
+            raise error from e
+        trainer.rebuild_input()
+        trainer.retrain(in_flight)
+        return None
+
     def _covers(self, trainer):
         """Whether going back to the snapshot undoes only what can train again: always
         within the `fit` that took it. One of an earlier `fit`'s end must hold every PS
@@ -289,14 +343,9 @@ class PSRecovery:
         mark = self.snapshot.marks.get(trainer, len(trainer.window_log))
         return mark == len(trainer.window_log)
 
-    def _probe(self, error):
-        """The PS tasks that fail a read of one of their variables, where `error` may be
-        a PS's loss that names none (`Socket closed`: the PS came back before anyone
-        asked); `[]` for other errors."""
-        kinds = (tf.errors.UnavailableError, tf.errors.AbortedError)
-        restarted = any(sign in str(error) for sign in lost_tasks.RESTARTED_SIGNS)
-        if not isinstance(error, kinds) and not restarted:
-            return []
+    def _probe(self):
+        """The PS tasks that fail a read of one of their variables: those that lost them
+        (`Socket closed`: a PS came back before anyone asked)."""
         one_per_task = {}
         for ref in self.snapshot.variables:
             variable = ref()
@@ -340,6 +389,40 @@ class PSRecovery:
                 connect.pause(PROBE_RETRY_S)
 
 
+def _may_be_ps_loss(error):
+    """Whether `error` can be a PS's loss that names no PS (`Socket closed`)."""
+    kinds = (tf.errors.UnavailableError, tf.errors.AbortedError)
+    restarted = any(sign in str(error) for sign in lost_tasks.RESTARTED_SIGNS)
+    return isinstance(error, kinds) or restarted
+
+
+def _wait_for_closures(strategy, deadline):
+    """Waits until no closure runs (their errors swallowed); raises `TimeoutError` at
+    `deadline`: a closure still running then could push into the restored PS."""
+    if not internals.wait_for_closures(strategy.coordinator, max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(
+            "windows were still running on the workers after connect_timeout "
+            f"({strategy.connect_timeout:g} s)"
+        )
+
+
+def _failed_runs(runs):
+    """`[(worker index, error)]` of the runs (`RemoteValue`s, one per worker) that a lost
+    or restarted worker failed."""
+    failed = []
+    for i, run in enumerate(runs):
+        try:
+            run.fetch()
+        except (tf.errors.CancelledError, tf.errors.UnavailableError, tf.errors.AbortedError) as e:
+            failed.append((i, e))
+    return failed
+
+
+def _status(error):
+    """A TF error's first line, at most 300 characters."""
+    return lost_tasks.first_line(error)
+
+
 def _initial_value(variable):
     """A per-worker variable's initial value (zeros where it cannot be read: its instance
     on the chief may live on a PS that was lost)."""
@@ -374,6 +457,17 @@ def train_function(trainer, recovery):
             return trainer.logs_so_far()
 
     return run
+
+
+def snapshot_at_start(trainer, recovery):
+    """Asynchronous: the `fit`'s first snapshot, taken before Keras calls the callbacks'
+    `on_train_begin`, so that a PS lost from the `fit`'s first callback on is recovered.
+    A PS lost during it goes back to the last `fit`'s end where there is one; else it
+    raises (nothing else holds the central variables as they were)."""
+    try:
+        _snapshot_if_due(trainer, recovery)
+    except tf.errors.OpError as e:
+        recovery.recover(e, trainer)
 
 
 def _snapshot_if_due(trainer, recovery):

@@ -104,7 +104,7 @@ class Rounds:
         self.num_workers, self.n_sync = num_workers, n_sync
         self.steps = 0  # steps gathered for the next round
         self.window_ids = []  # the ids of the last round scheduled
-        self.count = 0  # rounds taken
+        self.count = 0  # rounds taken, less those a PS's recovery rolled back
         self._close, self._open = close, False
         self.taken = []  # the rounds taken since the last PS snapshot, `[(steps, id)]` each
         self.replays = []  # rounds a PS's recovery rolled back, to run again in order
@@ -165,7 +165,9 @@ class Rounds:
     def roll_back(self):
         """A PS's recovery restored the snapshot taken at a barrier (`mark`): every round
         taken since runs again, in order, before those still waiting; the open round
-        closes with no outer step (its pushes were undone)."""
+        closes with no outer step (its pushes were undone). `count` drops by the rounds
+        undone: it counts rounds applied, each once."""
+        self.count -= len(self.taken)
         self.replays = self.taken + self.replays
         self.taken, self.window_ids, self._open = [], [], False
 
@@ -317,6 +319,13 @@ class NoiseSums:
         """Reads the sums before the first epoch (`rounds`: `Rounds.count` then); later
         epochs start from the last one's end."""
         if self and self._start is None:
+            self._start = (self._read().numpy(), rounds)
+
+    def rebase(self, rounds):
+        """After a PS's recovery restored the sums to a snapshot's: the epoch's growth is
+        counted from the restored sums and `rounds` (`Rounds.count` after the rollback),
+        not from a start that the rollback undid."""
+        if self and self._start is not None:
             self._start = (self._read().numpy(), rounds)
 
     def end_epoch(self, rounds):

@@ -329,6 +329,15 @@ class WindowTrainer:
         self._concrete, self._fed_concrete = None, {}
         return windows
 
+    def rebuild_input(self):
+        """Each worker's training iterator anew, after a PS's loss cancelled reads of it
+        (`internals.rebuild_per_worker_iterator`); under `AutoShardPolicy.OFF` each worker
+        skips its offset again. Batches the chief sends need nothing."""
+        if self._iterator is None or python_inputs.is_feed(self._iterator):
+            return
+        internals.rebuild_per_worker_iterator(self.strategy.coordinator, self._iterator)
+        self.window.state.forget_data_shift()
+
     def retrain(self, windows):
         """Trains `windows` (`(steps or None, id)`: rolled back, or lost in flight) again
         as they first ran (`epochs.Epochs.regroup`): those of earlier epochs epoch by
@@ -339,6 +348,7 @@ class WindowTrainer:
         (`Rounds.roll_back`)."""
         if self.rounds is not None:
             self.rounds.roll_back()
+            self.noise.rebase(self.rounds.count)
             return
         waiting = [w for ws in [self._queue, *self._replays] for w in ws]
         self._queue, self._replays = self._epochs.regroup(waiting + list(windows))

@@ -110,6 +110,20 @@ class WindowState:
             for v in self._trainer.variables
         ]
 
+    def forget_data_shift(self):
+        """Each worker skips its offset of batches again before its next window: its
+        iterator was made anew (`WindowTrainer.rebuild_input`). Queued on every worker
+        before any window."""
+        flag = self.data_shifted
+
+        def reset():
+            with tf.control_dependencies([flag.assign(False, read_value=False)]):
+                return tf.constant(0)
+
+        internals.on_every_worker(
+            self._trainer.strategy.coordinator, tf.function(reset, autograph=False)
+        )
+
     def create_optimizer_state(self, optimizers, variables):
         """The window's optimizer state: `variables` (of `optimizers`, the
         local one first) are carried in that order.
