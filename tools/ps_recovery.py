@@ -1,17 +1,15 @@
-"""A parameter server recovered inside `fit`: what snapshots cost, and what a loss costs.
+"""A parameter server recovered inside `fit`: what snapshots cost, and what faults cost.
 
-`--mode` (comma-separated): `cost` (samples/s and the workers' idle time with snapshots
-off, at the default and every 2 s, side by side; 2 workers, 1 PS, the GEM convnet and a
-3.7M MLP); `faults` (ps:0 SIGKILLed halfway through `fit` and restarted 2 s later against
-the fault-free `fit`; 2 PS with variables split; the digits convnet, the MNIST-1D CNN and
-that CNN on 16k signals trained to its plateau, on 2 and 4 workers over `--seeds`); both
-in synchronous rounds with `--synchronous`; `chaos` (a task killed every 20 to 40 s for
-`--minutes`, then a fault-free `fit` of as many epochs). Method: docs/architecture.md.
-
-Writes `cost.csv`, `faults.csv`, `chaos.csv` and their tables (`tables.md`) under `--out`.
+`--mode` (comma-separated): `cost` (samples/s and idle time, snapshots off, default and
+every 2 s); `faults` (ps:0 killed halfway through `fit` and restarted 2 s later, against
+the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over `--seeds`); `chaos` (a
+task killed every 20 to 40 s for `--minutes`); `ps_any_time` (ps:0 killed at each of
+`--kill-at` seconds of a `fit`); `worker_restarts` (4 workers, each in turn killed every
+`--periods` s, restarted 1 s later). The last two feed a user's seeded `tf.data` pipeline.
+`--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
 
     python tools/ps_recovery.py --mode chaos,faults,cost --noise-floor
-    python tools/ps_recovery.py --mode cost --rounds 1 --seconds 5
+    python tools/ps_recovery.py --mode ps_any_time,worker_restarts --out results/ps_recovery/user_faults
 """
 
 import random
@@ -21,7 +19,7 @@ import time
 
 import harness
 
-MODES = ("cost", "faults", "chaos")
+MODES = ("cost", "faults", "chaos", "ps_any_time", "worker_restarts")
 FAULT_SETUPS = {  # name: (data, model, optimizer, batch, epochs)
     "digits_convnet": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 16),
     "mnist1d_cnn": ("mnist1d", "mnist1d_cnn", "adam_1e-3", 100, 40),
@@ -365,6 +363,149 @@ def _chaos(cluster, stop, kills, seed):
         cluster.restart_task(task)
 
 
+# ---- a PS killed at any time; workers killed and restarted ----------------------------
+
+
+def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
+    """The digits convnet trained as a user's script trains it: `SGD(0.05, momentum=0.9)`
+    on a seeded, shuffled, repeated `tf.data` pipeline of batch 32. Returns `(model, fit
+    seconds, held-out accuracy)`."""
+    import keras
+    import tensorflow as tf
+
+    (x, y), (xt, yt) = data
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = harness.build_model("digits_convnet", data)
+        harness.compile_classifier(model, harness.make_optimizer("sgd_0.05_m0.9"), metrics=["accuracy"])
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
+    t0 = time.perf_counter()
+    model.fit(pipeline.repeat().batch(32), epochs=epochs, steps_per_epoch=steps,
+              callbacks=callbacks, verbose=0)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    return model, seconds, float(model.evaluate(xt, yt, verbose=0)[1])
+
+
+def _kill_at(cluster, at):
+    """A callback: SIGKILLs ps:0 `at` seconds after `on_train_begin` ("end": at the last
+    epoch's end), restarts it 2 s later."""
+    import keras
+
+    class Kill(keras.callbacks.Callback):
+        thread = None
+
+        def _kill(self):
+            cluster.kill_task("ps:0")
+            _restart_later(cluster, "ps:0")
+
+        def on_train_begin(self, logs=None):
+            if at != "end":
+                self.thread = threading.Timer(float(at), self._kill)
+                self.thread.start()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if at == "end" and epoch == self.params["epochs"] - 1:
+                self.thread = threading.Thread(target=self._kill)
+                self.thread.start()
+                time.sleep(0.5)  # the end's own reads meet the lost PS
+
+    return Kill()
+
+
+def run_ps_any_time(args):
+    """ps:0 SIGKILLed at each of `--kill-at` seconds of a `fit` (2 workers, 2 PS with
+    variables split), restarted 2 s later, against the fault-free `fit`."""
+    import tf_asgd
+
+    data, rows = harness.load_data("digits"), []
+    for at in ["none"] + args.kill_at:
+        with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
+            strategy = _sharded_strategy(
+                cluster, n_sync=10,
+                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
+            )  # fmt: skip
+            callbacks = [] if at == "none" else [_kill_at(cluster, at)]
+            try:
+                model, seconds, accuracy = _user_fit(strategy, data, 6, 400, callbacks)
+                error = ""
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                model, seconds, accuracy, error = None, float("nan"), float("nan"), repr(e)[:200]
+            for c in callbacks:
+                if c.thread is not None:
+                    c.thread.join()
+            rec = strategy.recoveries
+            stats = strategy.model_stats(model) if model is not None else None
+            rows.append({
+                "killed_at_s": at, "completed": model is not None, "seconds": seconds,
+                "test_accuracy": accuracy, "recoveries": len(rec),
+                "rolled_back": sum(r.rolled_back for r in rec),
+                "version_is_applied": stats is not None
+                and int(strategy.counters.version.numpy()) == stats.applied == stats.windows,
+                "applied_twice": _applied_twice(strategy.window_log(model)) if model else "",
+                "error": error,
+            })  # fmt: skip
+        print(_fmt_row(rows[-1]), flush=True)
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    return rows, lines
+
+
+def _restart_workers(cluster, stop, period, kills):
+    """Until `stop`: every `period` s the next worker in turn is SIGKILLed, and restarted
+    on its port 1 s later (in its own thread, so kills keep their pace)."""
+    i = 0
+    while not stop.wait(period):
+        task = f"worker:{i % cluster.num_workers}"
+        cluster.kill_task(task)
+        kills.append(task)
+        threading.Thread(target=_restart_later, args=(cluster, task, 1.0), daemon=True).start()
+        i += 1
+
+
+def run_worker_restarts(args):
+    """4 workers, 2 PS with variables split; each worker in turn SIGKILLed every
+    `--period` s and restarted 1 s later, for a `fit` of about 75 s fault-free; against
+    the fault-free `fit` on the same cluster."""
+    import tf_asgd
+
+    data, rows = harness.load_data("digits"), []
+    with tf_asgd.LocalCluster(4, 2, shared_process=False) as cluster:
+        for period in [None] + args.periods:
+            strategy = _sharded_strategy(
+                cluster, n_sync=10,
+                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
+            )  # fmt: skip
+            stop, kills = threading.Event(), []
+            chaos = threading.Thread(target=_restart_workers, args=(cluster, stop, period, kills))
+            if period is not None:
+                chaos.start()
+            try:
+                model, seconds, accuracy = _user_fit(strategy, data, 15, 1000, [])
+                error = ""
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                model, seconds, accuracy, error = None, float("nan"), float("nan"), repr(e)[:200]
+            finally:
+                stop.set()
+                if period is not None:
+                    chaos.join()
+            time.sleep(3.0)  # the last restart
+            rows.append({
+                "period_s": period or "fault-free", "kills": len(kills),
+                "completed": model is not None, "seconds": seconds,
+                "samples_per_s": 15 * 1000 * 32 / seconds, "test_accuracy": accuracy,
+                "recoveries": len(strategy.recoveries),
+                "rolled_back": sum(r.rolled_back for r in strategy.recoveries),
+                "applied_twice": _applied_twice(strategy.window_log(model)) if model else "",
+                "error": error,
+            })  # fmt: skip
+            print(_fmt_row(rows[-1]), flush=True)
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    return rows, lines
+
+
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -387,6 +528,11 @@ def main(argv=None):
     p.add_argument("--noise-floor", action="store_true",
                    help="faults: each fault-free run again, to compare")  # fmt: skip
     p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
+    p.add_argument("--kill-at", type=harness.str_list,
+                   default=["0", "0.5", "1", "2", "4", "8", "12", "16", "20", "end"],
+                   help="ps_any_time: seconds after on_train_begin, or end")  # fmt: skip
+    p.add_argument("--periods", type=harness.float_list, default=[12.0, 4.0],
+                   help="worker_restarts: seconds between worker kills")  # fmt: skip
     p.add_argument("--synchronous", action="store_true",
                    help="cost and faults: synchronous rounds (synchronous=True)")  # fmt: skip
     args = p.parse_args(argv)
@@ -394,7 +540,13 @@ def main(argv=None):
     bad = set(args.mode) - set(MODES)
     if bad:
         p.error(f"unknown --mode {sorted(bad)}; choose from {MODES}")
-    runners = {"cost": run_cost, "faults": run_faults, "chaos": run_chaos}
+    runners = {
+        "cost": run_cost,
+        "faults": run_faults,
+        "chaos": run_chaos,
+        "ps_any_time": run_ps_any_time,
+        "worker_restarts": run_worker_restarts,
+    }
     report = ["# PS recovery: snapshot cost, faults and chaos", ""]
     for mode in args.mode:
         rows, lines = runners[mode](args)
