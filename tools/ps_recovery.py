@@ -9,7 +9,8 @@ task killed every 20 to 40 s for `--minutes`); `ps_any_time` (ps:0 killed at eac
 `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
 
     python tools/ps_recovery.py --mode chaos,faults,cost --noise-floor
-    python tools/ps_recovery.py --mode ps_any_time,worker_restarts --out results/ps_recovery/user_faults
+    python tools/ps_recovery.py --mode ps_any_time,worker_restarts \
+        --out results/ps_recovery/user_faults
 """
 
 import random
@@ -377,7 +378,8 @@ def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = harness.build_model("digits_convnet", data)
-        harness.compile_classifier(model, harness.make_optimizer("sgd_0.05_m0.9"), metrics=["accuracy"])
+        optimizer = harness.make_optimizer("sgd_0.05_m0.9")
+        harness.compile_classifier(model, optimizer, metrics=["accuracy"])
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
     t0 = time.perf_counter()
     model.fit(pipeline.repeat().batch(32), epochs=epochs, steps_per_epoch=steps,

@@ -64,7 +64,9 @@ def test_an_asynchronous_delayed_nesterov_close_writes_the_velocity_under_its_lo
     velocity = [t for t in graph.captures if t[0] is slots["velocity"].handle][0][1]
 
     def writes(op):
-        return op.type.startswith(("Assign", "ResourceApply")) and any(t is velocity for t in op.inputs)
+        return op.type.startswith(("Assign", "ResourceApply")) and any(
+            t is velocity for t in op.inputs
+        )
 
     writers = [op for op in graph.get_operations() if writes(op)]
     assert [op.type for op in writers] == ["ResourceApplyMomentum"]

@@ -103,6 +103,7 @@ class PSRecovery:
         self.recoveries = []
         self.snapshots = []
         self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
+        self._replays_seen = weakref.WeakKeyDictionary()  # trainer -> window_log length looked at
         self._copies = {}  # (back, ids of the variables) -> the tf.function that copies
 
     def _live(self):
@@ -155,7 +156,9 @@ class PSRecovery:
             self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
             self._copies[key] = tf.function(copy, autograph=False)
         while True:
-            failed = _failed_runs(internals.on_every_worker(strategy.coordinator, self._copies[key]))
+            failed = _failed_runs(
+                internals.on_every_worker(strategy.coordinator, self._copies[key])
+            )
             if not failed or not back:
                 return
             if time.monotonic() > deadline:
@@ -176,13 +179,22 @@ class PSRecovery:
 
     def end_fit(self, trainer):
         """Takes a snapshot as a `fit` ends cleanly (nothing in flight), for a PS lost
-        before the next `fit`'s first one. A task lost during it leaves none, and the
-        `fit`, done, returns."""
+        before the next `fit`'s first one. A PS lost at the last epoch's end, met here, is
+        recovered: the windows rolled back train again (`trainer.finish_fit`), then the
+        snapshot is taken. Where that fails, there is none, and the `fit`, done, returns
+        (the next use of the lost PS names it)."""
         self._at_fit_end = False
         if self.snapshot_every is None:
             return
         try:
-            self.take(trainer)
+            try:
+                if self.repair_if_cut(trainer):
+                    trainer.finish_fit()
+                self.take(trainer)
+            except tf.errors.OpError as e:
+                self.recover(e, trainer)
+                trainer.finish_fit()
+                self.take(trainer)
         except Exception as e:  # noqa: BLE001 - a safety net: the fit itself is done
             self.snapshot = None
             log.warning(
@@ -228,7 +240,6 @@ class PSRecovery:
         Returns:
             The `Recovery`.
         """
-        strategy = self._strategy()
         if self.snapshot is None or not self._covers(trainer):
             raise error
         lost = self._lost(error)
@@ -236,11 +247,58 @@ class PSRecovery:
             raise error
         if not lost:
             return self._go_on(error, trainer)
+        try:
+            return self._go_back(trainer, lost, ("Lost parameter server", "parameter server"))
+        except _NotRecovered as e:
+            raise error from e.__cause__
+
+    def repair_if_cut(self, trainer):
+        """Where a window ran again since the last look (a replay: its worker was lost
+        after its push began) and a push was cut between two PS tasks' writes
+        (`commits.PushCommits`), goes back to the snapshot as for a lost PS: the cut
+        push and those since are undone and train again. Call where nothing is in flight.
+
+        Returns:
+            Whether it went back.
+
+        Raises:
+            RuntimeError: a cut push with no snapshot to go back to (`snapshot_every=None`).
+        """
+        records, seen = trainer.window_log, self._replays_seen.get(trainer, 0)
+        self._replays_seen[trainer] = len(records)
+        if not any(r.replayed for r in records[seen:]):
+            return False
+        counts, behind = trainer.commits.cut()
+        if not behind:
+            return False
+        what = (
+            f"a push cut between two parameter servers' writes (its worker was lost): "
+            f"{', '.join(behind)} behind ({', '.join(f'{t}: {n}' for t, n in counts.items())})"
+        )
+        if self.snapshot is None or not self._covers(trainer):
+            raise RuntimeError(
+                f"Training stopped: {what}. No snapshot holds the cluster from before it "
+                "(snapshot_every=None turns them off): restore the model from a checkpoint."
+            )
+        try:
+            self._go_back(trainer, [what], ("Found", "from"), reconnect=False)
+        except _NotRecovered as e:
+            raise RuntimeError(f"Training stopped: {what}; {e}") from e.__cause__
+        return True
+
+    def _go_back(self, trainer, lost, words, reconnect=True):
+        """Puts the cluster back to the snapshot: waits for the windows in flight and for
+        every PS, restores every PS variable and the workers' state, and trains the
+        rolled-back windows and those in flight again. `words`: how the log lines name
+        `lost` (`("Lost parameter server", "parameter server")`). Returns the
+        `Recovery`."""
+        strategy = self._strategy()
         start = time.monotonic()
         age = start - self.snapshot.taken_at
         log.warning(
-            "Lost parameter server %s; waiting up to %g s for it to answer again, then "
-            "going back to the snapshot of %.1f s ago%s.",
+            "%s %s; waiting up to %g s for every parameter server to answer, then going "
+            "back to the snapshot of %.1f s ago%s.",
+            words[0],
             ", ".join(lost),
             strategy.connect_timeout,
             age,
@@ -253,21 +311,31 @@ class PSRecovery:
             ps = [("ps", i, a) for i, a in enumerate(strategy.cluster_spec["ps"])]
             connect.wait_for_tasks(ps, max(0.1, deadline - time.monotonic()))
             answered = time.monotonic()
-            self._restore()
+            self._restore(reconnect)
             self._reach_workers(strategy, deadline)
             self._copy_worker_state(back=True, deadline=deadline)
-            trainer.rebuild_input()
+            if reconnect:
+                trainer.rebuild_input()
         except Exception as e:
-            log.warning("Could not recover parameter server %s: %s", ", ".join(lost), e)
-            raise error from e
-        rolled = trainer.log.roll_back(self.snapshot.marks.get(trainer, len(trainer.window_log)))
-        # Both train again, under their own ids: none is in the restored ring of applied
+            log.warning("Could not go back to the snapshot (%s): %s", ", ".join(lost), e)
+            raise _NotRecovered(str(e)) from e
+        mark = self.snapshot.marks.get(trainer, len(trainer.window_log))
+        # A window that ran again as a replay since the snapshot had pushed (its record
+        # lost with its worker) after it, or before: it trains again too, and is a replay
+        # again where the restored ring holds its id.
+        replayed = [r.window_id for r in trainer.window_log[mark:] if r.replayed]
+        rolled = trainer.log.roll_back(mark)
+        again = [r.window_id for r in rolled]
+        taken = {w for _, w in in_flight} | set(again)
+        again += [w for w in dict.fromkeys(replayed) if w not in taken]
+        # They train again under their own ids: none is in the restored ring of applied
         # ids; the rolled-back epochs epoch by epoch, as they first ran.
-        trainer.retrain([(None, r.window_id) for r in rolled] + in_flight)
+        trainer.retrain([(None, w) for w in again] + in_flight)
         # The cluster is the snapshot again, with nothing in flight: a later loss goes
         # back to it and rolls back only what came after this recovery.
         self.snapshot.taken_at = time.monotonic()
         self.snapshot.marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
+        self._replays_seen[trainer] = len(trainer.window_log)
         version = int(strategy.counters.version.numpy())
         done = Recovery(
             lost,
@@ -280,9 +348,10 @@ class PSRecovery:
         )
         self.recoveries.append(done)
         log.warning(
-            "Recovered parameter server %s in %.1f s (it answered after %.1f s): the cluster "
-            "went back to the snapshot of %.1f s before: %d push(es) rolled back; they and "
-            "the %d window(s) in flight train again; version %d.",
+            "Recovered %s %s in %.1f s (it answered after %.1f s): the cluster went back to "
+            "the snapshot of %.1f s before: %d push(es) rolled back; they and the %d "
+            "window(s) in flight train again; version %d.",
+            words[1],
             ", ".join(lost),
             done.waited_s + done.restore_s,
             done.waited_s,
@@ -292,6 +361,10 @@ class PSRecovery:
             version,
         )
         return done
+
+    def replays_seen(self, trainer):
+        """How much of `trainer.window_log` `repair_if_cut` has looked at."""
+        return self._replays_seen.get(trainer, 0)
 
     def _lost(self, error):
         """The PS tasks `error` lost: those that refuse connections, else those that no
@@ -360,9 +433,11 @@ class PSRecovery:
                 lost.append(f"ps:{task} ({address}, which lost its variables)")
         return lost
 
-    def _restore(self):
-        """Reconnects, then gives every snapshot variable a new resource with its value."""
-        internals.reconnect(self._server_def)
+    def _restore(self, reconnect=True):
+        """Reconnects (a PS came back), then gives every snapshot variable a new resource
+        with its value."""
+        if reconnect:
+            internals.reconnect(self._server_def)
         for ref, value in zip(self.snapshot.variables, self.snapshot.values):
             variable = ref()
             if variable is not None:
@@ -387,6 +462,10 @@ class PSRecovery:
                 if time.monotonic() > deadline:
                     raise
                 connect.pause(PROBE_RETRY_S)
+
+
+class _NotRecovered(Exception):
+    """Going back to the snapshot failed (its cause is the error that stopped it)."""
 
 
 def _may_be_ps_loss(error):
@@ -471,11 +550,17 @@ def snapshot_at_start(trainer, recovery):
 
 
 def _snapshot_if_due(trainer, recovery):
-    """A snapshot, when due, once every scheduled window has finished (asynchronous)."""
-    if recovery.due() and not trainer.strategy.synchronous:
+    """Asynchronous, once every scheduled window has finished: a push cut between two PS
+    tasks' writes undone (`PSRecovery.repair_if_cut`, looked for after a replay), else a
+    snapshot, when due."""
+    if trainer.strategy.synchronous:
+        return
+    replayed = any(r.replayed for r in trainer.window_log[recovery.replays_seen(trainer) :])
+    if recovery.due() or replayed:
         start = time.perf_counter()
         trainer.quiesce()
-        recovery.take(trainer, waited=time.perf_counter() - start)
+        if not recovery.repair_if_cut(trainer) and recovery.due():
+            recovery.take(trainer, waited=time.perf_counter() - start)
 
 
 def finish(trainer, recovery, attempts=3):

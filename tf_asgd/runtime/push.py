@@ -18,6 +18,7 @@ from keras import Variable
 from tf_asgd import internals
 from tf_asgd.rules import compression as codecs
 from tf_asgd.rules import outer, update_rules
+from tf_asgd.runtime import fault_points
 from tf_asgd.runtime.records import PullMeta
 
 
@@ -406,6 +407,8 @@ class CentralVariables:
         num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
         round_size: pushes per synchronous round (the staleness counts whole
             rounds: `counters.PushCounters.take_ticket`); 1 when asynchronous.
+        commits: a `commits.PushCommits`: each PS adds the push to its count after its
+            own writes. None: none.
 
     Example:
 
@@ -430,6 +433,7 @@ class CentralVariables:
     slots: typing.Any = None
     num_workers: int = 1
     round_size: int = 1
+    commits: typing.Any = None
 
     def push(self, updates, pulled_version):
         """Sends `updates` to the PS and applies them (`apply`).
@@ -480,6 +484,9 @@ class CentralVariables:
         cdev = plan.cdev
         ok = gate.ok if gate else None
         free = gate is not None and branch_free(self.slots)
+        if free:  # every write runs; only a push made is counted
+            with tf.device(cdev):
+                plan.counted = tf.cast(ok, tf.int64)
         writes = gate.writes if gate else None
 
         def ticketed(push=None):
@@ -522,6 +529,7 @@ class _PushPlan:
             for j, s in enumerate(shard_variables(raw(v)))
         ]
         self.cdev = raw(central.counters.version).device
+        self.counted = tf.constant(1, tf.int64)  # what each PS adds to its commit count
         self.by_device = {self.cdev: []}
         for i, (shard, _) in enumerate(self.shards):
             self.by_device.setdefault(shard.device, []).append(i)
@@ -529,11 +537,15 @@ class _PushPlan:
     def writes(self, device, scale, ticket, tau):
         """The outer optimizer's writes to the shards on `device`."""
         ops = []
+        held = []
+        if device != self.cdev:  # a test may hold the push here (off in production)
+            with tf.device(device):
+                held = fault_points.hold("between_ps_writes", ticket, [tau])
         for i in self.by_device[device]:
             shard, shard_slots = self.shards[i]
             update = self.arrived[i]
             # Under the ticket even where the scale is a constant ("none").
-            with tf.device(device), tf.control_dependencies([tau]):
+            with tf.device(device), tf.control_dependencies([tau, *held]):
                 if update.dtype.is_floating:
                     ops += outer.apply(
                         self.outer,
@@ -546,6 +558,10 @@ class _PushPlan:
                     )
                 else:  # integer state (RNG seeds) advances unscaled
                     ops.append(shard.assign_add(update, read_value=False))
+        commits = self.central.commits
+        if commits is not None:  # after this PS's own writes (`commits`)
+            with tf.device(device), tf.control_dependencies([tau, *ops]):
+                ops.append(commits.by_device[device].assign_add(self.counted, read_value=False))
         return ops
 
     def ticketed(self, landed, pulled_version, push, extra_writes):

@@ -25,6 +25,7 @@ from tf_asgd.runtime.closure_sizes import (
     TARGET_CLOSURE_S,
     ClosureSizes,
 )
+from tf_asgd.runtime.commits import PushCommits
 from tf_asgd.runtime.push import (
     CentralVariables,
     PushCodec,
@@ -98,6 +99,8 @@ class WindowTrainer:
         # Tracked there, so a checkpoint of the model can hold them.
         strategy.outer_state(model).slots = self.outer_slots
         self.noise = NoiseSums(self.outer_slots, strategy.num_workers)
+        with strategy.scope():
+            self.commits = PushCommits(self.variables, strategy.counters)
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self.sizes = ClosureSizes(strategy, self.log)
@@ -475,6 +478,7 @@ def _start_round(trainer):
     scheduled, one closure each."""
     rounds, recovery = trainer.rounds, trainer.strategy.ps_recovery
     trainer._drain(block=True)
+    recovery.repair_if_cut(trainer)  # after a replay: a push cut between PS tasks undone
     rounds.close()
     while (again := rounds.next_replay()) is not None:
         _run_round(trainer, again)

@@ -51,6 +51,7 @@ class PushRound:
             strategy.num_workers,
             # A synchronous round's pushes are not stale to one another.
             strategy.num_workers if getattr(strategy, "synchronous", False) else 1,
+            commits=trainer.commits,
         )
 
     def run(self, outgoing, meta):

@@ -1,0 +1,85 @@
+"""A push held at a named point (`runtime.fault_points`) while its worker is SIGKILLed:
+what reaches each PS. 1 worker, 2 PS with the dense kernel split over both, and one batch
+repeated and plain SGD, so that the run is deterministic and a fault-free run is its reference."""
+
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_asgd
+from tf_asgd.runtime import fault_points
+
+from helpers import dense_digits_model
+
+pytestmark = pytest.mark.usefixtures("hang_guard")
+
+EPOCHS, STEPS, N_SYNC = 3, 20, 2
+WINDOWS = EPOCHS * STEPS // N_SYNC
+
+
+def _fit(strategy, digits):
+    (x, y), _ = digits
+    # Plain SGD: the restarted worker's own optimizer state (none) cannot differ.
+    model = dense_digits_model(strategy, optimizer=keras.optimizers.SGD(0.05), seed=1)
+    batch = tf.data.Dataset.from_tensors((x[:32], y[:32])).repeat()
+    model.fit(batch, epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0)
+    return model
+
+
+def test_a_push_cut_between_two_ps_tasks_writes_is_applied_exactly_once(local_cluster, digits):
+    """The 4th push of a `fit` waits 6 s after its ticket (taken on the counters' PS,
+    ps:0, whose own writes are then made), before ps:1's writes; its worker is SIGKILLed
+    1 s into that wait and restarted. TF cancels ps:1's part of the dead worker's
+    function: ps:1's writes are never made (on the code before `commits`, the model
+    stayed so, and the window's rerun found its id applied and pushed nothing). The chief
+    sees the replay, finds ps:1 a push behind ps:0 (`commits.PushCommits`), and goes back
+    to the snapshot; the windows since train again. The central weights then equal a
+    fault-free run's, to float rounding: each push applied exactly once on both PS."""
+    with local_cluster(1, 2, own=True, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver,
+            n_sync=N_SYNC,
+            variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
+                max_shard_bytes=1024
+            ),
+            connect_timeout=120,
+        )
+        reference = [w.numpy() for w in _fit(strategy, digits).weights]
+        held = int(strategy.counters.version.numpy()) + 3
+        events = {}
+
+        def kill_in_the_hold():
+            while int(strategy.counters.version.numpy()) <= held:  # its ticket is taken
+                time.sleep(0.05)
+            time.sleep(1.0)
+            cluster.kill_task("worker:0")
+            events["killed"] = time.monotonic()
+            time.sleep(1.0)
+            cluster.restart_task("worker:0")
+
+        thread = threading.Thread(target=kill_in_the_hold, daemon=True)
+        with fault_points.armed("between_ps_writes", 6.0, ticket=held):
+            thread.start()
+            model = _fit(strategy, digits)
+        thread.join()
+        assert "killed" in events
+        stats = strategy.model_stats(model)  # the strategy's counters: both fits
+        assert stats.applied == int(strategy.counters.version.numpy()) == 2 * WINDOWS
+        log = strategy.window_log(model)
+        # The held window's first run was lost with its worker; its rerun found its id
+        # applied and pushed nothing; the chief then found ps:1 a push behind and went
+        # back to the snapshot, and the windows since trained again, each applied once.
+        assert any(r.replayed for r in log)
+        (recovery,) = strategy.recoveries
+        assert "a push cut between two parameter servers' writes" in recovery.lost[0]
+        assert "ps:1 behind" in recovery.lost[0]
+        applied = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
+        assert sorted(applied) == list(range(WINDOWS))
+        shards = {s.device for w in model.weights for s in getattr(w.value, "variables", [])}
+        assert len(shards) == 2  # the kernel is on both PS
+        for got, want in zip(model.weights, reference):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,62 @@
+"""A count of pushes on each PS task, to find a push cut between two PS tasks' writes.
+
+A push's writes run on each PS that holds a piece of the model, after the ticket is taken
+on the counters' PS. A worker that dies after the ticket can leave another PS's writes
+undone (TF cancels that PS's part of the worker's function; measured in
+tests/cluster/test_push_points_on_cluster.py), and the window's rerun then finds its id
+applied and pushes nothing. Each PS adds 1 here after its own writes of a push, so at a
+quiet moment the counts differ exactly when a push was cut (`ps_recovery` then goes back
+to a snapshot).
+"""
+
+import tensorflow as tf
+
+from tf_asgd.runtime.push import raw, shard_variables
+
+
+class PushCommits:
+    """One int64 counter per PS task that a model's pushes write to.
+
+    Create under the strategy's scope, once per model (`scheduling.WindowTrainer`).
+
+    Args:
+        variables: the model's central variables (Keras or TF, possibly sharded).
+        counters: the strategy's `counters.PushCounters` (the counters' PS takes part in
+            every push).
+
+    Attributes:
+        by_device: `{PS device: its counter}`.
+    """
+
+    def __init__(self, variables, counters):
+        strategy = tf.distribute.get_strategy()
+        anchors = {raw(counters.version).device: raw(counters.version)}
+        for v in variables:
+            for shard in shard_variables(raw(v)):
+                anchors.setdefault(shard.device, shard)
+        self.by_device = {}
+        for device, anchor in sorted(anchors.items()):
+            with strategy.extended.colocate_vars_with(anchor):
+                self.by_device[device] = tf.Variable(
+                    tf.constant(0, tf.int64), trainable=False, name="push_commits"
+                )
+        self._read = tf.function(
+            lambda: [v.read_value() for v in self.by_device.values()], autograph=False
+        )
+
+    def counts(self):
+        """`{PS task ("ps:1"): pushes it has written}`, read in one call."""
+        values = [int(c) for c in self._read()]
+        return {_task(d): n for d, n in zip(self.by_device, values)}
+
+    def cut(self):
+        """`(counts, the tasks behind the others)`; no task is behind while no push was
+        cut. Read it where no push is in flight."""
+        counts = self.counts()
+        most = max(counts.values())
+        return counts, sorted(t for t, n in counts.items() if n < most)
+
+
+def _task(device):
+    """ "/job:ps/replica:0/task:1/device:CPU:0" -> "ps:1"."""
+    return "ps:" + device.split("/task:")[1].split("/")[0]
