@@ -584,6 +584,7 @@ def trace_checkpoint_writes(checkpoint):
 _gone_tasks = set()  # "host:port" of tasks stopped for good
 _removal = {"off": False}  # True once the process is about to exit
 _older = set()  # functions that existed before the current connection
+_connecting = threading.RLock()  # held while the eager context (re)connects
 
 
 def guard_function_removal():
@@ -600,9 +601,12 @@ def guard_function_removal():
 
     def connecting(connect):
         def wrapper(*args, **kwargs):
-            _older.clear()
-            _older.update(context.list_function_names())
-            return connect(*args, **kwargs)
+            # One at a time: TF's coordinator reconnecting after a worker's loss while
+            # the chief reconnects after a PS's crashed the process (a segfault).
+            with _connecting:
+                _older.clear()
+                _older.update(context.list_function_names())
+                return connect(*args, **kwargs)
 
         return wrapper
 

@@ -35,6 +35,7 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
+RECOVERY_ATTEMPTS = 3  # going back again where another PS is lost meanwhile
 _EARLIER_FIT = (
     ", the last fit's end (what was written to the PS between the fits, such as "
     "set_weights, is not in it)"
@@ -247,10 +248,17 @@ class PSRecovery:
             raise error
         if not lost:
             return self._go_on(error, trainer)
-        try:
-            return self._go_back(trainer, lost, ("Lost parameter server", "parameter server"))
-        except _NotRecovered as e:
-            raise error from e.__cause__
+        for attempt in range(RECOVERY_ATTEMPTS):
+            try:
+                return self._go_back(trainer, lost, ("Lost parameter server", "parameter server"))
+            except _NotRecovered as e:
+                # Another PS lost while going back: go back again, for it too.
+                cause = e.__cause__
+                again = self._lost(cause) if isinstance(cause, tf.errors.OpError) else None
+                if attempt == RECOVERY_ATTEMPTS - 1 or not again:
+                    raise error from cause
+                lost = again
+        raise AssertionError("unreachable")
 
     def repair_if_cut(self, trainer):
         """Where a window ran again since the last look (a replay: its worker was lost
@@ -304,6 +312,7 @@ class PSRecovery:
             age,
             _EARLIER_FIT if self._earlier_fit else "",
         )
+        in_flight = []
         try:
             in_flight = trainer.abandon()
             deadline = start + strategy.connect_timeout
@@ -318,6 +327,8 @@ class PSRecovery:
                 trainer.rebuild_input()
         except Exception as e:
             log.warning("Could not go back to the snapshot (%s): %s", ", ".join(lost), e)
+            if in_flight:  # queued again: the next attempt finds them to train again
+                trainer.retrain(in_flight)
             raise _NotRecovered(str(e)) from e
         mark = self.snapshot.marks.get(trainer, len(trainer.window_log))
         # A window that ran again as a replay since the snapshot had pushed (its record
@@ -336,7 +347,7 @@ class PSRecovery:
         self.snapshot.taken_at = time.monotonic()
         self.snapshot.marks = weakref.WeakKeyDictionary({trainer: len(trainer.window_log)})
         self._replays_seen[trainer] = len(trainer.window_log)
-        version = int(strategy.counters.version.numpy())
+        version = self._snapshot_value(strategy.counters.version)
         done = Recovery(
             lost,
             answered - start,
@@ -361,6 +372,13 @@ class PSRecovery:
             version,
         )
         return done
+
+    def _snapshot_value(self, variable):
+        """`variable`'s value in the snapshot, an int (-1 where it holds none)."""
+        for ref, value in zip(self.snapshot.variables, self.snapshot.values):
+            if any(ref() is r for r in internals.resource_variables(variable)):
+                return int(value)
+        return -1
 
     def replays_seen(self, trainer):
         """How much of `trainer.window_log` `repair_if_cut` has looked at."""
@@ -457,7 +475,9 @@ class PSRecovery:
                 for run in internals.on_every_worker(strategy.coordinator, probe):
                     run.fetch()
                 return
-            except tf.errors.OpError:
+            except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
+                # A channel backing off; another error (a handle from before TF's own
+                # reconnection for a worker) fails the attempt, which goes back again.
                 internals.wait_for_closures(strategy.coordinator, 5.0)
                 if time.monotonic() > deadline:
                     raise
@@ -563,7 +583,7 @@ def _snapshot_if_due(trainer, recovery):
             recovery.take(trainer, waited=time.perf_counter() - start)
 
 
-def finish(trainer, recovery, attempts=3):
+def finish(trainer, recovery, attempts=10):
     """`trainer.finish()` (the epoch's end) and a snapshot when due (free where the epoch's
     end waited for its windows); a PS lost in either is recovered and the end retried."""
     for attempt in range(attempts):
