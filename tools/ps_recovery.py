@@ -5,7 +5,8 @@ every 2 s); `faults` (ps:0 killed halfway through `fit` and restarted 2 s later,
 the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over `--seeds`); `chaos` (a
 task killed every 20 to 40 s for `--minutes`); `ps_any_time` (ps:0 killed at each of
 `--kill-at` seconds of a `fit`); `worker_restarts` (4 workers, each in turn killed every
-`--periods` s, restarted 1 s later). The last two feed a user's seeded `tf.data` pipeline.
+`--periods` s, restarted 1 s later); `chaos_seeds` (`--runs` fits of 20 seeded faults
+each). The last three feed a user's seeded `tf.data` pipeline.
 `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
 
     python tools/ps_recovery.py --mode chaos,faults,cost --noise-floor
@@ -20,7 +21,7 @@ import time
 
 import harness
 
-MODES = ("cost", "faults", "chaos", "ps_any_time", "worker_restarts")
+MODES = ("cost", "faults", "chaos", "ps_any_time", "worker_restarts", "chaos_seeds")
 FAULT_SETUPS = {  # name: (data, model, optimizer, batch, epochs)
     "digits_convnet": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 16),
     "mnist1d_cnn": ("mnist1d", "mnist1d_cnn", "adam_1e-3", 100, 40),
@@ -508,6 +509,103 @@ def run_worker_restarts(args):
     return rows, lines
 
 
+def _seeded_chaos(cluster, faults, seed):
+    """A Keras callback: from the first epoch's end, in a thread, `faults` SIGKILLs of a
+    drawn task, each 0.5 to 2 s after the last restart, restarted 1 to 2 s after; it stops
+    the `fit` once they are done."""
+    import keras
+
+    class Chaos(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.rng, self.done, self.error, self.thread = random.Random(seed), [], None, None
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True)
+                self.thread.start()
+            if not self.thread.is_alive():
+                self.model.stop_training = True
+
+        def _run(self):
+            try:
+                for _ in range(faults):
+                    time.sleep(self.rng.uniform(0.5, 2.0))
+                    task = self.rng.choice(cluster.tasks())
+                    cluster.kill_task(task)
+                    time.sleep(self.rng.uniform(1.0, 2.0))
+                    cluster.restart_task(task)
+                    self.done.append(task)
+            except BaseException as e:  # noqa: BLE001 - the row reports it
+                self.error = e
+
+    return Chaos()
+
+
+def _exactly_once(strategy, model, windows):
+    """Whether every window of `model`'s `fit` was applied exactly once: none pushed
+    twice, none lost (a replay counts: its id was applied), `version == windows`."""
+    log = [r for r in strategy.window_log(model) if not r.rolled_back]
+    applied = [r.window_id for r in log if r.pushed and not r.replayed]
+    replayed = {r.window_id for r in log if r.replayed}
+    stats = strategy.model_stats(model)
+    return (
+        len(applied) == len(set(applied))
+        and sorted(set(applied) | replayed) == list(range(windows))
+        and stats.applied == int(strategy.counters.version.numpy()) == windows
+    )
+
+
+def run_chaos_seeds(args):
+    """`--runs` fits, each with 20 seeded faults (PS and workers of 2 + 2 killed and
+    restarted one after another; the seed is the run's index), as
+    tests/cluster/test_chaos_on_cluster.py runs one: per run the faults by task, the
+    recoveries and the invariant."""
+    import tf_asgd
+
+    data, rows = harness.load_data("digits"), []
+    for seed in range(args.runs):
+        with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
+            pids = cluster.pids()
+            strategy = _sharded_strategy(
+                cluster, n_sync=5, snapshot_every=2.0, connect_timeout=60,
+                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
+            )  # fmt: skip
+            chaos, error, t0 = _seeded_chaos(cluster, 20, seed), "", time.perf_counter()
+            try:
+                model, _, accuracy = _user_fit(strategy, data, 100_000, 40, [chaos], seed)
+                windows = len(model.history.history["loss"]) * 40 // 5
+                once = _exactly_once(strategy, model, windows)
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                accuracy, once, error = float("nan"), False, repr(e)[:200]
+        left = [p for p in pids.values() if _alive(p)]
+        rows.append({
+            "seed": seed, "seconds": time.perf_counter() - t0, "faults": len(chaos.done),
+            **{f"killed_{k}": sum(t.startswith(k) for t in chaos.done) for k in ("ps", "worker")},
+            "recoveries": len(strategy.recoveries), "exactly_once": once,
+            "test_accuracy": accuracy, "processes_left": len(left),
+            "error": error or repr(chaos.error or "")[:200],
+        })  # fmt: skip
+        print(_fmt_row(rows[-1]), flush=True)
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    total = sum(r["faults"] for r in rows)
+    broken = sum(not r["exactly_once"] for r in rows)
+    lines += ["", f"{total} faults over {len(rows)} runs; {broken} run(s) broke the invariant."]
+    return rows, lines
+
+
+def _alive(pid):
+    import os
+
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -533,6 +631,7 @@ def main(argv=None):
     p.add_argument("--kill-at", type=harness.str_list,
                    default=["0", "0.5", "1", "2", "4", "8", "12", "16", "20", "end"],
                    help="ps_any_time: seconds after on_train_begin, or end")  # fmt: skip
+    p.add_argument("--runs", type=int, default=25, help="chaos_seeds: fits of 20 faults")
     p.add_argument("--periods", type=harness.float_list, default=[12.0, 4.0],
                    help="worker_restarts: seconds between worker kills")  # fmt: skip
     p.add_argument("--synchronous", action="store_true",
@@ -548,6 +647,7 @@ def main(argv=None):
         "chaos": run_chaos,
         "ps_any_time": run_ps_any_time,
         "worker_restarts": run_worker_restarts,
+        "chaos_seeds": run_chaos_seeds,
     }
     report = ["# PS recovery: snapshot cost, faults and chaos", ""]
     for mode in args.mode:

@@ -17,26 +17,26 @@ from tf_asgd.runtime.push import raw, shard_variables
 class PushCommits:
     """One int64 counter per PS task that a model's pushes write to.
 
-    Create under the strategy's scope, once per model (`scheduling.WindowTrainer`).
+    Made once per model (`scheduling.WindowTrainer`), on the PS tasks of its variables
+    and of the strategy's push counters (whose PS takes part in every push).
 
     Args:
+        strategy: the `AsyncParameterServerStrategy`.
         variables: the model's central variables (Keras or TF, possibly sharded).
-        counters: the strategy's `counters.PushCounters` (the counters' PS takes part in
-            every push).
 
     Attributes:
         by_device: `{PS device: its counter}`.
     """
 
-    def __init__(self, variables, counters):
-        strategy = tf.distribute.get_strategy()
-        anchors = {raw(counters.version).device: raw(counters.version)}
+    def __init__(self, strategy, variables):
+        version = raw(strategy.counters.version)
+        anchors = {version.device: version}
         for v in variables:
             for shard in shard_variables(raw(v)):
                 anchors.setdefault(shard.device, shard)
         self.by_device = {}
         for device, anchor in sorted(anchors.items()):
-            with strategy.extended.colocate_vars_with(anchor):
+            with strategy.scope(), strategy.extended.colocate_vars_with(anchor):
                 self.by_device[device] = tf.Variable(
                     tf.constant(0, tf.int64), trainable=False, name="push_commits"
                 )

@@ -103,9 +103,8 @@ class PSRecovery:
         self._earlier_fit = False  # `snapshot` is an earlier `fit`'s end: a fresh one is due
         self.recoveries = []
         self.snapshots = []
-        self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
+        self._worker_half = WorkerShadows(strategy)
         self._replays_seen = weakref.WeakKeyDictionary()  # trainer -> window_log length looked at
-        self._copies = {}  # (back, ids of the variables) -> the tf.function that copies
 
     def _live(self):
         live = [v for v in (r() for r in self._created) if v is not None]
@@ -122,53 +121,8 @@ class PSRecovery:
         ]
 
     def _copy_worker_state(self, back, deadline=None):
-        """Copies every per-worker variable (the workers' own optimizer state, residuals,
-        flags) to its shadow on the same worker, or with `back` the shadows back: the
-        workers' half of a snapshot, which never crosses the network. A variable created
-        since the snapshot gets a shadow at its initial value: it goes back to that.
-
-        A worker lost while its state is copied to its shadow keeps its last shadow (its
-        moments and its own step count from one moment, which agree). Copied back, the
-        copy is retried until every worker has it, or raises `RuntimeError` after
-        `deadline` (time.monotonic()): a worker left with state newer than the restored
-        PS would train on moments that the PS never saw."""
-        strategy = self._strategy()
-        self._shadows = {k: (r, s) for k, (r, s) in self._shadows.items() if r() is not None}
-        shadows = {id(s) for _, s in self._shadows.values()}
-        pairs = []
-        for v in self._live():
-            if not internals.is_per_worker(v) or id(v) in shadows:
-                continue
-            if id(v) not in self._shadows or self._shadows[id(v)][0]() is not v:
-                with strategy.scope():
-                    shadow = internals.per_worker_variable(_initial_value(v))
-                self._shadows[id(v)] = (weakref.ref(v), shadow)
-            pairs.append((v, self._shadows[id(v)][1]))
-        if not pairs:
-            return
-        key = (back, tuple(id(v) for v, _ in pairs))
-        if key not in self._copies:  # one trace per direction, until the variables change
-
-            def copy():
-                for v, shadow in pairs:
-                    (shadow.assign(v) if not back else v.assign(shadow))
-                return tf.constant(0)
-
-            self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
-            self._copies[key] = tf.function(copy, autograph=False)
-        while True:
-            failed = _failed_runs(
-                internals.on_every_worker(strategy.coordinator, self._copies[key])
-            )
-            if not failed or not back:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    "Could not give worker(s) "
-                    f"{', '.join(f'worker:{i}' for i, _ in failed)} their optimizer state "
-                    f"back within connect_timeout: {_status(failed[0][1])}"
-                )
-            connect.pause(PROBE_RETRY_S)  # idempotent: every worker copies again
+        """The workers' half of a snapshot (`WorkerShadows.copy`)."""
+        self._worker_half.copy(self._live(), back, deadline)
 
     def start_fit(self):
         """Makes a snapshot due: the next quiet moment of the `fit` starting takes one.
@@ -482,6 +436,69 @@ class PSRecovery:
                 if time.monotonic() > deadline:
                     raise
                 connect.pause(PROBE_RETRY_S)
+
+
+class WorkerShadows:
+    """The workers' half of a snapshot: a shadow of every per-worker variable (the
+    workers' own optimizer state, residuals, flags) on the same worker, which never
+    crosses the network.
+
+    Args:
+        strategy: the `AsyncParameterServerStrategy` (held weakly).
+    """
+
+    def __init__(self, strategy):
+        self._strategy = weakref.ref(strategy)
+        self._shadows = {}  # id of a per-worker variable -> (it, its copy on each worker)
+        self._copies = {}  # (back, ids of the variables) -> the tf.function that copies
+
+    def copy(self, live, back, deadline=None):
+        """Copies every per-worker variable of `live` (the scope's live variables) to its
+        shadow on the same worker, or with `back` the shadows back. A variable created
+        since the snapshot gets a shadow at its initial value: it goes back to that.
+
+        A worker lost while its state is copied to its shadow keeps its last shadow (its
+        moments and its own step count from one moment, which agree). Copied back, the
+        copy is retried until every worker has it, or raises `RuntimeError` after
+        `deadline` (time.monotonic()): a worker left with state newer than the restored
+        PS would train on moments that the PS never saw."""
+        strategy = self._strategy()
+        self._shadows = {k: (r, s) for k, (r, s) in self._shadows.items() if r() is not None}
+        shadows = {id(s) for _, s in self._shadows.values()}
+        pairs = []
+        for v in live:
+            if not internals.is_per_worker(v) or id(v) in shadows:
+                continue
+            if id(v) not in self._shadows or self._shadows[id(v)][0]() is not v:
+                with strategy.scope():
+                    shadow = internals.per_worker_variable(_initial_value(v))
+                self._shadows[id(v)] = (weakref.ref(v), shadow)
+            pairs.append((v, self._shadows[id(v)][1]))
+        if not pairs:
+            return
+        key = (back, tuple(id(v) for v, _ in pairs))
+        if key not in self._copies:  # one trace per direction, until the variables change
+
+            def copy():
+                for v, shadow in pairs:
+                    (shadow.assign(v) if not back else v.assign(shadow))
+                return tf.constant(0)
+
+            self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
+            self._copies[key] = tf.function(copy, autograph=False)
+        while True:
+            failed = _failed_runs(
+                internals.on_every_worker(strategy.coordinator, self._copies[key])
+            )
+            if not failed or not back:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "Could not give worker(s) "
+                    f"{', '.join(f'worker:{i}' for i, _ in failed)} their optimizer state "
+                    f"back within connect_timeout: {_status(failed[0][1])}"
+                )
+            connect.pause(PROBE_RETRY_S)  # idempotent: every worker copies again
 
 
 class _NotRecovered(Exception):

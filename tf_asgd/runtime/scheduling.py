@@ -99,8 +99,7 @@ class WindowTrainer:
         # Tracked there, so a checkpoint of the model can hold them.
         strategy.outer_state(model).slots = self.outer_slots
         self.noise = NoiseSums(self.outer_slots, strategy.num_workers)
-        with strategy.scope():
-            self.commits = PushCommits(self.variables, strategy.counters)
+        self.commits = PushCommits(strategy, self.variables)
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self.sizes = ClosureSizes(strategy, self.log)
@@ -336,10 +335,9 @@ class WindowTrainer:
         """Each worker's training iterator anew, after a PS's loss cancelled reads of it
         (`internals.rebuild_per_worker_iterator`); under `AutoShardPolicy.OFF` each worker
         skips its offset again. Batches the chief sends need nothing."""
-        if self._iterator is None or python_inputs.is_feed(self._iterator):
-            return
-        internals.rebuild_per_worker_iterator(self.strategy.coordinator, self._iterator)
-        self.window.state.forget_data_shift()
+        if self._iterator is not None and not python_inputs.is_feed(self._iterator):
+            internals.rebuild_per_worker_iterator(self.strategy.coordinator, self._iterator)
+            self.window.state.forget_data_shift()
 
     def retrain(self, windows):
         """Trains `windows` (`(steps or None, id)`: rolled back, or lost in flight) again
