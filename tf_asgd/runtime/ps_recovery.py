@@ -35,7 +35,7 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
-RECOVERY_ATTEMPTS = 3  # going back again where another PS is lost meanwhile
+RECOVERY_ATTEMPTS = 20  # at most, going back again where another PS is lost meanwhile
 _EARLIER_FIT = (
     ", the last fit's end (what was written to the PS between the fits, such as "
     "set_weights, is not in it)"
@@ -202,17 +202,18 @@ class PSRecovery:
             raise error
         if not lost:
             return self._go_on(error, trainer)
-        for attempt in range(RECOVERY_ATTEMPTS):
+        deadline = time.monotonic() + self._strategy().connect_timeout
+        for _ in range(RECOVERY_ATTEMPTS):
             try:
                 return self._go_back(trainer, lost, ("Lost parameter server", "parameter server"))
             except _NotRecovered as e:
-                # Another PS lost while going back: go back again, for it too.
+                # Another task lost while going back (a PS, or a worker whose runs TF
+                # then aborts): go back again, while `connect_timeout` lasts.
                 cause = e.__cause__
-                again = self._lost(cause) if isinstance(cause, tf.errors.OpError) else None
-                if attempt == RECOVERY_ATTEMPTS - 1 or not again:
+                if not isinstance(cause, tf.errors.OpError) or time.monotonic() > deadline:
                     raise error from cause
-                lost = again
-        raise AssertionError("unreachable")
+                lost = self._lost(cause) or lost
+        raise error
 
     def repair_if_cut(self, trainer):
         """Where a window ran again since the last look (a replay: its worker was lost
