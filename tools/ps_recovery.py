@@ -448,9 +448,7 @@ def run_ps_any_time(args):
                 "error": error,
             })  # fmt: skip
         print(_fmt_row(rows[-1]), flush=True)
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    lines = _table(rows)
     return rows, lines
 
 
@@ -503,9 +501,7 @@ def run_worker_restarts(args):
                 "error": error,
             })  # fmt: skip
             print(_fmt_row(rows[-1]), flush=True)
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    lines = _table(rows)
     return rows, lines
 
 
@@ -587,9 +583,7 @@ def run_chaos_seeds(args):
             "error": error or repr(chaos.error or "")[:200],
         })  # fmt: skip
         print(_fmt_row(rows[-1]), flush=True)
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    lines = _table(rows)
     total = sum(r["faults"] for r in rows)
     broken = sum(not r["exactly_once"] for r in rows)
     lines += ["", f"{total} faults over {len(rows)} runs; {broken} run(s) broke the invariant."]
@@ -604,6 +598,13 @@ def _alive(pid):
         return True
     except OSError:
         return False
+
+
+def _table(rows):
+    """A Markdown table of `rows` (dicts with the same keys), one line each."""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    return lines + ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
 
 
 def _fmt(v):
