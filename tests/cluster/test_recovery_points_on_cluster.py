@@ -63,17 +63,20 @@ class _KillAtBegin(KillTask):
         self.on_train_batch_end(0)
 
 
-@pytest.mark.parametrize("when", ["as_fit_begins", "mid_fit"])
+@pytest.mark.parametrize("when", ["as_fit_begins", "mid_fit", "as_a_snapshot_is_due"])
 def test_a_ps_lost_as_fit_begins_or_mid_fit_with_a_tf_data_pipeline_is_recovered(
     local_cluster, digits, when
 ):
     """ps:0 SIGKILLed in `on_train_begin` (before any push: the fit's first snapshot is
     taken before the callbacks begin) or after 12 windows, and restarted 2 s later; the
     workers read a user's `tf.data` pipeline, whose reads the loss cancels (each
-    worker's iterator is made anew). One recovery; every window applied once."""
+    worker's iterator is made anew). One recovery; every window applied once. With a
+    snapshot due at every window, the loss is met before the next window is queued:
+    that window is queued after the recovery, not dropped."""
     with local_cluster(2, 2, own=True, shared_process=False) as cluster:
         pids = cluster.pids()
-        strategy = _strategy(cluster, snapshot_every=1.0)
+        every = 1e-3 if when == "as_a_snapshot_is_due" else 1.0
+        strategy = _strategy(cluster, snapshot_every=every)
         model = dense_digits_model(strategy, seed=1)
         kill = (_KillAtBegin if when == "as_fit_begins" else KillTask)(cluster, "ps:0", at=12)
         history, accuracy = _fit(model, digits, [kill])

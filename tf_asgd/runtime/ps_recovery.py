@@ -335,9 +335,14 @@ class PSRecovery:
                 return int(value)
         return -1
 
-    def replays_seen(self, trainer):
-        """How much of `trainer.window_log` `repair_if_cut` has looked at."""
-        return self._replays_seen.get(trainer, 0)
+    def replayed_since_look(self, trainer):
+        """Whether a window of `trainer.window_log` that `repair_if_cut` has not looked
+        at is a replay. The records before the first such one are looked at (once each,
+        however long the fit)."""
+        records, seen = trainer.window_log, self._replays_seen.get(trainer, 0)
+        first = next((i for i in range(seen, len(records)) if records[i].replayed), None)
+        self._replays_seen[trainer] = len(records) if first is None else first
+        return first is not None
 
     def _lost(self, error):
         """The PS tasks `error` lost: those that refuse connections, else those that no
@@ -561,17 +566,25 @@ def _on_ps(variable):
         return False
 
 
-def train_function(trainer, recovery):
+def train_function(trainer, recovery, attempts=10):
     """`trainer.train_function` for Keras, with snapshots taken when due and a lost PS
-    recovered (the windows then queued or in flight train again; the epoch goes on)."""
+    recovered (the windows then queued or in flight train again; the epoch goes on).
+    A loss met before the call's window was queued (by the snapshot's wait, or by the
+    rolled-back windows trained first) queues it after the recovery: Keras counts its
+    steps as taken."""
 
     def run(iterator):
-        try:
-            _snapshot_if_due(trainer, recovery)
-            return trainer.train_function(iterator)
-        except tf.errors.OpError as e:
-            recovery.recover(e, trainer)
-            return trainer.logs_so_far()
+        taken = trainer.windows_taken
+        for attempt in range(attempts):
+            try:
+                if trainer.windows_taken != taken:
+                    return trainer.logs_so_far()
+                _snapshot_if_due(trainer, recovery)
+                return trainer.train_function(iterator)
+            except tf.errors.OpError as e:
+                if attempt == attempts - 1:
+                    raise
+                recovery.recover(e, trainer)
 
     return run
 
@@ -593,8 +606,7 @@ def _snapshot_if_due(trainer, recovery):
     snapshot, when due."""
     if trainer.strategy.synchronous:
         return
-    replayed = any(r.replayed for r in trainer.window_log[recovery.replays_seen(trainer) :])
-    if recovery.due() or replayed:
+    if recovery.due() or recovery.replayed_since_look(trainer):
         start = time.perf_counter()
         trainer.quiesce()
         if not recovery.repair_if_cut(trainer) and recovery.due():

@@ -109,6 +109,7 @@ class WindowTrainer:
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
         self._iterator = None
         self._next_window_id = 0
+        self.windows_taken = 0  # Keras's `train_function` calls that queued their window
         self._epoch_step = 0  # steps asked for this epoch
         self._epochs = epochs.Epochs(strategy.n_sync)  # where rolled-back windows belong
         self._replays = []  # rolled-back earlier epochs' windows, a list per epoch, to train again
@@ -180,6 +181,7 @@ class WindowTrainer:
         """
         self._iterator = iterator
         self._replay()
+        self.windows_taken += 1  # this call's window is queued below (`ps_recovery`)
         window_id = self._next_window_id
         if self.rounds is None:  # synchronous windows get their ids by round (`_start_round`)
             self._next_window_id += 1
@@ -238,13 +240,21 @@ class WindowTrainer:
         while self._queue:
             k = self.sizes.size(len(self._queue) + left)
             windows, self._queue = self._queue[:k], self._queue[k:]
-            try:
-                self._schedule(windows)
-            except Exception:
-                self._queue = windows + self._queue  # still to run (`abandon` finds them)
-                raise
+            self._schedule(windows)
 
     def _schedule(self, windows, first=True):
+        """Schedules `windows` in one closure; where that fails (a PS's loss that TF's
+        coordinator raises at the next schedule), queues them again first: `abandon`
+        finds them, whether they came from the queue or from a closure that ran only
+        part of them. (Synchronous rounds run again whole: `Rounds.roll_back`.)"""
+        try:
+            self._schedule_closure(windows, first)
+        except Exception:
+            if self.rounds is None:
+                self._queue = list(windows) + self._queue
+            raise
+
+    def _schedule_closure(self, windows, first):
         # Two small tensors: each argument costs the chief a conversion.
         plan = np.zeros([2, MAX_WINDOWS_PER_CLOSURE], np.int64)  # [ids, steps]
         plan[0] = -1
