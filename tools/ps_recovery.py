@@ -505,59 +505,13 @@ def run_worker_restarts(args):
     return rows, lines
 
 
-def _seeded_chaos(cluster, faults, seed):
-    """A Keras callback: from the first epoch's end, in a thread, `faults` SIGKILLs of a
-    drawn task, each 0.5 to 2 s after the last restart, restarted 1 to 2 s after; it stops
-    the `fit` once they are done."""
-    import keras
-
-    class Chaos(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.rng, self.done, self.error, self.thread = random.Random(seed), [], None, None
-
-        def on_epoch_end(self, epoch, logs=None):
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, daemon=True)
-                self.thread.start()
-            if not self.thread.is_alive():
-                self.model.stop_training = True
-
-        def _run(self):
-            try:
-                for _ in range(faults):
-                    time.sleep(self.rng.uniform(0.5, 2.0))
-                    task = self.rng.choice(cluster.tasks())
-                    cluster.kill_task(task)
-                    time.sleep(self.rng.uniform(1.0, 2.0))
-                    cluster.restart_task(task)
-                    self.done.append(task)
-            except BaseException as e:  # noqa: BLE001 - the row reports it
-                self.error = e
-
-    return Chaos()
-
-
-def _exactly_once(strategy, model, windows):
-    """Whether every window of `model`'s `fit` was applied exactly once: none pushed
-    twice, none lost (a replay counts: its id was applied), `version == windows`."""
-    log = [r for r in strategy.window_log(model) if not r.rolled_back]
-    applied = [r.window_id for r in log if r.pushed and not r.replayed]
-    replayed = {r.window_id for r in log if r.replayed}
-    stats = strategy.model_stats(model)
-    return (
-        len(applied) == len(set(applied))
-        and sorted(set(applied) | replayed) == list(range(windows))
-        and stats.applied == int(strategy.counters.version.numpy()) == windows
-    )
-
-
 def run_chaos_seeds(args):
-    """`--runs` fits, each with 20 seeded faults (PS and workers of 2 + 2 killed and
-    restarted one after another; the seed is the run's index), as
-    tests/cluster/test_chaos_on_cluster.py runs one: per run the faults by task, the
-    recoveries and the invariant."""
+    """`--runs` fits, each with 20 seeded faults (`tf_asgd.cluster.chaos.Chaos`: a task
+    killed and restarted, a PS paused, a PS and then a worker killed; the seed is the
+    run's index), as tests/cluster/test_chaos_on_cluster.py runs one: per run the faults
+    by kind, the recoveries and the invariant's violations."""
     import tf_asgd
+    from tf_asgd.cluster import chaos
 
     data, rows = harness.load_data("digits"), []
     for seed in range(args.runs):
@@ -567,26 +521,39 @@ def run_chaos_seeds(args):
                 cluster, n_sync=5, snapshot_every=2.0, connect_timeout=60,
                 per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
             )  # fmt: skip
-            chaos, error, t0 = _seeded_chaos(cluster, 20, seed), "", time.perf_counter()
+            faults, error, t0 = None, "", time.perf_counter()
+            broken = ["no fit"]
             try:
-                model, _, accuracy = _user_fit(strategy, data, 100_000, 40, [chaos], seed)
-                windows = len(model.history.history["loss"]) * 40 // 5
-                once = _exactly_once(strategy, model, windows)
+                faults = chaos.Chaos(cluster, strategy, 20, seed)
+                model, _, accuracy = _user_fit(strategy, data, 100_000, 40, [faults], seed)
+                broken = chaos.violations(strategy, model, chaos.windows_run(model, 40, 5))
             except Exception as e:  # noqa: BLE001 - the row reports it
-                accuracy, once, error = float("nan"), False, repr(e)[:200]
+                accuracy, error = float("nan"), repr(e)[:200]
         left = [p for p in pids.values() if _alive(p)]
+        done = faults.done if faults else []
         rows.append({
-            "seed": seed, "seconds": time.perf_counter() - t0, "faults": len(chaos.done),
-            **{f"killed_{k}": sum(t.startswith(k) for t in chaos.done) for k in ("ps", "worker")},
-            "recoveries": len(strategy.recoveries), "exactly_once": once,
-            "test_accuracy": accuracy, "processes_left": len(left),
-            "error": error or repr(chaos.error or "")[:200],
+            "seed": seed, "seconds": time.perf_counter() - t0, "faults": len(done),
+            **{k: sum(kind == k for kind, _ in done) for k in chaos.KINDS},
+            "ps_faults": sum(t.startswith("ps:") for _, ts in done for t in ts),
+            "worker_faults": sum(t.startswith("worker:") for _, ts in done for t in ts),
+            "recoveries": len(strategy.recoveries), "completed": not error,
+            "violations": "; ".join(broken) if not error else "",
+            "stalled": bool(faults and faults.stalled), "test_accuracy": accuracy,
+            "processes_left": len(left),
+            "error": error or repr((faults and faults.error) or "")[:200],
         })  # fmt: skip
         print(_fmt_row(rows[-1]), flush=True)
     lines = _table(rows)
     total = sum(r["faults"] for r in rows)
-    broken = sum(not r["exactly_once"] for r in rows)
-    lines += ["", f"{total} faults over {len(rows)} runs; {broken} run(s) broke the invariant."]
+    by_kind = ", ".join(f"{k} {sum(r[k] for r in rows)}" for k in chaos.KINDS)
+    lines += [
+        "",
+        f"{total} faults ({by_kind}) over {len(rows)} runs: "
+        f"{sum(bool(r['violations']) for r in rows)} run(s) broke the invariant, "
+        f"{sum(not r['completed'] for r in rows)} stopped with an error, "
+        f"{sum(r['stalled'] for r in rows)} stalled, "
+        f"{sum(r['processes_left'] for r in rows)} process(es) left.",
+    ]
     return rows, lines
 
 

@@ -62,10 +62,10 @@ def test_windows_per_closure_is_automatic_by_default(cluster, digits):
     trainer = strategy.model_states.get(model).trainer
     pace = trainer.sizes.pace()
     # About TARGET_CLOSURE_S of windows per closure, from the measured pace.
-    assert trainer.windows_per_closure() == min(
+    assert trainer.sizes.windows_per_closure() == min(
         scheduling.MAX_WINDOWS_PER_CLOSURE, max(1, round(scheduling.TARGET_CLOSURE_S / pace))
     )
-    assert trainer.windows_per_closure() > 1 and max(trainer.closure_sizes) > 1
+    assert trainer.sizes.windows_per_closure() > 1 and max(trainer.closure_sizes) > 1
     assert int(model.optimizer.iterations.numpy()) == 400
     assert strategy.stats().windows == 400
 

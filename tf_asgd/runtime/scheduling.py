@@ -230,10 +230,6 @@ class WindowTrainer:
         window is shorter."""
         return max(self._epoch_step, 1) - 1
 
-    def windows_per_closure(self):
-        """`K`: the strategy's `windows_per_closure`, or automatic (`ClosureSizes`)."""
-        return self.sizes.windows_per_closure()
-
     def _flush(self, left=0):
         """Schedules every queued window, in closures of `sizes.size`
         (`left`: the epoch's windows still to come after them)."""
@@ -243,18 +239,6 @@ class WindowTrainer:
             self._schedule(windows)
 
     def _schedule(self, windows, first=True):
-        """Schedules `windows` in one closure; where that fails (a PS's loss that TF's
-        coordinator raises at the next schedule), queues them again first: `abandon`
-        finds them, whether they came from the queue or from a closure that ran only
-        part of them. (Synchronous rounds run again whole: `Rounds.roll_back`.)"""
-        try:
-            self._schedule_closure(windows, first)
-        except Exception:
-            if self.rounds is None:
-                self._queue = list(windows) + self._queue
-            raise
-
-    def _schedule_closure(self, windows, first):
         # Two small tensors: each argument costs the chief a conversion.
         plan = np.zeros([2, MAX_WINDOWS_PER_CLOSURE], np.int64)  # [ids, steps]
         plan[0] = -1
@@ -275,7 +259,12 @@ class WindowTrainer:
                     internals.concrete_function_for(self._window, args),
                 )
             function = self._concrete[1]
-        rv = self.coordinator.schedule(function, args=args)
+        try:
+            rv = self.coordinator.schedule(function, args=args)
+        except Exception:  # a PS's loss, raised at the next schedule: `abandon` finds them
+            if self.rounds is None:  # (rounds run again whole: `Rounds.roll_back`)
+                self._queue = list(windows) + self._queue
+            raise
         self._pending.append((rv, windows, budget))
         if first:
             self.closure_sizes.append(len(windows))

@@ -1,0 +1,150 @@
+"""Seeded faults injected into a `LocalCluster` during `fit`, and the exactly-once check.
+
+The pattern of FoundationDB's simulation and Jepsen: faults drawn from a seed, each one
+given time to be recovered from (training moves on by some windows) before the next, and
+an invariant checked over them all. Results: results/ps_recovery.
+"""
+
+import collections
+import os
+import random
+import signal
+import threading
+import time
+
+import keras
+
+# A fault, as drawn: "kill" a task and restart it on its port; "pause" a PS (SIGSTOP, then
+# SIGCONT); "ps_then_worker": a PS killed, then a worker while the chief waits for the PS.
+KINDS = ("kill", "pause", "ps_then_worker")
+
+
+class Chaos(keras.callbacks.Callback):
+    """A Keras callback that injects `faults` seeded faults into `cluster`, from the end of
+    `fit`'s first epoch on, in a thread; it stops `fit` once they are done.
+
+    Each fault waits until `spacing` more windows have finished since the last one ended
+    (the recovery from it worked), at most `patience` seconds (else it stops: `stalled`).
+
+    Args:
+        cluster: a `tf_asgd.LocalCluster` made with `shared_process=False`.
+        strategy: the `AsyncParameterServerStrategy` training the model.
+        faults: how many faults to inject.
+        seed: the seed of the draws (kind, task, timings).
+        kinds: the kinds drawn from (`KINDS`).
+        spacing: windows finished between two faults.
+        patience: seconds to wait for them.
+
+    Attributes:
+        done: `(kind, tasks)` of each fault injected, in order.
+        stalled: whether training stopped moving on for `patience` seconds.
+        error: what stopped the thread (a restart that failed), else None.
+
+    Example:
+
+    ```python
+    chaos = Chaos(cluster, strategy, faults=20, seed=3)
+    model.fit(dataset, epochs=10_000, steps_per_epoch=40, callbacks=[chaos])
+    assert not violations(strategy, model, windows_run(model, 40, strategy.n_sync))
+    ```
+    """
+
+    def __init__(self, cluster, strategy, faults, seed, kinds=KINDS, spacing=8, patience=120.0):
+        super().__init__()
+        self.cluster, self.strategy, self.faults = cluster, strategy, faults
+        self.rng, self.kinds = random.Random(seed), kinds
+        self.spacing, self.patience = spacing, patience
+        self.done, self.stalled, self.error, self.thread = [], False, None, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        if not self.thread.is_alive():
+            self.model.stop_training = True
+
+    def _windows(self):
+        return len(self.strategy.window_log(self.model))
+
+    def _run(self):
+        try:
+            for _ in range(self.faults):
+                if not self._progress():
+                    self.stalled = True
+                    return
+                kind = self.rng.choice(self.kinds)
+                self.done.append((kind, getattr(self, f"_{kind}")()))
+        except BaseException as e:  # noqa: BLE001 - the caller reports it
+            self.error = e
+
+    def _progress(self):
+        start, deadline = self._windows(), time.monotonic() + self.patience
+        while self._windows() < start + self.spacing:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        time.sleep(self.rng.uniform(0.0, 1.0))  # anywhere in a window
+        return True
+
+    def _kill(self):
+        task = self.rng.choice(self.cluster.tasks())
+        self.cluster.kill_task(task)
+        time.sleep(self.rng.uniform(1.0, 2.0))
+        self.cluster.restart_task(task)
+        return [task]
+
+    def _pause(self):
+        task = self.rng.choice([t for t in self.cluster.tasks() if t.startswith("ps:")])
+        pid = self.cluster.pids()[task]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.rng.uniform(1.0, 4.0))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return [task]
+
+    def _ps_then_worker(self):
+        tasks = self.cluster.tasks()
+        ps = self.rng.choice([t for t in tasks if t.startswith("ps:")])
+        worker = self.rng.choice([t for t in tasks if t.startswith("worker:")])
+        self.cluster.kill_task(ps)
+        time.sleep(self.rng.uniform(0.3, 1.0))
+        self.cluster.kill_task(worker)
+        time.sleep(self.rng.uniform(1.0, 2.0))
+        self.cluster.restart_task(ps)
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        self.cluster.restart_task(worker)
+        return [ps, worker]
+
+
+def windows_run(model, steps_per_epoch, n_sync):
+    """The windows of a `fit` that ran `steps_per_epoch` steps an epoch (its `History`)."""
+    return len(model.history.history["loss"]) * (-(-steps_per_epoch // n_sync))
+
+
+def violations(strategy, model, windows):
+    """What breaks exactly-once after a `fit` of `windows` windows (ids 0 to windows - 1):
+    a window applied twice, a window lost (neither applied nor a replay: a replay's id was
+    applied, its record lost with its worker), or counters that disagree.
+
+    Returns:
+        A list of sentences, empty where every window was applied exactly once.
+    """
+    log = [r for r in strategy.window_log(model) if not r.rolled_back]
+    applied = [r.window_id for r in log if r.pushed and not r.replayed]
+    replayed = {r.window_id for r in log if r.replayed}
+    found = []
+    twice = sorted(w for w, n in collections.Counter(applied).items() if n > 1)
+    if twice:
+        found.append(f"applied twice: windows {twice}")
+    lost = sorted(set(range(windows)) - set(applied) - replayed)
+    if lost:
+        found.append(f"lost: windows {lost}")
+    stats = strategy.model_stats(model)
+    version = int(strategy.counters.version.numpy())
+    if not stats.windows == stats.applied == version == windows:
+        found.append(
+            f"counters: {stats.windows} windows, {stats.applied} applied, version {version}, "
+            f"against {windows} windows run"
+        )
+    return found
