@@ -505,20 +505,34 @@ def run_worker_restarts(args):
     return rows, lines
 
 
+# (PS tasks, workers, synchronous) of the chaos runs, in turn.
+CHAOS_CONFIGS = (
+    (2, 2, False),
+    (3, 2, False),
+    (2, 4, False),
+    (2, 2, True),
+    (3, 3, True),
+    (3, 4, False),
+)
+
+
 def run_chaos_seeds(args):
     """`--runs` fits, each with 20 seeded faults (`tf_asgd.cluster.chaos.Chaos`: a task
     killed and restarted, a PS paused, a PS and then a worker killed; the seed is the
-    run's index), as tests/cluster/test_chaos_on_cluster.py runs one: per run the faults
-    by kind, the recoveries and the invariant's violations."""
+    run's index) on a configuration of `CHAOS_CONFIGS` in turn, as
+    tests/cluster/test_chaos_on_cluster.py runs one: per run the faults by kind, the
+    recoveries and the invariant's violations."""
     import tf_asgd
     from tf_asgd.cluster import chaos
 
     data, rows = harness.load_data("digits"), []
     for seed in range(args.runs):
-        with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
+        ps, workers, synchronous = CHAOS_CONFIGS[seed % len(CHAOS_CONFIGS)]
+        with tf_asgd.LocalCluster(workers, ps, shared_process=False) as cluster:
             pids = cluster.pids()
             strategy = _sharded_strategy(
                 cluster, n_sync=5, snapshot_every=2.0, connect_timeout=60,
+                synchronous=synchronous,
                 per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
             )  # fmt: skip
             faults, error, t0 = None, "", time.perf_counter()
@@ -532,7 +546,8 @@ def run_chaos_seeds(args):
         left = [p for p in pids.values() if _alive(p)]
         done = faults.done if faults else []
         rows.append({
-            "seed": seed, "seconds": time.perf_counter() - t0, "faults": len(done),
+            "seed": seed, "ps": ps, "workers": workers, "synchronous": synchronous,
+            "seconds": time.perf_counter() - t0, "faults": len(done),
             **{k: sum(kind == k for kind, _ in done) for k in chaos.KINDS},
             "ps_faults": sum(t.startswith("ps:") for _, ts in done for t in ts),
             "worker_faults": sum(t.startswith("worker:") for _, ts in done for t in ts),
