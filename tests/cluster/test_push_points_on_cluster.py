@@ -30,14 +30,16 @@ def _fit(strategy, digits):
     return model
 
 
-def test_a_push_cut_between_two_ps_tasks_writes_is_applied_exactly_once(local_cluster, digits):
-    """The 4th push of a `fit` waits 6 s after its ticket (taken on the counters' PS,
-    ps:0, whose own writes are then made), before ps:1's writes; its worker is SIGKILLed
-    1 s into that wait and restarted. TF cancels ps:1's part of the dead worker's
+@pytest.mark.parametrize("point", fault_points.POINTS)
+def test_a_push_cut_at_each_point_is_applied_exactly_once(local_cluster, digits, point):
+    """The 4th push of a `fit` waits 6 s at `point`; its worker is SIGKILLed 1 s into
+    that wait and restarted. Between the PS tasks' writes (after the counters' PS, ps:0,
+    took the ticket and made its own writes), TF cancels ps:1's part of the dead worker's
     function: ps:1's writes are never made (on the code before `commits`, the model
     stayed so, and the window's rerun found its id applied and pushed nothing). The chief
     sees the replay, finds ps:1 a push behind ps:0 (`commits.PushCommits`), and goes back
-    to the snapshot; the windows since train again. The central weights then equal a
+    to the snapshot; the windows since train again. After the ticket, and after the last
+    write, the push is whole or undone as well. The central weights then equal a
     fault-free run's, to float rounding: each push applied exactly once on both PS."""
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
@@ -62,7 +64,7 @@ def test_a_push_cut_between_two_ps_tasks_writes_is_applied_exactly_once(local_cl
             cluster.restart_task("worker:0")
 
         thread = threading.Thread(target=kill_in_the_hold, daemon=True)
-        with fault_points.armed("between_ps_writes", 6.0, ticket=held):
+        with fault_points.armed(point, 6.0, ticket=held):
             thread.start()
             model = _fit(strategy, digits)
         thread.join()
@@ -73,12 +75,17 @@ def test_a_push_cut_between_two_ps_tasks_writes_is_applied_exactly_once(local_cl
         # The held window's first run was lost with its worker; its rerun found its id
         # applied and pushed nothing; the chief then found ps:1 a push behind and went
         # back to the snapshot, and the windows since trained again, each applied once.
-        assert any(r.replayed for r in log)
-        (recovery,) = strategy.recoveries
-        assert "a push cut between two parameter servers' writes" in recovery.lost[0]
-        assert "ps:1 behind" in recovery.lost[0]
-        applied = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
-        assert sorted(applied) == list(range(WINDOWS))
+        if point != "after_last_write":  # (there the push is whole: its rerun a replay)
+            (recovery,) = strategy.recoveries
+            assert "a push cut before every parameter server wrote it" in recovery.lost[0]
+            behind = "ps:1 behind" if point == "between_ps_writes" else "ps:0, ps:1 behind"
+            assert behind in recovery.lost[0]
+        live = [r for r in log if not r.rolled_back]
+        applied = [r.window_id for r in live if r.pushed and not r.replayed]
+        assert len(applied) == len(set(applied))  # none twice
+        # A window whose push was whole before its worker died shows only as a replay.
+        replayed = {r.window_id for r in live if r.replayed}
+        assert sorted(set(applied) | replayed) == list(range(WINDOWS))  # none lost
         shards = {s.device for w in model.weights for s in getattr(w.value, "variables", [])}
         assert len(shards) == 2  # the kernel is on both PS
         for got, want in zip(model.weights, reference):

@@ -4,9 +4,11 @@ A push's writes run on each PS that holds a piece of the model, after the ticket
 on the counters' PS. A worker that dies after the ticket can leave another PS's writes
 undone (TF cancels that PS's part of the worker's function; measured in
 tests/cluster/test_push_points_on_cluster.py), and the window's rerun then finds its id
-applied and pushes nothing. Each PS adds 1 here after its own writes of a push, so at a
-quiet moment the counts differ exactly when a push was cut (`ps_recovery` then goes back
-to a snapshot).
+applied and pushes nothing. The counters' PS adds 1 to `begun` before it takes a push's
+ticket, and each PS adds 1 here after its own writes of the push, so at a quiet moment a
+count falls short of `begun` exactly when a push was cut, wherever it was cut after it
+began: after the ticket, between two PS tasks' writes (`ps_recovery` then goes back to
+a snapshot).
 """
 
 import tensorflow as tf
@@ -26,6 +28,7 @@ class PushCommits:
 
     Attributes:
         by_device: `{PS device: its counter}`.
+        begun: on the counters' PS, the pushes begun (`begin`).
     """
 
     def __init__(self, strategy, variables):
@@ -40,21 +43,32 @@ class PushCommits:
                 self.by_device[device] = tf.Variable(
                     tf.constant(0, tf.int64), trainable=False, name="push_commits"
                 )
+            with strategy.scope(), strategy.extended.colocate_vars_with(version):
+                self.begun = tf.Variable(
+                    tf.constant(0, tf.int64), trainable=False, name="pushes_begun"
+                )
         self._read = tf.function(
-            lambda: [v.read_value() for v in self.by_device.values()], autograph=False
+            lambda: [v.read_value() for v in [self.begun, *self.by_device.values()]],
+            autograph=False,
         )
 
+    def begin(self, count):
+        """The first write of a push, on the counters' PS before its ticket: `count` (1,
+        or 0 for a push not made) added to `begun`. Returns the op."""
+        return self.begun.assign_add(count, read_value=False)
+
     def counts(self):
-        """`{PS task ("ps:1"): pushes it has written}`, read in one call."""
-        values = [int(c) for c in self._read()]
-        return {_task(d): n for d, n in zip(self.by_device, values)}
+        """`(pushes begun, {PS task ("ps:1"): pushes it has written})`, read in one call."""
+        begun, *values = [int(c) for c in self._read()]
+        return begun, {_task(d): n for d, n in zip(self.by_device, values)}
 
     def cut(self):
-        """`(counts, the tasks behind the others)`; no task is behind while no push was
-        cut. Read it where no push is in flight."""
-        counts = self.counts()
-        most = max(counts.values())
-        return counts, sorted(t for t, n in counts.items() if n < most)
+        """`(counts, the tasks behind)`: `{"begun": pushes begun, PS task: pushes it
+        wrote}`, and the PS tasks that wrote fewer pushes than were begun; none while no
+        push was cut. Read it where no push is in flight."""
+        begun, counts = self.counts()
+        behind = sorted(t for t, n in counts.items() if n < begun)
+        return {"begun": begun, **counts}, behind
 
 
 def _task(device):

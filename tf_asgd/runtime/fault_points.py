@@ -11,9 +11,10 @@ import contextlib
 
 import tensorflow as tf
 
-# Where a push can be held: after its ticket is taken on the counters' PS (and that PS's
-# own writes are made), before another PS's writes.
-POINTS = ("between_ps_writes",)
+# Where a push can be held, on the counters' PS unless said: after its ticket and its id
+# in the ring of applied ids, before its writes; after that PS's own writes, before
+# another PS's writes (held there); after every PS's writes, before the worker hears.
+POINTS = ("after_ticket", "between_ps_writes", "after_last_write")
 _armed = {}  # point -> (seconds, ticket)
 
 

@@ -143,7 +143,7 @@ class PSRecovery:
             return
         try:
             try:
-                if self.repair_if_cut(trainer):
+                if self.repair_if_cut(trainer, check=True):
                     trainer.finish_fit()
                 self.take(trainer)
             except tf.errors.OpError as e:
@@ -215,11 +215,13 @@ class PSRecovery:
                 lost = self._lost(cause) or lost
         raise error
 
-    def repair_if_cut(self, trainer):
-        """Where a window ran again since the last look (a replay: its worker was lost
-        after its push began) and a push was cut between two PS tasks' writes
-        (`commits.PushCommits`), goes back to the snapshot as for a lost PS: the cut
-        push and those since are undone and train again. Call where nothing is in flight.
+    def repair_if_cut(self, trainer, check=False):
+        """Where a push was cut after it began (its worker lost after the ticket, or
+        between two PS tasks' writes: `commits.PushCommits`), goes back to the snapshot
+        as for a lost PS: the cut push and those since are undone and train again. Looks
+        where a window ran again since the last look (a replay: its worker was lost after
+        its push began), before each snapshot (which must not hold a cut push), and with
+        `check`. Call where nothing is in flight.
 
         Returns:
             Whether it went back.
@@ -229,13 +231,14 @@ class PSRecovery:
         """
         records, seen = trainer.window_log, self._replays_seen.get(trainer, 0)
         self._replays_seen[trainer] = len(records)
-        if not any(r.replayed for r in records[seen:]):
+        replayed = any(r.replayed for r in records[seen:])
+        if not (replayed or check or self.due()):
             return False
         counts, behind = trainer.commits.cut()
         if not behind:
             return False
         what = (
-            f"a push cut between two parameter servers' writes (its worker was lost): "
+            f"a push cut before every parameter server wrote it (its worker was lost): "
             f"{', '.join(behind)} behind ({', '.join(f'{t}: {n}' for t, n in counts.items())})"
         )
         if self.snapshot is None or not self._covers(trainer):

@@ -510,8 +510,10 @@ class CentralVariables:
             for device in plan.by_device
             if device != cdev
         }
-        with tf.device(cdev), tf.control_dependencies(list(done.values())):
-            tau = tf.identity(tau)
+        with tf.device(cdev):  # a test may hold the push here (off in production)
+            held = fault_points.hold("after_last_write", ticket, list(done.values()))
+            with tf.control_dependencies(list(done.values()) + held):
+                tau = tf.identity(tau)
         done[cdev] = tau.op
         return done, tau
 
@@ -534,13 +536,12 @@ class _PushPlan:
         for i, (shard, _) in enumerate(self.shards):
             self.by_device.setdefault(shard.device, []).append(i)
 
-    def writes(self, device, scale, ticket, tau):
-        """The outer optimizer's writes to the shards on `device`."""
-        ops = []
-        held = []
+    def writes(self, device, scale, ticket, tau, held=()):
+        """The outer optimizer's writes to the shards on `device` (after `held`)."""
+        ops, held = [], list(held)
         if device != self.cdev:  # a test may hold the push here (off in production)
             with tf.device(device):
-                held = fault_points.hold("between_ps_writes", ticket, [tau])
+                held += fault_points.hold("between_ps_writes", ticket, [tau])
         for i in self.by_device[device]:
             shard, shard_slots = self.shards[i]
             update = self.arrived[i]
@@ -568,7 +569,12 @@ class _PushPlan:
         """On the counters' PS: the ticket, the scale, the counters, this PS's writes."""
         c = self.central
         with tf.device(self.cdev):
-            with tf.control_dependencies(landed):
+            begun = []
+            if c.commits is not None:  # first: a push cut after this is found (`commits`)
+                with tf.control_dependencies(landed):
+                    count = tf.constant(1, tf.int64) if push is None else tf.cast(push, tf.int64)
+                    begun = [c.commits.begin(count)]
+            with tf.control_dependencies(list(landed) + begun):
                 tau, ticket = c.counters.take_ticket(pulled_version, push, c.round_size)
             scale = tf.cast(
                 update_rules.staleness_scale(tau, c.rule, c.max_staleness, xp=tnp), tf.float64
@@ -580,7 +586,8 @@ class _PushPlan:
             ops = [c.counters.dropped_stale.assign_add(dropped, read_value=False)]
             with tf.control_dependencies([tau]):
                 ops += list(extra_writes(tau, push)) if extra_writes else []
-            ops += self.writes(self.cdev, scale, ticket, tau)
+            held = fault_points.hold("after_ticket", ticket, [tau, *ops])  # (tests only)
+            ops += self.writes(self.cdev, scale, ticket, tau, held)
             with tf.control_dependencies(ops):
                 return tf.identity(tau), tf.identity(scale), tf.identity(ticket)
 
