@@ -14,6 +14,7 @@ each). The last three feed a user's seeded `tf.data` pipeline.
         --out results/ps_recovery/user_faults
 """
 
+import faulthandler
 import random
 import statistics
 import threading
@@ -526,7 +527,8 @@ def run_chaos_seeds(args):
     from tf_asgd.cluster import chaos
 
     data, rows = harness.load_data("digits"), []
-    for seed in range(args.runs):
+    for seed in range(args.first_run, args.first_run + args.runs):
+        faulthandler.dump_traceback_later(args.hang_s, exit=True)  # 0 hung runs, or shown
         ps, workers, synchronous = CHAOS_CONFIGS[seed % len(CHAOS_CONFIGS)]
         with tf_asgd.LocalCluster(workers, ps, shared_process=False) as cluster:
             pids = cluster.pids()
@@ -558,6 +560,7 @@ def run_chaos_seeds(args):
             "error": error or repr((faults and faults.error) or "")[:200],
         })  # fmt: skip
         print(_fmt_row(rows[-1]), flush=True)
+    faulthandler.cancel_dump_traceback_later()
     lines = _table(rows)
     total = sum(r["faults"] for r in rows)
     by_kind = ", ".join(f"{k} {sum(r[k] for r in rows)}" for k in chaos.KINDS)
@@ -615,6 +618,10 @@ def main(argv=None):
                    default=["0", "0.5", "1", "2", "4", "8", "12", "16", "20", "end"],
                    help="ps_any_time: seconds after on_train_begin, or end")  # fmt: skip
     p.add_argument("--runs", type=int, default=25, help="chaos_seeds: fits of 20 faults")
+    p.add_argument("--first-run", type=int, default=0, help="chaos_seeds: the first run's seed")
+    p.add_argument("--hang-s", type=float, default=900.0,
+                   help="chaos_seeds: a run longer than this is hung: every thread's "
+                        "stack is printed and the process exits 1")  # fmt: skip
     p.add_argument("--periods", type=harness.float_list, default=[12.0, 4.0],
                    help="worker_restarts: seconds between worker kills")  # fmt: skip
     p.add_argument("--synchronous", action="store_true",
