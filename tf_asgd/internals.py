@@ -767,6 +767,29 @@ def gate_reconnection(coordinator, gate):
     return True
 
 
+def keep_worker_threads(coordinator):
+    """Keeps TF's worker threads alive where a worker's recovery fails on a lost PS. A
+    worker thread whose closure failed as a worker failure puts the closure back in the
+    queue and waits for the reconnection; where that fails on a PS, it marks the closure
+    failed as well, and `ClosureQueue.mark_failed` (no closure left in flight) raises
+    `AssertionError`, which ends the thread for good (TF 2.21 `Worker._process_closure`):
+    that worker never runs a closure again. Here the error is recorded (the next
+    `schedule` or `join` raises it, as for any failed closure) and the thread goes on."""
+    closures = coordinator._cluster.closure_queue
+
+    def mark_failed(error):
+        with closures._queue_lock:
+            if closures._error is None:
+                closures._error = error
+            if closures._inflight_closure_count > 0:
+                closures.inflight_closure_count -= 1
+                if closures._inflight_closure_count == 0:
+                    closures._no_inflight_closure_condition.notify_all()
+            closures._stop_waiting_condition.notify_all()
+
+    closures.mark_failed = mark_failed
+
+
 def coordinator_stopping(cluster):
     """Whether the coordinator of `cluster` (`coordinator_cluster`) stops."""
     return not cluster.failure_handler._should_preemption_thread_run

@@ -40,7 +40,7 @@ def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(local_clus
         model = dense_digits_model(strategy, seed=0)
         faults = chaos.Chaos(cluster, strategy, FAULTS, SEED)
         start = time.monotonic()
-        model.fit(
+        history = model.fit(
             pipeline.repeat().batch(32),
             epochs=100_000,
             steps_per_epoch=STEPS,
@@ -55,7 +55,8 @@ def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(local_clus
         # A PS lost and back before anything read it is found lost with the next one.
         ps_kills = sum(t.startswith("ps:") for k, ts in faults.done if k != "pause" for t in ts)
         assert 0 < len(strategy.recoveries) <= ps_kills, (faults.done, strategy.recoveries)
-        windows = chaos.windows_run(model, STEPS, N_SYNC)
+        windows = chaos.windows_run(strategy, model)
+        assert windows == len(history.history["loss"]) * STEPS // N_SYNC  # each Keras asked for
         assert chaos.violations(strategy, model, windows) == []
         assert model.evaluate(xt, yt, verbose=0)[1] > 0.85
         assert seconds < 240, seconds

@@ -178,3 +178,26 @@ def test_a_lost_worker_that_comes_back_is_waited_for_and_trains_again(
     assert TIMEOUT - 0.5 <= raised_after < TIMEOUT + SLACK
     assert np.isfinite(history.history["loss"][0])
     assert after - before >= steps // 2  # (windows a failed fit queued but never scheduled run too)
+
+
+def test_a_worker_recovery_failed_by_a_lost_ps_keeps_the_worker_thread(local_cluster, digits):
+    """What a worker thread of TF's coordinator does when its worker's recovery fails on a
+    lost PS (a PS killed while the worker was down): it put its closure back in the queue,
+    then marks it failed as well, with no closure in flight. TF 2.21 raised
+    `AssertionError` there and the thread ended: that worker never ran a closure again.
+    Marked failed so, the error is raised once by the next `join`, and every worker trains
+    on (each runs windows)."""
+    (x, y), _ = digits
+    with local_cluster(2, 1, own=True, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=2)
+        closures = strategy.coordinator._cluster.closure_queue  # TF's (private) queue
+        assert closures.inflight_closure_count == 0
+        error = tf.errors.UnavailableError(None, None, "ps:0 lost during a worker's recovery")
+        closures.mark_failed(error)  # no AssertionError
+        with pytest.raises(tf.errors.UnavailableError, match="during a worker's recovery"):
+            strategy.coordinator.join()
+        strategy.coordinator.join()  # raised once
+        model = linear_digits_model(strategy)
+        model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=20, verbose=0)
+        workers = {r.worker for r in strategy.window_log(model)}
+        assert workers == {0, 1}

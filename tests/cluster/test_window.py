@@ -40,8 +40,8 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
         )
     )
 
-    next_id = trainer._next_window_id
-    trainer._next_window_id = 2  # an id that pushed during fit: a re-run
+    next_id = trainer.next_window_id
+    trainer.next_window_id = 2  # an id that pushed during fit: a re-run
     trainer.train_function(iterator)
     strategy.coordinator.join()
     trainer._drain(block=True)
@@ -52,7 +52,7 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     for b, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(b, v.numpy())
 
-    trainer._next_window_id = next_id  # a new window pushes as usual
+    trainer.next_window_id = next_id  # a new window pushes as usual
     trainer.train_function(iterator)
     strategy.coordinator.join()
     trainer._drain(block=True)

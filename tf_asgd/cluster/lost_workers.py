@@ -57,6 +57,7 @@ class ReconnectionWatch:
         self._gating = False  # whether the failure handler's thread is in `_gate`
         self._releasing = threading.Event()  # set: the coordinator stops, gates end
         self.gated = internals.gate_reconnection(coordinator, self._gate)
+        internals.keep_worker_threads(coordinator)  # a PS lost in a worker's recovery
         if self.gated:
             internals.order_coordinator_stop(coordinator, self.release)
             _watches.add(self)

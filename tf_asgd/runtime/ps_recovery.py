@@ -35,6 +35,7 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
+COPY_WAIT_S = 60.0  # the longest wait for the workers' half of a snapshot
 RECOVERY_ATTEMPTS = 20  # at most, going back again where another PS is lost meanwhile
 _EARLIER_FIT = (
     ", the last fit's end (what was written to the PS between the fits, such as "
@@ -436,7 +437,7 @@ class PSRecovery:
         while True:
             try:
                 for run in internals.on_every_worker(strategy.coordinator, probe):
-                    run.fetch()
+                    _fetch_by(run, deadline)
                 return
             except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
                 # A channel backing off; another error (a handle from before TF's own
@@ -496,9 +497,8 @@ class WorkerShadows:
             self._copies = {k: f for k, f in self._copies.items() if k[1] == key[1]}
             self._copies[key] = tf.function(copy, autograph=False)
         while True:
-            failed = _failed_runs(
-                internals.on_every_worker(strategy.coordinator, self._copies[key])
-            )
+            runs = internals.on_every_worker(strategy.coordinator, self._copies[key])
+            failed = _failed_runs(runs, deadline if back else time.monotonic() + COPY_WAIT_S)
             if not failed or not back:
                 return
             if time.monotonic() > deadline:
@@ -531,16 +531,29 @@ def _wait_for_closures(strategy, deadline):
         )
 
 
-def _failed_runs(runs):
+def _failed_runs(runs, deadline):
     """`[(worker index, error)]` of the runs (`RemoteValue`s, one per worker) that a lost
-    or restarted worker failed."""
+    or restarted worker failed, or that had not finished by `deadline`."""
     failed = []
     for i, run in enumerate(runs):
         try:
-            run.fetch()
+            _fetch_by(run, deadline)
         except (tf.errors.CancelledError, tf.errors.UnavailableError, tf.errors.AbortedError) as e:
             failed.append((i, e))
     return failed
+
+
+def _fetch_by(run, deadline):
+    """`run.fetch()` (a `RemoteValue`) once it is ready; `DeadlineExceededError` (an
+    `UnavailableError`) where it is not by `deadline` (time.monotonic()): a worker whose
+    thread in TF's coordinator no longer runs closures would leave it waiting for good."""
+    while not internals.remote_value_ready(run):
+        if time.monotonic() > deadline:
+            raise tf.errors.UnavailableError(
+                None, None, "a worker did not run a closure of the recovery in time"
+            )
+        internals.wait_briefly(run, 0.05)
+    return run.fetch()
 
 
 def _status(error):

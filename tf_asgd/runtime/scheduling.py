@@ -108,7 +108,7 @@ class WindowTrainer:
         self.rounds = _rounds(self, outer_optimizer) if synchronous else None
         self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
         self._iterator = None
-        self._next_window_id = 0
+        self.next_window_id = 0  # the windows given an id so far
         self.windows_taken = 0  # Keras's `train_function` calls that queued their window
         self._epoch_step = 0  # steps asked for this epoch
         self._epochs = epochs.Epochs(strategy.n_sync)  # where rolled-back windows belong
@@ -182,9 +182,9 @@ class WindowTrainer:
         self._iterator = iterator
         self._replay()
         self.windows_taken += 1  # this call's window is queued below (`ps_recovery`)
-        window_id = self._next_window_id
+        window_id = self.next_window_id
         if self.rounds is None:  # synchronous windows get their ids by round (`_start_round`)
-            self._next_window_id += 1
+            self.next_window_id += 1
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
         steps = self._fit_state.steps_per_epoch
@@ -482,10 +482,10 @@ def _start_round(trainer):
         trainer._drain(block=True)
         rounds.close()
     cycle = optimizer_options.accumulation_steps(trainer.model.optimizer)
-    windows = rounds.take(trainer._iterator, trainer.log.records, trainer._next_window_id, cycle)
+    windows = rounds.take(trainer._iterator, trainer.log.records, trainer.next_window_id, cycle)
     if not windows:
         return
-    trainer._next_window_id += len(windows)
+    trainer.next_window_id += len(windows)
     trainer.window.prepare(trainer._iterator)  # errors before anything is traced
     trainer.window.state.start_rounds()  # made before a snapshot, which then holds it
     if recovery.due():
