@@ -9,6 +9,7 @@ import collections
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 
@@ -95,10 +96,14 @@ class Chaos(keras.callbacks.Callback):
 
     def _pause(self):
         task = self.rng.choice([t for t in self.cluster.tasks() if t.startswith("ps:")])
-        pid = self.cluster.pids()[task]
+        pid, seconds = self.cluster.pids()[task], self.rng.uniform(1.0, 4.0)
+        # Resumed by a process of its own: the chief may wait for the paused PS inside TF
+        # holding the GIL (a function registered on every task), and a thread of this
+        # process could not run to send SIGCONT.
+        resume = f"sleep {seconds:.3f}; kill -CONT {pid}"
         os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(self.rng.uniform(1.0, 4.0))
+            subprocess.run(["sh", "-c", resume], check=True, timeout=seconds + 30)
         finally:
             os.kill(pid, signal.SIGCONT)
         return [task]
