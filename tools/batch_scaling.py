@@ -33,7 +33,7 @@ OUTER_HELP = (
     "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
     "adaptive (synchronous: each round's gain from the rounds' noise scale, "
     "noise_scale.round_gain); each with +sqrt, +linear, +anneal, +none or +F for the "
-    "workers' rate, +anneal:F (N falling to F by the run's end) or +fits:K:F:MODE (the "
+    "workers' rate, +anneal:F (N falling toward F) or +fits:K:F:MODE (the "
     "run as K fits: MODE first anneals over the first only, each over every fit, eachw "
     "with a warm-up in each too) (lr_scaling; default: the strategy's auto under the asynchronous "
     "default, N annealed to 1 for Adam's kin and sqrt(N) for others, else the "
@@ -120,9 +120,9 @@ def scaled_optimizer(name, scale):
 
 def workers_optimizer(name, scale, warmup_steps, anneal_steps):
     """The setup's optimizer at its own rate times the factor `scale` = `(peak, final)`:
-    from 1 to `peak` over the first `warmup_steps`, then to `final` by `anneal_steps`
+    from 1 to `peak` over the first `warmup_steps`, then falling toward `final`
     (`update_rules.annealed_rate_scale`, as the strategy does); `(peak, final, K, mode)`:
-    the run as K fits (`worker_rate`)."""
+    the run of `anneal_steps` as K fits (`worker_rate`)."""
     import keras
     import tensorflow.experimental.numpy as tnp
 
@@ -135,19 +135,19 @@ def workers_optimizer(name, scale, warmup_steps, anneal_steps):
         def __call__(self, step):
             if len(scale) == 4:
                 return self.rate * _fits_factor(step)
-            factor = update_rules.annealed_rate_scale(*scale, step, warmup_steps, anneal_steps, tnp)
+            factor = update_rules.annealed_rate_scale(*scale, step, warmup_steps, tnp)
             return self.rate * factor
 
     def _fits_factor(step):
         peak, final, k, mode = scale
         period = max(1, anneal_steps // k)
         t = tnp.asarray(step, dtype=tnp.float32)
-        first = update_rules.annealed_rate_scale(peak, final, t, warmup_steps, period, tnp)
+        first = update_rules.annealed_rate_scale(peak, final, t, warmup_steps, tnp)
         if mode == "first":
             return first
         local = tnp.mod(t, float(period))
         again = update_rules.annealed_rate_scale(
-            peak, final, local, warmup_steps if mode == "eachw" else 1, period, tnp
+            peak, final, local, warmup_steps if mode == "eachw" else 1, tnp
         )
         return tnp.where(t < period, first, again)
 
@@ -261,8 +261,8 @@ def outer_rounds(
     windows end in round-robin order and each copy pulls right after its push, so every
     push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's
     rate is the setup's times `worker_scale` = `(peak, final)`, warmed up to the
-    peak over 5% of its steps and annealed to the final by the last
-    (`workers_optimizer`, the strategy's `lr_scaling`). `steps` counts
+    peak and falling toward the final as the strategy does (`workers_optimizer`,
+    `lr_scaling`). `steps` counts
     steps per copy (device times). With copy 0 `slow` times slower (`window_ends`), the
     windows end in simulated time and the points are at that time, in fast steps.
 
@@ -274,11 +274,18 @@ def outer_rounds(
     import keras
 
     from tf_asgd.rules import noise_scale, update_rules
+    from tf_asgd.runtime import optimizer_options
 
     batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
-    warmup = max(1, round(update_rules.worker_rate_warmup(*worker_scale[:2]) * steps))
     opt = harness.SETUPS[setup][2]
+    # In each copy's steps: the strategy's warm-up counts every worker's.
+    cap = update_rules.untuned_warmup_steps(
+        optimizer_options.second_moment_beta(harness.make_optimizer(opt))
+    )
+    warmup = update_rules.worker_rate_warmup_steps(
+        *worker_scale[:2], steps, None if cap is None else max(1, cap // workers)
+    )
     copies = [
         _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup, steps))
         if worker_scale != (1.0, 1.0)

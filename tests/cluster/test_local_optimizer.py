@@ -87,7 +87,7 @@ def test_a_restored_run_warms_up_and_history_shows_the_workers_rate(local_cluste
     history = model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     assert history.history["workers_learning_rate"] == pytest.approx([0.03] * 4)
     stats = strategy.model_stats(model)
-    assert (stats.lr_warmup_steps, stats.lr_anneal_steps) == (2, 10_002)
+    assert (stats.lr_warmup_steps, stats.lr_scale_end) == (2, 3.0)
     assert float(model.optimizer.learning_rate) == pytest.approx(0.01)
 
     class Ramp(keras.optimizers.schedules.LearningRateSchedule):

@@ -24,8 +24,8 @@ def _linear(seed=0):
 class _Ramped(keras.optimizers.schedules.LearningRateSchedule):
     """The reference: `rate(step)` times the warmed-up (and annealed) factor, in plain
     Keras. Each fit of `fits`, `(first step, steps, warm-up steps)`, warms the factor
-    up from 1 to `peak` over its warm-up and then (with `final`) anneals it to `final`
-    by its last step; without `final` it stays at `peak` after the first fit's warm-up."""
+    up from 1 to `peak` over its warm-up and then (with `final`) lowers it toward
+    `final` as 1/t; without `final` it stays at `peak` after the first fit's warm-up."""
 
     def __init__(self, rate, peak, fits, final=None):
         self.rate, self.peak, self.fits = rate, peak, fits
@@ -34,16 +34,10 @@ class _Ramped(keras.optimizers.schedules.LearningRateSchedule):
     def __call__(self, step):
         rate = self.rate(step) if callable(self.rate) else self.rate
         factor = None
-        for first, steps, warmup in self.fits:
-            final, anneal = (self.peak, warmup) if self.final is None else (self.final, steps)
+        final = self.peak if self.final is None else self.final
+        for first, _, warmup in self.fits:
             this = update_rules.annealed_rate_scale(
-                self.peak,
-                final,
-                tnp.asarray(step, tnp.float32) - first,
-                warmup,
-                anneal,
-                tnp,
-                anneal_from=warmup,
+                self.peak, final, tnp.asarray(step, tnp.float32) - first, warmup, tnp
             )
             factor = this if factor is None else tnp.where(tnp.asarray(step) >= first, this, factor)
         return rate * factor
@@ -87,11 +81,11 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
 ):
     """1 worker under `"anneal"`, its peak made 3 (it is N, 1 here): every step of `fit`
     equals plain Keras's Adam at the user's rate times the factor, up to 3 over the
-    warm-up, then down to 1 by the first fit's end; a second fit warms up again over a
-    quarter of its own steps and anneals over the rest."""
+    warm-up, then falling toward 1 as 1/t; a second fit warms up again over a quarter
+    of its own steps and falls again."""
     monkeypatch.setattr(update_rules, "worker_rate_peak", lambda n, rule: 3.0)
     (x, y), _ = flat
-    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 10, anneal by step 40
+    x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 10, x1.5 by step 40
     strategy = tf_asgd.AsyncParameterServerStrategy(
         local_cluster(1).resolver, n_sync=5, lr_scaling="anneal"
     )
@@ -102,7 +96,7 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
     model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
     stats = strategy.model_stats(model)
     assert (stats.lr_scale_peak, stats.lr_scale) == (3.0, 1.0)
-    assert (stats.lr_warmup_steps, stats.lr_anneal_steps) == (10, 40)  # a quarter
+    assert (stats.lr_warmup_steps, stats.lr_scale_end) == (10, 1.5)  # a quarter; 1 + 2 * 10 / 40
     np.testing.assert_allclose(float(model.optimizer.learning_rate), 0.01, rtol=1e-6)
 
     plain = _linear()
@@ -115,7 +109,7 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
 
     model.fit(x[:160], y[:160], batch_size=32, epochs=4, shuffle=False, verbose=0)
     plain.fit(x[:160], y[:160], batch_size=32, epochs=4, shuffle=False, verbose=0)
-    assert strategy.model_stats(model).lr_anneal_steps == 60
+    assert strategy.model_stats(model).lr_scale_end == pytest.approx(1.5)  # 1 + 2 * 5 / 20
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 

@@ -44,18 +44,18 @@ def sgd_curve(batch, rate, seed=0):
 def window_curve(opt, synchronous, seed=0, worker_rate="none"):
     """Loss of the central weights per step of each worker (a round is `N_SYNC` steps);
     the workers' rate is `RATE` times `worker_rate`'s factor, warmed up (and annealed)
-    as the strategy does (`update_rules.worker_rate_warmup`; by the run's end)."""
+    as the strategy does (`update_rules.worker_rate_warmup_steps`)."""
     problem, center, state, losses = NoisyQuadratic(seed), np.zeros(DIM), {}, []
     starts = [center] * WORKERS
     peak = update_rules.worker_rate_peak(WORKERS, worker_rate)
     final = update_rules.worker_rate_scale(WORKERS, worker_rate)
-    warmup = update_rules.worker_rate_warmup(peak, final) * STEPS * WORKERS
+    warmup = update_rules.worker_rate_warmup_steps(peak, final, STEPS * WORKERS)
     for ticket in range(STEPS * WORKERS // N_SYNC):
         i = ticket % WORKERS
         w = starts[i]
         for k in range(N_SYNC):
             step = ticket * N_SYNC + k
-            factor = update_rules.annealed_rate_scale(peak, final, step, warmup, STEPS * WORKERS)
+            factor = update_rules.annealed_rate_scale(peak, final, step, warmup)
             rate = RATE * factor
             w = w - rate * problem.gradient(w, BATCH)
         center, state = update_rules.outer_step(opt, center, starts[i] - w, state, ticket, WORKERS)
@@ -114,7 +114,7 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
 
 def test_annealing_the_workers_rate_is_sooner_than_sqrt_and_ends_below_its_floor(reference):
     """The default for Adam's kin (`"anneal"`: N after its warm-up over the first quarter,
-    falling to the user's rate by the run's end) reaches the target sooner than sqrt(N),
+    falling toward the user's rate as 1/t) reaches the target sooner than sqrt(N),
     within twice N's steps (here 571 against 771 and 331: the quarter's warm-up is what it
     pays where nothing early needs it), and ends below sqrt(N)'s noise floor: averaging N
     windows divides their noise variance by N, so at the user's rate the averaged noise is

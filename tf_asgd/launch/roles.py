@@ -159,11 +159,11 @@ def log_workers_rate(stats, lr_scaling):
     """Logs the factor on the workers' rate, where it is not 1."""
     if stats.lr_scale_peak != stats.lr_scale:
         logging.info(
-            "the workers ran at up to %.3g times the optimizer's rate, falling to %.3g by "
-            "step %d (lr_scaling=%r, warmed up over %d steps; docs/defaults.md)",
+            "the workers ran at up to %.3g times the optimizer's rate, falling as 1/t toward "
+            "%.3g (%.3g at the end; lr_scaling=%r, warmed up over %d steps; docs/defaults.md)",
             stats.lr_scale_peak,
             stats.lr_scale,
-            stats.lr_anneal_steps,
+            stats.lr_scale_end,
             lr_scaling,
             stats.lr_warmup_steps,
         )

@@ -376,6 +376,34 @@ def worker_rate_warmup(peak, final):
     return ANNEAL_WARMUP if peak > final else WORKER_RATE_WARMUP
 
 
+def untuned_warmup_steps(beta_2):
+    """`2 / (1 - beta_2)`: the warm-up Ma & Yarats (2021, arXiv:1910.04209) found
+    adequate for Adam without tuning, the steps over which its second-moment estimate
+    settles (2,000 at Keras's default 0.999); None without a `beta_2`.
+
+    Examples:
+        >>> untuned_warmup_steps(0.999), untuned_warmup_steps(None)
+        (2000, None)
+    """
+    if beta_2 is None or not 0.0 <= float(beta_2) < 1.0:
+        return None
+    return max(1, round(2.0 / (1.0 - float(beta_2))))
+
+
+def worker_rate_warmup_steps(peak, final, fit_steps, cap=None):
+    """The steps at the start of a `fit` over which the workers' factor rises to `peak`:
+    `worker_rate_warmup`'s share of the fit's `fit_steps`, at most `cap`
+    (`untuned_warmup_steps` of Adam's kin). With the cap, a `fit` planned longer warms up
+    no longer, so it reaches an accuracy no later.
+
+    Examples:
+        >>> [worker_rate_warmup_steps(8.0, 1.0, t, cap=2000) for t in (400, 8000, 16000)]
+        [100, 2000, 2000]
+    """
+    steps = max(1, round(worker_rate_warmup(peak, final) * max(0, int(fit_steps or 0))))
+    return steps if cap is None else max(1, min(steps, int(cap)))
+
+
 def validate_worker_rate(scaling):
     """Checks the strategy's `lr_scaling`: one of `WORKER_RATE_RULES` or a number > 0."""
     if isinstance(scaling, str) and scaling in WORKER_RATE_RULES:
@@ -466,37 +494,34 @@ def warmed_up_rate_scale(scale, step, warmup_steps, xp=np):
         >>> [float(warmed_up_rate_scale(3.0, t, 4)) for t in (0, 1, 3, 100)]
         [1.5, 2.0, 3.0, 3.0]
     """
-    return annealed_rate_scale(scale, scale, step, warmup_steps, warmup_steps, xp)
+    return annealed_rate_scale(scale, scale, step, warmup_steps, xp)
 
 
-def annealed_rate_scale(peak, final, step, warmup_steps, anneal_steps, xp=np, anneal_from=None):
-    """The workers' factor at `step`: from 1 up to `peak` linearly over the first
-    `warmup_steps` steps (Goyal et al.'s warm-up), then linearly down to `final`
-    from step `anneal_from` to step `anneal_steps`, then `final`.
+def annealed_rate_scale(peak, final, step, warmup_steps, xp=np):
+    """The workers' factor at `step` of a `fit`: from 1 up to `peak` linearly over the
+    first `warmup_steps` steps (Goyal et al.'s warm-up), then falling toward `final` as
+    `1 / t`: `final + (peak - final) * warmup_steps / (step + 1)`.
+
+    The fall depends on the steps taken, not on how long the `fit` is planned: a longer
+    `fit` runs the same factor up to any step, so it reaches an accuracy no later. It
+    halves the excess over `final` every time the steps double (Robbins & Monro's 1/t).
 
     Args:
         peak: the factor after the warm-up (`worker_rate_peak`).
-        final: the factor from `anneal_steps` on (`worker_rate_scale`).
+        final: the factor it falls toward (`worker_rate_scale`); `peak` for none.
         step: the optimizer's step count (every worker's steps) since the `fit`'s
             first step, a number or a tensor.
         warmup_steps: steps to reach `peak`, at least 1 (a number or a tensor).
-        anneal_steps: the step at which `final` is reached (the `fit`'s steps).
         xp: `numpy`, or `tensorflow.experimental.numpy` inside a window.
-        anneal_from: the step from which the factor falls, a number or a tensor
-            (default `warmup_steps`).
 
     Examples:
-        >>> [float(annealed_rate_scale(8.0, 2.0, t, 4, 10)) for t in (0, 3, 6, 9, 50)]
-        [2.75, 8.0, 5.0, 2.0, 2.0]
-        >>> [float(annealed_rate_scale(8.0, 2.0, t, 4, 21, anneal_from=11)) for t in (10, 15, 20)]
-        [8.0, 5.0, 2.0]
+        >>> [round(float(annealed_rate_scale(8.0, 1.0, t, 4)), 3) for t in (0, 3, 7, 15, 399)]
+        [2.75, 8.0, 4.5, 2.75, 1.07]
     """
     t = xp.asarray(step, dtype=xp.float32) + 1.0
-    ramp = xp.minimum(1.0, t / xp.asarray(warmup_steps, dtype=xp.float32))
-    start = xp.asarray(warmup_steps if anneal_from is None else anneal_from, dtype=xp.float32)
-    span = xp.maximum(1.0, xp.asarray(anneal_steps, dtype=xp.float32) - start)
-    fall = xp.clip((t - start) / span, 0.0, 1.0)
-    top = float(peak) + (float(final) - float(peak)) * fall
+    warmup = xp.maximum(1.0, xp.asarray(warmup_steps, dtype=xp.float32))
+    ramp = xp.minimum(1.0, t / warmup)
+    top = float(final) + (float(peak) - float(final)) * xp.minimum(1.0, warmup / t)
     return 1.0 + (top - 1.0) * ramp
 
 

@@ -49,20 +49,17 @@ class AsyncStats:
             synchronous default, about 1 under the asynchronous one
             (docs/defaults.md).
         lr_scale: the factor on each worker's learning rate (the strategy's
-            `lr_scaling`) from `lr_anneal_steps` on: the workers' local steps
-            run at the compiled optimizer's rate times this (1.0: the user's
-            rate). With `outer_gain`, it is how much the strategy scales the
-            effective rate.
+            `lr_scaling`) that it tends to: the workers' local steps run at the
+            compiled optimizer's rate times it (1.0: the user's rate). With
+            `outer_gain`, it is how much the strategy scales the effective rate.
         lr_scale_peak: the factor after the warm-up: N under `"anneal"` (the
-            default for Adam and its kin), from which it falls linearly to
-            `lr_scale` over each `fit`; `lr_scale` itself otherwise.
+            default for Adam and its kin), from which it falls toward `lr_scale`
+            as 1/t of each `fit`'s steps; `lr_scale` itself otherwise.
         lr_warmup_steps: the optimizer steps (every worker's) at the start of
             each `fit` over which the workers' factor rises linearly from 1 to
             `lr_scale_peak` (a quarter of the running or last fit's steps under
-            `"anneal"`, 5% otherwise).
-        lr_anneal_steps: the global optimizer step by which it has fallen to
-            `lr_scale` (the running or last `fit`'s end, each `fit` annealing
-            over its own steps; its warm-up's end where it does not anneal).
+            `"anneal"`, 5% otherwise; at most `2 / (1 - beta_2)` for Adam's kin).
+        lr_scale_end: the factor at the running or last `fit`'s last step.
         workers_learning_rate: the rate the workers' local steps run at now: the
             compiled optimizer's at the global step, times the factor (also in
             `fit`'s logs, so `History` and TensorBoard show it).
@@ -106,7 +103,7 @@ class AsyncStats:
     lr_scale: float = 1.0
     lr_warmup_steps: int = 0
     lr_scale_peak: float = 1.0
-    lr_anneal_steps: int = 0
+    lr_scale_end: float = 1.0
     workers_learning_rate: float = float("nan")
     local_steps_own: bool = True
     noise_scale: float = float("nan")
@@ -139,7 +136,10 @@ class AsyncStats:
     def _rate_summary(self):
         if self.lr_scale_peak == self.lr_scale:
             return f"x{self.lr_scale:.3g}"
-        return f"x{self.lr_scale_peak:.3g} falling to x{self.lr_scale:.3g}"
+        return (
+            f"x{self.lr_scale_peak:.3g} falling toward x{self.lr_scale:.3g} "
+            f"(x{self.lr_scale_end:.3g} at the fit's end)"
+        )
 
     def _noise_summary(self):
         if not self.noise_scale_rounds:

@@ -48,6 +48,25 @@ def is_adaptive(optimizer):
     return any(isinstance(inner, getattr(keras.optimizers, name)) for name in _ADAPTIVE)
 
 
+# Adam's kin that keep a second-moment estimate with a `beta_2`.
+_SECOND_MOMENT = ("Adam", "Adamax", "Nadam", "Lamb")  # AdamW subclasses Adam
+
+
+def second_moment_beta(optimizer):
+    """`beta_2` of `optimizer` (a loss-scaling wrapper unwrapped) where it is Adam or one
+    of its kin with a second-moment estimate (AdamW, Adamax, Nadam, Lamb), else None: the
+    workers' warm-up is capped at `update_rules.untuned_warmup_steps` of it.
+
+    Example:
+        >>> second_moment_beta(keras.optimizers.Adam()), second_moment_beta(keras.optimizers.Lion())
+        (0.999, None)
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not any(isinstance(inner, getattr(keras.optimizers, n)) for n in _SECOND_MOMENT):
+        return None
+    return float(inner.beta_2)
+
+
 def check_compiled(optimizer):
     """Refuses what the compiled optimizer (run by Keras's step in a window)
     cannot honour. Raises `UnsupportedFeatureError`."""

@@ -88,12 +88,15 @@ class WindowTrainer:
             list(model.trainable_variables) + list(model.non_trainable_variables)
         )
         self.outer = outer_optimizer
-        # The workers' rate factor: `lr_scale_peak` after the warm-up, `lr_scale` from
-        # each fit's end (`update_rules.annealed_rate_scale`, `lr_anneal_span`).
+        # The workers' rate factor: `lr_scale_peak` after the warm-up, falling toward
+        # `lr_scale` (`update_rules.annealed_rate_scale`); the warm-up at most Adam's
+        # untuned one.
         self.lr_scale, self.lr_scale_peak = (
             strategy.worker_rate_scale(opt),
             strategy.worker_rate_peak(opt),
         )
+        beta_2 = optimizer_options.second_moment_beta(opt)
+        self._warmup_cap = update_rules.untuned_warmup_steps(beta_2)
         synchronous = getattr(strategy, "synchronous", False)
         self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
         # Tracked there, so a checkpoint of the model can hold them.
@@ -144,16 +147,16 @@ class WindowTrainer:
     @property
     def lr_warmup_steps(self):
         """Steps over which the workers' rate rises to `lr_scale_peak` at the start
-        of each `fit`: a share (`update_rules.worker_rate_warmup`) of the running (or
-        last) fit's steps."""
-        share = update_rules.worker_rate_warmup(self.lr_scale_peak, self.lr_scale)
-        return max(1, round(share * (self._fit_state.fit_span[1] or 0)))
+        of each `fit`: a share of the running (or last) fit's steps, at most Adam's
+        untuned warm-up (`update_rules.worker_rate_warmup_steps`)."""
+        return update_rules.worker_rate_warmup_steps(
+            self.lr_scale_peak, self.lr_scale, self._fit_state.fit_span[1], self._warmup_cap
+        )
 
     @property
     def lr_anneal_span(self):
         """`(first, last)`: the running (or last) fit's global optimizer steps (every
-        worker's), over which the factor warms up and then falls from `lr_scale_peak`
-        to `lr_scale`."""
+        worker's); the factor warms up from `first`."""
         return _fit_steps(self, self._fit_state)
 
     def stats(self):
@@ -519,7 +522,10 @@ def _say_workers_rate(trainer, start, steps):
             trainer.strategy.lr_scaling,
         )
         return
-    shape = f"x{peak:g}" if peak == final else f"x{peak:g} falling to x{final:g} by its end"
+    shape = f"x{peak:g}"
+    if peak != final:
+        end = _factor(trainer, steps - 1)
+        shape += f", then falling as 1/t toward x{final:g} (x{end:.3g} at this fit's end)"
     log.warning(
         "tf_asgd: workers' learning rate: the optimizer's rate times a factor rising "
         "from 1 over this fit's first %d steps to %s (global steps %d to %d; "
@@ -532,16 +538,23 @@ def _say_workers_rate(trainer, start, steps):
     )
 
 
+def _factor(trainer, step):
+    """The workers' factor at `step` of the running (or last) fit."""
+    return float(
+        update_rules.annealed_rate_scale(
+            trainer.lr_scale_peak, trainer.lr_scale, step, trainer.lr_warmup_steps
+        )
+    )
+
+
 def _state_workers_rate(trainer, stats):
     """Fills in `stats` (an `AsyncStats`) what the workers' rate is: its factors, its
-    warm-up, the global step by which it has fallen to `lr_scale` (the running or last
-    `fit`'s end; its warm-up's end where nothing anneals), the rate now, and whether the
-    local optimizer counts its own steps."""
+    warm-up, the factor at the running or last `fit`'s end, the rate now, and whether
+    the local optimizer counts its own steps."""
     first, last = trainer.lr_anneal_span
     stats.lr_scale, stats.lr_scale_peak = trainer.lr_scale, trainer.lr_scale_peak
     stats.lr_warmup_steps = trainer.lr_warmup_steps
-    annealed = trainer.lr_scale_peak != trainer.lr_scale
-    stats.lr_anneal_steps = int(last) if annealed else int(first) + trainer.lr_warmup_steps
+    stats.lr_scale_end = _factor(trainer, max(0, int(last - first) - 1))
     stats.workers_learning_rate = workers_learning_rate(trainer)
     stats.local_steps_own = trainer.window.state.local_steps_own
 
@@ -551,20 +564,12 @@ def workers_learning_rate(trainer):
     count, times the factor (for `History` and TensorBoard: `workers_learning_rate`)."""
     optimizer = trainer.optimizer
     step = int(internals.iteration_variable(optimizer).numpy())
-    first, last = trainer.lr_anneal_span
-    factor = update_rules.annealed_rate_scale(
-        trainer.lr_scale_peak,
-        trainer.lr_scale,
-        step - first,
-        trainer.lr_warmup_steps,
-        last - first,
-        anneal_from=trainer.lr_warmup_steps,
-    )
+    first, _ = trainer.lr_anneal_span
     try:
         rate = float(optimizer.learning_rate)
     except (AttributeError, TypeError, ValueError):  # an optimizer without one rate
         return float("nan")
-    return rate * float(factor)
+    return rate * _factor(trainer, step - first)
 
 
 LIMITS = 6  # the entries of a closure's `limits` (`closure_limits`)

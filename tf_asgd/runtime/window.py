@@ -301,24 +301,18 @@ class WindowFunction:
         rate, its own times the trainer's factor, both at the global step count
         (the worker's own count, which its moments' bias correction sees, plus
         `_step_offset`). Each fit warms the factor up from 1 to `lr_scale_peak`
-        over its first `lr_warmup_steps` steps and anneals it to `lr_scale` by
-        its last step (`update_rules.annealed_rate_scale`; the span is the
-        closure's `limits`)."""
+        over its first `lr_warmup_steps` steps, then lowers it toward `lr_scale`
+        (`update_rules.annealed_rate_scale`; the fit's first step and the warm-up
+        are the closure's `limits`)."""
         t = self._trainer
         peak, final = t.lr_scale_peak, t.lr_scale
         if peak == final == 1.0 and not internals.has_rate_schedule(self.local_optimizer):
             return contextlib.nullcontext()
-        first, last, warmup = (tf.cast(v, tf.float32) for v in self._fit_span)
+        first, _, warmup = (tf.cast(v, tf.float32) for v in self._fit_span)
         return internals.scaled_learning_rate(
             self.local_optimizer,
             lambda step: update_rules.annealed_rate_scale(
-                peak,
-                final,
-                tf.cast(step, tf.float32) - first,
-                warmup,
-                last - first,
-                tnp,
-                anneal_from=warmup,
+                peak, final, tf.cast(step, tf.float32) - first, warmup, tnp
             ),
             step_offset=self._step_offset,
         )
