@@ -179,7 +179,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     Defaults: each push counts the average `1/N`
     (`update_rules.default_outer_optimizer(N)`, no staleness scaling), and the
     workers' local steps run at a multiple of the compiled optimizer's rate
-    (`lr_scaling`: N falling to 1 with Adam and its kin, `sqrt(N)` with
+    (`lr_scaling`: N falling toward 1 with Adam and its kin, `sqrt(N)` with
     SGD), so that N averaged windows move about as far as a batch N times
     larger. See docs/defaults.md.
     With a GEM optimizer the default is the paper's: every push added as is.
@@ -303,13 +303,14 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             multiple of the compiled optimizer's rate, so that a round of N
             averaged windows moves about as far as a batch N times larger
             would: with Adam and its kin (`optimizer_options.is_adaptive`) N
-            times it, falling linearly to the rate itself by the end of
-            each `fit` (`"anneal"`); with others `sqrt(N)` times it.
+            times it, falling toward the rate itself as 1/t of each
+            `fit`'s steps (`"anneal"`); with others `sqrt(N)` times it.
             With an `outer_optimizer` given, synchronous rounds or GEM, the
             rate is the user's. `"sqrt"`, `"anneal"`, `"linear"` (times N) or
             a number set the factor for any optimizer; `"none"` keeps the
             user's rate. The factor rises linearly from 1 over the first
-            quarter of each `fit` where it anneals, over its first
+            quarter of each `fit` where it anneals (at most
+            `2 / (1 - beta_2)` steps for Adam's kin), over its first
             5% where it stays (Goyal et al.'s warm-up). The chief's
             optimizer, its callbacks and checkpoints keep the user's rate;
             `model_stats(model)` reports the factors (`lr_scale_peak`,
