@@ -790,6 +790,19 @@ def keep_worker_threads(coordinator):
     closures.mark_failed = mark_failed
 
 
+def worker_thread_stack(index):
+    """The current stack of TF's coordinator thread for worker `index` (its name,
+    `WorkerClosureProcessingLoop-<index>`, is TF's), formatted; None where no such thread
+    runs. For a log line where that worker did not run a closure in time."""
+    import sys
+    import traceback
+
+    name = f"WorkerClosureProcessingLoop-{index}"
+    thread = next((t for t in threading.enumerate() if t.name == name), None)
+    frame = sys._current_frames().get(thread.ident) if thread else None  # (private: CPython's)
+    return "".join(traceback.format_stack(frame)) if frame is not None else None
+
+
 def coordinator_stopping(cluster):
     """Whether the coordinator of `cluster` (`coordinator_cluster`) stops."""
     return not cluster.failure_handler._should_preemption_thread_run

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
+from tf_asgd import internals
 from tf_asgd.cluster import connect
 
 from helpers import linear_digits_model
@@ -201,3 +202,6 @@ def test_a_worker_recovery_failed_by_a_lost_ps_keeps_the_worker_thread(local_clu
         model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=20, verbose=0)
         workers = {r.worker for r in strategy.window_log(model)}
         assert workers == {0, 1}
+        # What a recovery logs of a worker thread that did not run its probe in time.
+        assert "_process_queue" in internals.worker_thread_stack(1)
+        assert internals.worker_thread_stack(2) is None

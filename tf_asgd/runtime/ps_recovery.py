@@ -436,8 +436,8 @@ class PSRecovery:
         probe = tf.function(lambda: version.read_value() + 0, autograph=False)
         while True:
             try:
-                for run in internals.on_every_worker(strategy.coordinator, probe):
-                    _fetch_by(run, deadline)
+                for i, run in enumerate(internals.on_every_worker(strategy.coordinator, probe)):
+                    _fetch_by(run, deadline, worker=i)
                 return
             except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
                 # A channel backing off; another error (a handle from before TF's own
@@ -543,14 +543,23 @@ def _failed_runs(runs, deadline):
     return failed
 
 
-def _fetch_by(run, deadline):
-    """`run.fetch()` (a `RemoteValue`) once it is ready; `DeadlineExceededError` (an
-    `UnavailableError`) where it is not by `deadline` (time.monotonic()): a worker whose
-    thread in TF's coordinator no longer runs closures would leave it waiting for good."""
+def _fetch_by(run, deadline, worker=None):
+    """`run.fetch()` (a `RemoteValue`) once it is ready; `UnavailableError` where it is
+    not by `deadline` (time.monotonic()): a worker whose thread in TF's coordinator no
+    longer runs closures would leave it waiting for good. With `worker` (its index), what
+    that thread was doing then is logged."""
     while not internals.remote_value_ready(run):
         if time.monotonic() > deadline:
+            name = "a worker" if worker is None else f"worker:{worker}"
+            if worker is not None:
+                log.warning(
+                    "%s did not run the recovery's probe in time; its thread in TF's "
+                    "coordinator was at:\n%s",
+                    name,
+                    internals.worker_thread_stack(worker) or "(no such thread)",
+                )
             raise tf.errors.UnavailableError(
-                None, None, "a worker did not run a closure of the recovery in time"
+                None, None, f"{name} did not run a closure of the recovery in time"
             )
         internals.wait_briefly(run, 0.05)
     return run.fetch()
