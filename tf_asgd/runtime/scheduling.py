@@ -89,14 +89,11 @@ class WindowTrainer:
         )
         self.outer = outer_optimizer
         # The workers' rate factor: `lr_scale_peak` after the warm-up, falling toward
-        # `lr_scale` (`update_rules.annealed_rate_scale`); the warm-up at most Adam's
-        # untuned one.
+        # `lr_scale` (`update_rules.annealed_rate_scale`).
         self.lr_scale, self.lr_scale_peak = (
             strategy.worker_rate_scale(opt),
             strategy.worker_rate_peak(opt),
         )
-        beta_2 = optimizer_options.second_moment_beta(opt)
-        self._warmup_cap = update_rules.untuned_warmup_steps(beta_2)
         synchronous = getattr(strategy, "synchronous", False)
         self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
         # Tracked there, so a checkpoint of the model can hold them.
@@ -149,9 +146,7 @@ class WindowTrainer:
         """Steps over which the workers' rate rises to `lr_scale_peak` at the start
         of each `fit`: a share of the running (or last) fit's steps, at most Adam's
         untuned warm-up (`update_rules.worker_rate_warmup_steps`)."""
-        return update_rules.worker_rate_warmup_steps(
-            self.lr_scale_peak, self.lr_scale, self._fit_state.fit_span[1], self._warmup_cap
-        )
+        return _warmup_steps(self, self._fit_state)
 
     @property
     def lr_anneal_span(self):
@@ -501,6 +496,18 @@ def _run_round(trainer, windows):
     trainer.window.state.start_rounds().capture()
     for window in windows:
         trainer._schedule([window])
+
+
+def _warmup_steps(trainer, state):
+    """`WindowTrainer.lr_warmup_steps`, with `state` its fit state (a `ModelState`): a
+    share of the fit's steps, at most Adam's untuned warm-up for Adam's kin."""
+    beta_2 = optimizer_options.second_moment_beta(trainer.optimizer)
+    return update_rules.worker_rate_warmup_steps(
+        trainer.lr_scale_peak,
+        trainer.lr_scale,
+        state.fit_span[1],
+        update_rules.untuned_warmup_steps(beta_2),
+    )
 
 
 def _fit_steps(trainer, state):
