@@ -35,7 +35,6 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
-PROBE_ATTEMPT_S = 10.0  # after which a probe not run is scheduled again
 COPY_WAIT_S = 60.0  # the longest wait for the workers' half of a snapshot
 RECOVERY_ATTEMPTS = 20  # at most, going back again where another PS is lost meanwhile
 _EARLIER_FIT = (
@@ -432,18 +431,13 @@ class PSRecovery:
 
     def _reach_workers(self, strategy, deadline):
         """Waits until every worker reads the PS again: right after a reconnection the
-        workers' own channels to a restarted PS back off for seconds. A probe not run
-        within `PROBE_ATTEMPT_S` is scheduled again: TF drops the closures queued for a
-        worker whose earlier per-worker closure failed (`Worker._on_resource_closure_failure`
-        clears its queue), and never sets their values."""
+        workers' own channels to a restarted PS back off for seconds."""
         version = strategy.counters.version
         probe = tf.function(lambda: version.read_value() + 0, autograph=False)
         while True:
-            attempt = min(deadline, time.monotonic() + PROBE_ATTEMPT_S)
-            last = attempt >= deadline
             try:
                 for i, run in enumerate(internals.on_every_worker(strategy.coordinator, probe)):
-                    _fetch_by(run, attempt, worker=i if last else None)
+                    _fetch_by(run, deadline, worker=i)
                 return
             except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
                 # A channel backing off; another error (a handle from before TF's own
