@@ -790,17 +790,31 @@ def keep_worker_threads(coordinator):
     closures.mark_failed = mark_failed
 
 
-def worker_thread_stack(index):
-    """The current stack of TF's coordinator thread for worker `index` (its name,
-    `WorkerClosureProcessingLoop-<index>`, is TF's), formatted; None where no such thread
-    runs. For a log line where that worker did not run a closure in time."""
+def worker_thread_stack(coordinator, index):
+    """What TF's coordinator thread for worker `index` of `coordinator` is doing: its
+    stack, formatted, after a line with the worker's state (`_is_dead_with_error`, the
+    closures queued for its own resources); None where no such thread runs. For a log
+    line where that worker did not run a closure in time. The thread is found by its
+    target (`Worker._process_queue`), not its name: a process holds one such thread per
+    worker of every coordinator it made."""
     import sys
     import traceback
 
-    name = f"WorkerClosureProcessingLoop-{index}"
-    thread = next((t for t in threading.enumerate() if t.name == name), None)
+    worker = coordinator._cluster.workers[index]  # (private: TF's)
+    queued = coordinator._cluster.closure_queue._tagged_queue[index].qsize()  # (private)
+    thread = next(
+        (
+            t
+            for t in threading.enumerate()
+            if getattr(getattr(t, "_target", None), "__self__", None) is worker
+        ),
+        None,
+    )  # (private: `Thread._target`, CPython's)
     frame = sys._current_frames().get(thread.ident) if thread else None  # (private: CPython's)
-    return "".join(traceback.format_stack(frame)) if frame is not None else None
+    if frame is None:
+        return None
+    state = f"dead with error: {worker._is_dead_with_error!r}; queued for it: {queued}\n"
+    return state + "".join(traceback.format_stack(frame))
 
 
 def coordinator_stopping(cluster):

@@ -27,7 +27,7 @@ class ModelState:
             included; 0 outside `fit`.
         fit_span: `(first step, steps)` of the running or last `fit`: the
             optimizer's step count at its start (None until the trainer reads
-            it, at the fit's first window: `WindowTrainer.lr_anneal_span`), and
+            it, at the fit's first window: `WindowTrainer.fit_step_span`), and
             the steps it was asked for.
         fits: the model's `fit` calls so far, the running one included.
         evaluator: the model's `evaluation.Evaluator`, or None before its
@@ -49,7 +49,7 @@ class ModelState:
     def start_fit(self, steps_per_epoch, epochs=1):
         """Records that `model.fit` started, with `steps_per_epoch` steps an epoch
         and `epochs` epochs to run (its span sets the workers' rate warm-up and
-        anneal: `WindowTrainer.lr_anneal_span`)."""
+        anneal: `WindowTrainer.fit_step_span`)."""
         self.fitting = True
         self.steps_per_epoch = steps_per_epoch
         self.epochs_left = max(1, epochs)

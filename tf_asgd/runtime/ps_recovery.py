@@ -437,7 +437,7 @@ class PSRecovery:
         while True:
             try:
                 for i, run in enumerate(internals.on_every_worker(strategy.coordinator, probe)):
-                    _fetch_by(run, deadline, worker=i)
+                    _fetch_by(run, deadline, strategy.coordinator, worker=i)
                 return
             except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
                 # A channel backing off; another error (a handle from before TF's own
@@ -543,20 +543,20 @@ def _failed_runs(runs, deadline):
     return failed
 
 
-def _fetch_by(run, deadline, worker=None):
+def _fetch_by(run, deadline, coordinator=None, worker=None):
     """`run.fetch()` (a `RemoteValue`) once it is ready; `UnavailableError` where it is
     not by `deadline` (time.monotonic()): a worker whose thread in TF's coordinator no
-    longer runs closures would leave it waiting for good. With `worker` (its index), what
-    that thread was doing then is logged."""
+    longer runs closures would leave it waiting for good. With `coordinator` and `worker`
+    (its index), what that thread was doing then is logged."""
     while not internals.remote_value_ready(run):
         if time.monotonic() > deadline:
             name = "a worker" if worker is None else f"worker:{worker}"
-            if worker is not None:
+            if coordinator is not None and worker is not None:
                 log.warning(
                     "%s did not run the recovery's probe in time; its thread in TF's "
                     "coordinator was at:\n%s",
                     name,
-                    internals.worker_thread_stack(worker) or "(no such thread)",
+                    internals.worker_thread_stack(coordinator, worker) or "(no such thread)",
                 )
             raise tf.errors.UnavailableError(
                 None, None, f"{name} did not run a closure of the recovery in time"

@@ -149,7 +149,7 @@ class WindowTrainer:
         return _warmup_steps(self, self._fit_state)
 
     @property
-    def lr_anneal_span(self):
+    def fit_step_span(self):
         """`(first, last)`: the running (or last) fit's global optimizer steps (every
         worker's); the factor warms up from `first`."""
         return _fit_steps(self, self._fit_state)
@@ -511,7 +511,7 @@ def _warmup_steps(trainer, state):
 
 
 def _fit_steps(trainer, state):
-    """`WindowTrainer.lr_anneal_span`, with `state` its fit state (a `ModelState`)."""
+    """`WindowTrainer.fit_step_span`, with `state` its fit state (a `ModelState`)."""
     start, steps = state.fit_span
     if start is None:  # read once a fit, inside it: a PS lost meanwhile is recovered
         start = int(internals.iteration_variable(trainer.optimizer).numpy())
@@ -558,7 +558,7 @@ def _state_workers_rate(trainer, stats):
     """Fills in `stats` (an `AsyncStats`) what the workers' rate is: its factors, its
     warm-up, the factor at the running or last `fit`'s end, the rate now, and whether
     the local optimizer counts its own steps."""
-    first, last = trainer.lr_anneal_span
+    first, last = trainer.fit_step_span
     stats.lr_scale, stats.lr_scale_peak = trainer.lr_scale, trainer.lr_scale_peak
     stats.lr_warmup_steps = trainer.lr_warmup_steps
     stats.lr_scale_end = _factor(trainer, max(0, int(last - first) - 1))
@@ -571,7 +571,7 @@ def workers_learning_rate(trainer):
     count, times the factor (for `History` and TensorBoard: `workers_learning_rate`)."""
     optimizer = trainer.optimizer
     step = int(internals.iteration_variable(optimizer).numpy())
-    first, _ = trainer.lr_anneal_span
+    first, _ = trainer.fit_step_span
     try:
         rate = float(optimizer.learning_rate)
     except (AttributeError, TypeError, ValueError):  # an optimizer without one rate
@@ -579,19 +579,17 @@ def workers_learning_rate(trainer):
     return rate * _factor(trainer, step - first)
 
 
-LIMITS = 6  # the entries of a closure's `limits` (`closure_limits`)
+LIMITS = 5  # the entries of a closure's `limits` (`closure_limits`)
 
 
 def closure_limits(trainer, windows, budget, sharded=False):
     """A closure's `limits` (`WindowFunction.run`): its windows, its budget in seconds,
-    the running fit's first and last global step, its warm-up steps, and 1 where each
-    worker reads all the data and starts at its own offset (0 where it reads its shard:
+    the running fit's first global step, its warm-up steps, and 1 where each worker
+    reads all the data and starts at its own offset (0 where it reads its shard:
     `sharded`)."""
-    first, last = trainer.lr_anneal_span
+    first, _ = trainer.fit_step_span
     offset = not sharded
-    return tf.constant(
-        [len(windows), budget, first, last, trainer.lr_warmup_steps, offset], tf.float64
-    )
+    return tf.constant([len(windows), budget, first, trainer.lr_warmup_steps, offset], tf.float64)
 
 
 def _fed_closure(trainer, windows, plan, budget):

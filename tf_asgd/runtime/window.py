@@ -128,10 +128,10 @@ class WindowFunction:
             plan: int64 `[2, N]`: each window's id (unique; a re-run keeps
                 it) and local steps (`n_sync`, or fewer for an epoch's last
                 window); the first `K` are used.
-            limits: float64 `[6]`: `K`, the closure's windows; its budget,
+            limits: float64 `[5]`: `K`, the closure's windows; its budget,
                 the seconds after which no new window starts; the running
-                fit's first and last global step and its warm-up steps, over
-                which the workers' rate is warmed up and annealed; and 1 where
+                fit's first global step and its warm-up steps, from which the
+                workers' rate is warmed up and annealed; and 1 where
                 every worker reads all the data (each then skips its index in
                 batches once), 0 where each reads its shard (`closure_limits`).
 
@@ -150,12 +150,12 @@ class WindowFunction:
     def _run(self, iterator, plan, limits, shift_data):
         window_ids, num_steps = plan[0], plan[1]
         count, budget = tf.cast(limits[0], tf.int32), limits[1]
-        self._fit_span = (limits[2], limits[3], limits[4])  # read by `_workers_rate`
+        self._fit_span = (limits[2], limits[3])  # read by `_workers_rate`
         worker = tf.cast(
             tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64
         )
         # Worker i skips i batches once where every worker reads all the data.
-        skip = worker * tf.cast(limits[5], tf.int64)
+        skip = worker * tf.cast(limits[4], tf.int64)
         shifted = self._shift_data_once(iterator, skip) if shift_data else tf.zeros_like(worker)
         with tf.control_dependencies([shifted]):
             start = tf.timestamp()
@@ -308,7 +308,7 @@ class WindowFunction:
         peak, final = t.lr_scale_peak, t.lr_scale
         if peak == final == 1.0 and not internals.has_rate_schedule(self.local_optimizer):
             return contextlib.nullcontext()
-        first, _, warmup = (tf.cast(v, tf.float32) for v in self._fit_span)
+        first, warmup = (tf.cast(v, tf.float32) for v in self._fit_span)
         return internals.scaled_learning_rate(
             self.local_optimizer,
             lambda step: update_rules.annealed_rate_scale(
