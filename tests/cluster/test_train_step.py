@@ -90,6 +90,38 @@ def test_head_only_train_step_leaves_the_body_untouched(cluster, digits):
         np.testing.assert_array_equal(got.numpy(), want)
 
 
+# ---- a subclassed model whose `call` takes no `training` -----------------------
+
+
+class NoTrainingArg(keras.Model):
+    """`call(self, x)` with no `training` argument: plain Keras calls it without one."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_a_call_without_a_training_argument_trains_on_keras_step(cluster, digits):
+    """Keras's own step calls `call` without `training` where it takes none (as
+    Keras's trainers do): `fit` trains, and the model learns."""
+    (x, y), (xt, yt) = _flat(digits)
+    strategy = _strategy(cluster, n_sync=5)
+    with strategy.scope():
+        model = NoTrainingArg()
+        model.compile(
+            keras.optimizers.Adam(1e-2),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert model.evaluate(xt, yt, verbose=0)[1] > 0.8
+
+
 # ---- a GAN: two sub-models, two optimizers ------------------------------------
 
 LATENT = 8

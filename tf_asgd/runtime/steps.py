@@ -67,8 +67,10 @@ def keras_step(model, optimizer, batch, weights, opt_values, metric_values):
         tape.watch(trainable)
         # The forward pass's `add_loss` terms and regularizers reach
         # `compute_loss` as Keras's JAX trainer hands them over (each once).
+        # As Keras's JAX trainer: `training` only where `call` takes it.
+        kwargs = {"training": True} if model._call_has_training_arg else {}  # (private)
         y_pred, non_trainable, losses = model.stateless_call(
-            trainable, non_trainable, x, training=True, return_losses=True
+            trainable, non_trainable, x, return_losses=True, **kwargs
         )
         with internals.forward_losses(model, losses):
             loss, (_, _, metric_values) = model.stateless_compute_loss(
