@@ -455,6 +455,27 @@ def flat_tensor_specs(element_spec):
     return [t for spec in tf.nest.flatten(element_spec) for t in spec._flat_tensor_specs]
 
 
+def dataset_device(dataset):
+    """The device of a dataset's variant tensor, where an iterator of it is made
+    (`Dataset._variant_tensor`: no public accessor)."""
+    return dataset._variant_tensor.device  # (private: TF's)
+
+
+def dataset_inputs(dataset):
+    """The datasets `dataset` reads (`Dataset._inputs`: no public accessor)."""
+    return list(dataset._inputs())  # (private: TF's)
+
+
+def host_address_space():
+    """This process's task as its devices are named now (`/job:localhost/replica:0/task:0`
+    until it connects to a cluster, then e.g. `/job:chief/replica:0/task:0`): where
+    `tf.py_function` and `tf.numpy_function` pin their ops. TF's
+    `context.host_address_space` has no public form."""
+    from tensorflow.python.eager import context
+
+    return context.context().host_address_space()  # (private: TF's)
+
+
 def auto_shard_dataset(dataset, num_workers, index, policy):
     """TF's auto-shard graph rewrite (`FILE`: a share of the files before the reader;
     `HINT`: at `tf.data.experimental.SHARD_HINT`), as `MultiWorkerMirroredStrategy`
@@ -910,6 +931,12 @@ def _inner(variable):
     `CachingVariable`), or None for a resource variable."""
     inner = getattr(variable, "_v", None)
     return inner if inner is not None and inner is not variable else None
+
+
+def all_layers(model):
+    """Every layer of `model`, nested ones and itself included (Keras's
+    `Layer._flatten_layers`; its public `layers` lists the top level only)."""
+    return list(model._flatten_layers(include_self=True, recursive=True))  # (private)
 
 
 def variable_layers(variable):

@@ -55,3 +55,15 @@ def test_gem_pi_by_hand():
 def test_bad_staleness_config(rule, max_staleness, match):
     with pytest.raises(ValueError, match=match):
         update_rules.validate_staleness(rule, max_staleness)
+
+
+@pytest.mark.parametrize("momentum,steps,workers", [(0.99, 10, 2), (0.99, 10, 8), (0.9, 100, 4)])
+def test_a_round_of_moving_average_pushes_moves_as_far_as_plain_keras(momentum, steps, workers):
+    """N pushes from one pulled value, each `1 - m^k` of the way times the gain, move a
+    moving average `1 - m^(N k)` of the way, as N windows' steps do in plain Keras; the
+    per-push gain stays within [1/N, 1]."""
+    gain = update_rules.moving_average_gain(momentum, steps, workers)
+    moved = workers * gain * (1 - momentum**steps)
+    np.testing.assert_allclose(moved, 1 - momentum ** (workers * steps), rtol=1e-12)
+    assert 1 / workers - 1e-12 <= gain <= 1.0
+    assert gain * (1 - momentum**steps) < update_rules.stability_limit(workers)

@@ -54,6 +54,14 @@ def effective_learning_rate(opt, num_workers, ticket):
     return update_rules.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy)
 
 
+def apply_moving_average(shard, piece, scale, gain):
+    """The op that adds a push of a moving average (`piece`: the worker's change to it)
+    to `shard` at `gain` (`update_rules.moving_average_gain`) times the push's staleness
+    `scale`, in place of the outer rate."""
+    factor = tf.cast(scale, piece.dtype) * tf.constant(gain, piece.dtype)
+    return shard.assign_add(factor * piece, read_value=False)
+
+
 def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     """Ops that apply `opt` to pseudo-gradient `-scale * piece` on `shard`.
 

@@ -301,6 +301,40 @@ def stability_limit(num_workers):
     return 2.0 * float(np.sin(np.pi / (4.0 * n - 2.0)))
 
 
+def moving_average_gain(momentum, steps, num_workers):
+    """The PS's gain on a push of a moving average (BatchNormalization's moving mean and
+    variance), so that a round of N pushes moves it as far as N windows' steps move it in
+    plain Keras: `(1 - m^(N k)) / (N (1 - m^k))` for momentum `m` and `k` steps a window.
+
+    A window of `k` steps moves a moving average `1 - m^k` of the way from where it was
+    pulled to the batches' statistics. N such pushes from one pulled value, each times
+    this gain, add up to `1 - m^(N k)`: what plain Keras's `N k` steps do. The outer rate
+    (`1 / N` by default) would add up to `1 - m^k`, as if the N windows were one. The gain
+    lies between `1 / N` (a window that reaches the statistics) and 1 (a window that
+    moves little), so the delayed error stays below `1 / N` of the way a push, under
+    `stability_limit(N)` for every N.
+
+    Args:
+        momentum: the layer's momentum `m`, in [0, 1].
+        steps: `k`, a window's local steps (at least 1).
+        num_workers: N, the number of workers (at least 1).
+
+    Returns:
+        The gain, a Python float.
+
+    Examples:
+        >>> round(moving_average_gain(0.99, 10, 8), 3)
+        0.722
+        >>> [moving_average_gain(0.99, 10, 1), moving_average_gain(1.0, 10, 4)]
+        [1.0, 1.0]
+    """
+    m, k, n = float(momentum), max(1, int(steps)), max(1, int(num_workers))
+    moved = 1.0 - m**k  # one window's share of the way
+    if moved <= 0.0:
+        return 1.0
+    return float((1.0 - m ** (n * k)) / (n * moved))
+
+
 def default_outer_learning_rate(num_workers):
     """The default outer learning rate: `1/N`, each push's share of a round's average.
 

@@ -409,6 +409,9 @@ class CentralVariables:
             rounds: `counters.PushCounters.take_ticket`); 1 when asynchronous.
         commits: a `commits.PushCommits`: each PS adds the push to its count after its
             own writes. None: none.
+        state_gains: per variable, the gain of a push of a moving average
+            (`update_rules.moving_average_gain`) in place of the outer rate, or None;
+            None: the outer rate for every variable.
 
     Example:
 
@@ -434,6 +437,7 @@ class CentralVariables:
     num_workers: int = 1
     round_size: int = 1
     commits: typing.Any = None
+    state_gains: typing.Any = None
 
     def push(self, updates, pulled_version):
         """Sends `updates` to the PS and applies them (`apply`).
@@ -524,11 +528,16 @@ class _PushPlan:
     def __init__(self, central, arrived):
         self.central, self.arrived = central, arrived
         self.outer = central.outer_optimizer or update_rules.OuterSGD()
-        slots = central.slots
+        slots, gains = central.slots, central.state_gains
         self.shards = [
             (s, slots[i][j] if slots else {})
             for i, v in enumerate(central.variables)
             for j, s in enumerate(shard_variables(raw(v)))
+        ]
+        self.gains = [
+            gains[i] if gains else None
+            for i, v in enumerate(central.variables)
+            for _ in shard_variables(raw(v))
         ]
         self.cdev = raw(central.counters.version).device
         self.counted = tf.constant(1, tf.int64)  # what each PS adds to its commit count
@@ -547,7 +556,9 @@ class _PushPlan:
             update = self.arrived[i]
             # Under the ticket even where the scale is a constant ("none").
             with tf.device(device), tf.control_dependencies([tau, *held]):
-                if update.dtype.is_floating:
+                if update.dtype.is_floating and self.gains[i] is not None:
+                    ops.append(outer.apply_moving_average(shard, update, scale, self.gains[i]))
+                elif update.dtype.is_floating:
                     ops += outer.apply(
                         self.outer,
                         shard,

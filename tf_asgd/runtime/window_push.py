@@ -52,6 +52,7 @@ class PushRound:
             # A synchronous round's pushes are not stale to one another.
             strategy.num_workers if getattr(strategy, "synchronous", False) else 1,
             commits=trainer.commits,
+            state_gains=trainer.state_gains,
         )
 
     def run(self, outgoing, meta):
