@@ -1,8 +1,12 @@
 """Evaluation on the workers: `evaluate` and `fit`'s
 validation sharded over the workers give the chief's metrics, exactly."""
 
+import json
 import logging
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +17,7 @@ import tensorflow as tf
 
 import tf_asgd
 
-from helpers import compile_digits
+from helpers import ROOT, compile_digits
 
 TOL = 1e-6
 
@@ -262,3 +266,123 @@ def test_a_worker_killed_during_evaluation_changes_nothing(local_cluster, digits
         strategy.evaluation = "chief"
         on_chief = model.evaluate(fast, verbose=0, return_dict=True)
         _assert_same(on_workers, on_chief)
+
+
+def _lookup_model(strategy):
+    """Digits as words: each pixel's level (0 to 16) a string, looked up by a
+    `StringLookup` (a hash table) inside the model."""
+    with strategy.scope():
+        words = keras.Input((64,), dtype="string")
+        levels = keras.layers.StringLookup(vocabulary=[str(i) for i in range(17)])(words)
+        hidden = keras.layers.Embedding(19, 4)(levels)
+        logits = keras.layers.Dense(10)(keras.layers.Flatten()(hidden))
+        return compile_digits(keras.Model(words, logits))
+
+
+def _as_words(x):
+    return np.round(x.reshape(len(x), -1) * 16).astype(int).astype(str)
+
+
+def test_a_model_with_a_lookup_table_is_evaluated_on_the_workers(cluster, digits, caplog):
+    """The table is the worker's own copy (the strategy's per-worker table)."""
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    model = _lookup_model(strategy)
+    (x, y), (xt, yt) = digits
+    train = tf.data.Dataset.from_tensor_slices((_as_words(x), y)).batch(32)
+    val = tf.data.Dataset.from_tensor_slices((_as_words(xt), yt)).batch(24)
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        history = model.fit(train, epochs=2, verbose=0, validation_data=val)
+        on_workers, on_chief, shards = _both(strategy, model, val)
+    assert "evaluating on the chief" not in caplog.text
+    _assert_same(on_workers, on_chief)
+    _assert_exact_cover(shards, 15, strategy.num_workers)
+    assert abs(history.history["val_loss"][-1] - on_chief["loss"]) <= TOL
+    assert abs(history.history["val_accuracy"][-1] - on_chief["accuracy"]) <= TOL
+    assert on_chief["accuracy"] > 0.5  # trained: the lookup gave the workers real inputs
+
+
+# Datasets built before the cluster and the strategy, as scripts usually start: the
+# chief's devices are renamed when it connects (`/job:localhost` -> `/job:chief`), which
+# only a process that has never connected shows, so it runs in a fresh one.
+_BUILT_BEFORE = """
+import json
+import keras, numpy as np, tensorflow as tf
+import tf_asgd
+
+(x, y), (xt, yt) = tf_asgd.data.load_digits()
+
+
+def data():
+    def batches():
+        for i in range(0, len(xt), 24):
+            yield xt[i : i + 24], yt[i : i + 24]
+
+    spec = (tf.TensorSpec([None, 8, 8, 1]), tf.TensorSpec([None], tf.int64))
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=0).batch(32),
+        tf.data.Dataset.from_tensor_slices((xt, yt)).batch(24),
+        tf.data.Dataset.from_tensor_slices(xt).batch(24),
+        tf.data.Dataset.from_generator(batches, output_signature=spec),
+    )
+
+
+train, val, images, generated = data()
+with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
+    with strategy.scope():
+        model = tf_asgd.models.digits_convnet()
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    _, val_now, images_now, _ = data()  # the same data built now, for Keras's own loop
+
+    def reference():
+        strategy.evaluation = "chief"
+        result = model.evaluate(val_now, verbose=0), model.predict(images_now, verbose=0)
+        strategy.evaluation = "workers"
+        return result[0], result[1].tolist()
+
+    out = {}
+    history = model.fit(train, epochs=2, steps_per_epoch=20, validation_data=val, verbose=0)
+    out["val"] = [history.history["val_loss"][-1], history.history["val_accuracy"][-1]]
+    out["evaluate"] = model.evaluate(val, verbose=0)
+    out["shards"] = len(strategy.model_states.ensure_evaluator(model).last_shards)
+    out["predict"] = model.predict(images, verbose=0).tolist()
+    out["reference"] = reference()
+    out["generated"] = model.evaluate(generated, verbose=0)  # read by the chief
+    model.fit(generated.repeat(), epochs=1, steps_per_epoch=10, verbose=0)
+    out["generated_after_fit"] = model.evaluate(generated, verbose=0)
+    out["predict_generated"] = model.predict(generated.map(lambda a, b: a), verbose=0).tolist()
+    out["reference_after_fit"] = reference()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_datasets_built_before_the_strategy_are_read_on_the_chief(tmp_path):
+    script = tmp_path / "built_before.py"
+    script.write_text(_BUILT_BEFORE)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["shards"] > 2  # evaluated on the workers
+    evaluated, predicted = out["reference"]
+    np.testing.assert_allclose(out["val"], evaluated, atol=TOL)
+    np.testing.assert_allclose(out["evaluate"], evaluated, atol=TOL)
+    np.testing.assert_allclose(out["predict"], predicted, atol=TOL)
+    np.testing.assert_allclose(out["generated"], evaluated, atol=TOL)
+    evaluated, predicted = out["reference_after_fit"]
+    assert evaluated != out["reference"][0]  # the fit on the generator's data trained
+    np.testing.assert_allclose(out["generated_after_fit"], evaluated, atol=TOL)
+    np.testing.assert_allclose(out["predict_generated"], predicted, atol=TOL)

@@ -382,20 +382,24 @@ def _states(model_ref, num_batches, batch, init, optional=False):
     def step(data, states):
         return _test_step_states(model, variables, weights, data, states)
 
-    def body(i, more, *states):
-        if not optional:
-            return (i + 1, more, *step(batch(i), states))
-        value = batch(i)
-        more = value.has_value()
-        states = tf.cond(more, lambda: step(value.get_value(), states), lambda: list(states))
-        return (i + tf.cast(more, i.dtype), more, *states)
-
-    out = tf.while_loop(
-        lambda i, more, *_: tf.logical_and(more, i < num_batches),
-        body,
-        (tf.constant(0), tf.constant(True), *states),
-        parallel_iterations=1,
-    )
+    # The step runs in the loop's body, never under a `tf.cond`: a lookup
+    # table made under the strategy's scope is the worker's own through a
+    # call-time capture, which `tf.while_loop` passes in and `tf.cond` drops
+    # (its placeholder would be left unfed on the worker).
+    if optional:  # the next batch is read ahead: its Optional says whether to go on
+        out = tf.while_loop(
+            lambda i, value, *_: tf.logical_and(i < num_batches, value.has_value()),
+            lambda i, value, *states: (i + 1, batch(i + 1), *step(value.get_value(), states)),
+            (tf.constant(0), batch(0), *states),
+            parallel_iterations=1,
+        )
+    else:
+        out = tf.while_loop(
+            lambda i, value, *_: i < num_batches,
+            lambda i, value, *states: (i + 1, value, *step(batch(i), states)),
+            (tf.constant(0), tf.constant(0), *states),
+            parallel_iterations=1,
+        )
     return tf.concat(
         [tf.reshape(tf.cast(s, tf.float64) - v, [-1]) for s, v in zip(out[2:], init)]
         + [tf.cast(out[:1], tf.float64)],

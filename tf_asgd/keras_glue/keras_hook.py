@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_asgd import internals
 from tf_asgd.cluster import lost_tasks
-from tf_asgd.runtime import optimizer_options, ps_recovery, python_inputs
+from tf_asgd.runtime import input_sharding, optimizer_options, ps_recovery, python_inputs
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
@@ -97,6 +97,7 @@ def _wrap(name, ours_impl, entry_point=False):
         if _ours(self):
             if entry_point:
                 _strategy_of(self).check_connected()
+                args, kwargs = _datasets_on_chief(original, self, args, kwargs)
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
             _check_outside_scope(self)
@@ -104,6 +105,21 @@ def _wrap(name, ours_impl, entry_point=False):
 
     wrapper._asgd_original = original
     setattr(internals.TensorFlowTrainer, name, wrapper)
+
+
+def _datasets_on_chief(original, model, args, kwargs):
+    """`(args, kwargs)` of `fit`, `evaluate` or `predict` with each `tf.data.Dataset`
+    given as `x` or `validation_data` as the chief can iterate it
+    (`input_sharding.on_chief`: one built before the strategy connected is rebuilt)."""
+    try:
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # Keras says what is wrong
+    for name in ("x", "validation_data"):
+        value = bound.arguments.get(name)
+        if isinstance(value, tf.data.Dataset):
+            bound.arguments[name] = input_sharding.on_chief(value)
+    return bound.args[1:], bound.kwargs
 
 
 def _fit(original, model, *args, **kwargs):

@@ -12,6 +12,7 @@ docs/guide/data.md.
 """
 
 import dataclasses
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -36,6 +37,8 @@ READERS = frozenset(
 # Shuffles whose seeds are inputs: (op, index of `seed`, index of `seed2`).
 _SEEDED_SHUFFLES = {"ShuffleDatasetV3": (2, 3), "ShuffleAndRepeatDatasetV2": (2, 3)}
 _EXTERNAL_STATE_WARN = 0  # DatasetToGraphV2's ExternalStatePolicy.WARN, as TF's coordinator
+_chief_copies = weakref.WeakKeyDictionary()  # a dataset built before connecting -> `on_chief`'s
+_sources = weakref.WeakKeyDictionary()  # `on_chief`'s copy -> the dataset whose Python it calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,92 @@ def rebuild(graph, element_spec):
     return tf.data.experimental.from_variant(
         tf.raw_ops.DatasetFromGraph(graph_def=graph), element_spec
     )
+
+
+def on_chief(dataset):
+    """`dataset` as the chief can iterate it now.
+
+    Connecting to a cluster renames this process's devices (`/job:localhost` becomes
+    `/job:chief`), so a dataset built before the strategy was created is on a device
+    that no longer exists: an iterator of it fails (TF's coordinator ships datasets
+    as graphs, which is why training on it works). So do the ops that
+    `tf.py_function`, `tf.numpy_function` and `Dataset.from_generator` pinned to the
+    old name, also in a dataset built later on top of such a one. Such a dataset is
+    rebuilt from its graph on the chief's devices, those ops moved to the new name
+    (they call back into this process); its elements are the same. The copy of a
+    pipeline without them is made once per dataset.
+
+    Args:
+        dataset: a `tf.data.Dataset` given to `fit`, `evaluate` or `predict`.
+
+    Returns:
+        `dataset` itself where its device is still this process's, else the copy.
+
+    Raises:
+        ValueError: the dataset was built before connecting and its graph cannot be
+            serialized.
+    """
+    host = _task(tf.DeviceSpec.from_string(internals.host_address_space()))
+    known = {host} | {
+        _task(tf.DeviceSpec.from_string(d.name)) for d in tf.config.list_logical_devices()
+    }
+    stale = _stale_tasks(dataset, known)
+    if not stale:
+        return dataset
+    copy = _chief_copies.get(dataset)
+    if copy is not None:
+        return copy
+    try:  # devices kept: the old name is what marks the ops to move
+        graph = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            external_state_policy=_EXTERNAL_STATE_WARN,
+            strip_device_assignment=False,
+        )
+    except tf.errors.OpError as e:
+        own = _task(tf.DeviceSpec.from_string(internals.dataset_device(dataset)))
+        if own not in stale:
+            return dataset  # only what it reads is older: it may iterate as it is
+        raise ValueError(
+            "This tf.data.Dataset was built before the strategy connected to the cluster, "
+            f"which renamed this process's devices (/job:{own[0]} is gone), and it cannot "
+            f"be rebuilt on the new ones: {e.message}. Build the dataset after creating the "
+            "AsyncParameterServerStrategy (inside the `with LocalCluster(...)` block)."
+        ) from e
+    graph_def = tf.compat.v1.GraphDef.FromString(graph.numpy())
+    moved = 0
+    for nodes in [graph_def.node] + [f.node_def for f in graph_def.library.function]:
+        for node in nodes:
+            spec = tf.DeviceSpec.from_string(node.device) if node.device else None
+            if spec is not None and _task(spec) in stale:
+                spec = spec.replace(job=host[0], replica=host[1], task=host[2])
+                node.device, moved = spec.to_string(), moved + 1
+    copy = rebuild(tf.constant(graph_def.SerializeToString()), dataset.element_spec)
+    if moved:  # its Python functions live as long as the dataset that registered them
+        _sources[copy] = dataset
+    else:
+        _chief_copies[dataset] = copy
+    return copy
+
+
+def _task(spec):
+    """The task part of a `tf.DeviceSpec`."""
+    return spec.job, spec.replica, spec.task
+
+
+def _stale_tasks(dataset, known):
+    """The tasks not in `known` (`_task`s: this process's and the cluster's) that
+    `dataset`, or a dataset it reads, was built on."""
+    found, todo, seen = set(), [dataset], set()
+    while todo:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        spec = tf.DeviceSpec.from_string(internals.dataset_device(d))
+        if spec.job and _task(spec) not in known:
+            found.add(_task(spec))
+        todo.extend(internals.dataset_inputs(d))
+    return found
 
 
 def plan(dataset, num_workers, rng=None):
