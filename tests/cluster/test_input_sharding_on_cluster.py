@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
+from tf_asgd.runtime import input_sharding
 
 IDS = 512  # examples, one id each
 BATCH = 8
@@ -142,3 +143,34 @@ def test_files_are_sharded_by_file_where_there_are_enough(local_cluster, tmp_pat
     file_policy = tf.data.experimental.AutoShardPolicy.FILE
     with pytest.raises(ValueError, match="auto_shard_policy FILE needs at least as many"):
         _fit_one_pass(cluster, _records_dataset(one, file_policy))
+
+
+def test_a_dataset_of_unknown_length_is_counted_once_for_an_epochs_steps(
+    local_cluster, tmp_path, caplog, monkeypatch
+):
+    """TFRecord files (a length `tf.data` does not know) given to `fit` without
+    `steps_per_epoch`: an epoch is one pass, as in Keras (the chief counts it once, and
+    says so), and every record is trained on once. One that repeats forever behind a
+    `filter` is refused within the count's bound, naming `steps_per_epoch`."""
+    cluster = local_cluster(2)
+    dataset = _records_dataset(_write_records(tmp_path, 4))
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=4, synchronous=True)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(IDS)])
+        metric = _IdCounts()
+        model.compile(
+            keras.optimizers.SGD(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[metric],
+        )
+    with caplog.at_level(logging.INFO, logger="tf_asgd"):
+        model.fit(dataset, epochs=1, verbose=0)
+    assert f"found {IDS // BATCH} batches" in caplog.text
+    assert int(model.optimizer.iterations.numpy()) == IDS // BATCH
+    np.testing.assert_array_equal(metric.counts.numpy(), np.ones(IDS))
+
+    monkeypatch.setattr(input_sharding, "COUNT_LIMIT_S", 1.0)
+    endless = dataset.repeat().filter(lambda x, y: True)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        model.fit(endless, epochs=1, verbose=0)

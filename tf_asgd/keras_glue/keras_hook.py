@@ -303,6 +303,27 @@ def wait_after_interrupt(coordinator):
         )
 
 
+def _dataset_batches(dataset, steps_per_epoch):
+    """The batches of one pass over `dataset` where `fit` needs them (no `steps_per_epoch`):
+    its cardinality, or, where `tf.data` does not know it (files, `filter`,
+    `from_generator`), a count of one pass on the chief, logged (Keras learns it from the
+    first epoch instead). Infinite stays negative (`fit` then asks for
+    `steps_per_epoch`)."""
+    num_batches = int(dataset.cardinality())
+    if steps_per_epoch is not None or num_batches != tf.data.UNKNOWN_CARDINALITY:
+        return num_batches
+    num_batches, seconds = input_sharding.count_batches(dataset)
+    log.warning(
+        "The training data's length is unknown to tf.data: reading it once on the chief "
+        "found %d batches (%.1f s), so an epoch is %d steps. Pass `steps_per_epoch` (or "
+        "`tf.data.experimental.assert_cardinality`) to skip the count.",
+        num_batches,
+        seconds,
+        num_batches,
+    )
+    return num_batches
+
+
 def _steps_and_repeated_data(original, model, args, kwargs):
     """`fit`'s arguments with the training data repeated forever and an
     explicit `steps_per_epoch`.
@@ -335,7 +356,7 @@ def _steps_and_repeated_data(original, model, args, kwargs):
         num_batches = feed.num_batches
         kw.update(y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False)
     elif not arrays:
-        num_batches = int(x.cardinality())
+        num_batches = _dataset_batches(x, kw["steps_per_epoch"])
         kw["shuffle"] = False  # Keras ignores it for a dataset, with a warning
     else:
         if kw["validation_split"] and kw["validation_data"] is None:

@@ -12,6 +12,7 @@ docs/guide/data.md.
 """
 
 import dataclasses
+import time
 import weakref
 
 import numpy as np
@@ -312,3 +313,36 @@ def _fix_shuffle_seeds(graph_def, rng):
             s.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
         fixed += 1
     return out, fixed
+
+
+COUNT_LIMIT_S = 60.0  # the longest a dataset of unknown length is counted on the chief
+
+
+def count_batches(dataset, limit_s=None):
+    """The batches of one pass over `dataset`, whose length `tf.data` does not know (files,
+    `filter`, `from_generator`), counted by reading it once on the chief, as Keras learns an
+    epoch's steps from its first pass.
+
+    Args:
+        dataset: a `tf.data.Dataset` of unknown cardinality.
+        limit_s: the longest the count may take (None: `COUNT_LIMIT_S`).
+
+    Returns:
+        `(batches, seconds)`.
+
+    Raises:
+        ValueError: the pass did not end within `limit_s` (it may be infinite).
+    """
+    limit_s = COUNT_LIMIT_S if limit_s is None else limit_s
+    start, count = time.monotonic(), 0
+    for _ in dataset.prefetch(tf.data.AUTOTUNE):
+        count += 1
+        if time.monotonic() - start > limit_s:
+            raise ValueError(
+                f"fit under AsyncParameterServerStrategy needs an epoch's steps: the training "
+                f"data's length is unknown, and reading it once on the chief found more than "
+                f"{count} batches in {limit_s:g} s without an end (it may repeat forever). "
+                "Pass `steps_per_epoch=...` to `fit`, or give the dataset its length with "
+                "`dataset.apply(tf.data.experimental.assert_cardinality(n))`."
+            )
+    return count, time.monotonic() - start
