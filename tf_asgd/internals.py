@@ -933,6 +933,12 @@ def _inner(variable):
     return inner if inner is not None and inner is not variable else None
 
 
+def call_takes_training(model):
+    """Whether `model.call` takes a `training` argument (Keras's trainers pass it only
+    then; `Layer._call_has_training_arg`)."""
+    return bool(model._call_has_training_arg)  # (private: Keras's)
+
+
 def all_layers(model):
     """Every layer of `model`, nested ones and itself included (Keras's
     `Layer._flatten_layers`; its public `layers` lists the top level only)."""

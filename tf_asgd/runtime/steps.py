@@ -68,7 +68,7 @@ def keras_step(model, optimizer, batch, weights, opt_values, metric_values):
         # The forward pass's `add_loss` terms and regularizers reach
         # `compute_loss` as Keras's JAX trainer hands them over (each once).
         # As Keras's JAX trainer: `training` only where `call` takes it.
-        kwargs = {"training": True} if model._call_has_training_arg else {}  # (private)
+        kwargs = {"training": True} if internals.call_takes_training(model) else {}
         y_pred, non_trainable, losses = model.stateless_call(
             trainable, non_trainable, x, return_losses=True, **kwargs
         )
