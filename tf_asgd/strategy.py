@@ -427,6 +427,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         compression = as_compression(compression)
         pull_compression = as_pull_compression(pull_compression)
         tf_config.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
+        tf_config.validate_coordinator_task(cluster_resolver)
         workers = cluster_resolver.cluster_spec().num_tasks("worker")
         options = (staleness, max_staleness, windows_per_closure, outer_optimizer, workers)
         rounds.validate_synchronous(synchronous, *options)

@@ -305,7 +305,7 @@ def test_a_model_with_a_lookup_table_is_evaluated_on_the_workers(cluster, digits
 # chief's devices are renamed when it connects (`/job:localhost` -> `/job:chief`), which
 # only a process that has never connected shows, so it runs in a fresh one.
 _BUILT_BEFORE = """
-import json
+import json, os, tempfile
 import keras, numpy as np, tensorflow as tf
 import tf_asgd
 
@@ -356,6 +356,10 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
     out["generated_after_fit"] = model.evaluate(generated, verbose=0)
     out["predict_generated"] = model.predict(generated.map(lambda a, b: a), verbose=0).tolist()
     out["reference_after_fit"] = reference()
+    path = os.path.join(tempfile.mkdtemp(), "loaded.keras")
+    model.save(path)  # a plain Keras model (not the strategy's) meets them too
+    loaded = keras.models.load_model(path)
+    out["loaded"] = [loaded.evaluate(val, verbose=0), loaded.evaluate(val_now, verbose=0)]
 print("RESULT " + json.dumps(out))
 """
 
@@ -386,3 +390,4 @@ def test_datasets_built_before_the_strategy_are_read_on_the_chief(tmp_path):
     assert evaluated != out["reference"][0]  # the fit on the generator's data trained
     np.testing.assert_allclose(out["generated_after_fit"], evaluated, atol=TOL)
     np.testing.assert_allclose(out["predict_generated"], predicted, atol=TOL)
+    np.testing.assert_allclose(*out["loaded"], atol=TOL)

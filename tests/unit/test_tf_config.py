@@ -91,3 +91,22 @@ def test_launcher_fails_at_once_on_malformed_tf_config(tmp_path):
     assert "bad TF_CONFIG" in proc.stderr
     assert "index 5 is out of range for job 'worker'" in proc.stderr
     assert not list(tmp_path.iterdir())  # nothing written, nothing started
+
+
+@pytest.mark.parametrize("task_type", ["worker", "ps"])
+def test_the_strategy_on_a_worker_or_ps_task_is_refused_at_once(monkeypatch, task_type):
+    """The training script run on every task (the `MultiWorkerMirroredStrategy` habit):
+    on a worker or ps task the strategy refuses at once, saying how to start a server
+    there, instead of waiting `connect_timeout` for the cluster, itself included."""
+    import time
+
+    import tensorflow as tf
+
+    import tf_asgd
+
+    monkeypatch.setenv("TF_CONFIG", tf_config(task_type=task_type, index=0)["TF_CONFIG"])
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"This process is {task_type}:0 .*tf_asgd.launch"):
+        tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=10, connect_timeout=30)
+    assert time.monotonic() - start < 5

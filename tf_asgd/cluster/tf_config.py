@@ -107,6 +107,26 @@ def validate_cluster_spec(cluster):
             )
 
 
+def validate_coordinator_task(resolver):
+    """Raises `ValueError` where `resolver` says this process is a worker or ps task: the
+    strategy coordinates from the chief, and a worker's or ps's process serves instead
+    (with the training script run on every task, as `MultiWorkerMirroredStrategy` has it,
+    each would otherwise wait for the others, itself included, until `connect_timeout`)."""
+    task_type = getattr(resolver, "task_type", None)
+    if task_type not in ("worker", "ps"):
+        return
+    task = f"{task_type}:{getattr(resolver, 'task_id', 0)}"
+    raise ValueError(
+        f"This process is {task} of the cluster (its TF_CONFIG says so), and "
+        "AsyncParameterServerStrategy runs on the chief only: the chief trains, the ps "
+        "and worker tasks serve. Start each ps and worker task as a server instead, with "
+        "`python -m tf_asgd.launch --config=...` (docs/launcher.md), or in your script: "
+        "`if resolver.task_type in ('worker', 'ps'): tf.distribute.Server(resolver."
+        "cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id, "
+        "protocol='grpc').join()` before creating the strategy."
+    )
+
+
 def make_resolver(cluster, task_type="chief", task_index=0):
     """A `SimpleClusterResolver` for a cluster dict, from the chief's view."""
     import tensorflow as tf

@@ -101,6 +101,9 @@ def _wrap(name, ours_impl, entry_point=False):
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
             _check_outside_scope(self)
+        if entry_point and internals.server_def() is not None:
+            # A plain model (a loaded one) meets a dataset built before connecting too.
+            args, kwargs = _datasets_on_chief(original, self, args, kwargs)
         return original(self, *args, **kwargs)
 
     wrapper._asgd_original = original
