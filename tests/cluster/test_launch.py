@@ -389,6 +389,33 @@ def test_tf_config_roles_on_loopback(tmp_path):
                 s.wait()
 
 
+def test_a_task_whose_port_is_taken_exits_with_one_clear_line():
+    """A second worker:0 (two tasks given one index), or any program on the port: the
+    launcher exits 1 with one line naming the task, its address and the likely cause."""
+    taken = socket.socket()
+    taken.bind(("localhost", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    p = _free_ports(2)
+    cluster = {
+        "chief": [f"localhost:{p[0]}"],
+        "worker": [f"localhost:{port}"],
+        "ps": [f"localhost:{p[1]}"],
+    }
+    try:
+        cmd, env = launcher([*SHORT])
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert proc.returncode == 1
+    assert (
+        f"tf_asgd.launch: Could not start the TF server of worker:0 at localhost:{port}: "
+        "is its port in use" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+
+
 def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog):
     """A Ctrl-C/SIGTERM right after an epoch's checkpoint (no window pushed
     since) writes no second copy, and says which checkpoint holds the run."""

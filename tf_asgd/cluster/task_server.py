@@ -24,6 +24,10 @@ from tf_asgd.cluster import local_cluster, task_forks, tf_startup
 from tf_asgd.cluster.task_forks import FORKS
 
 
+class TaskServerError(RuntimeError):
+    """A task's TF server did not start (its port taken, most often)."""
+
+
 def serve(cluster, tasks):
     """Starts TF servers for `tasks` ("job:index") in this process and returns them.
 
@@ -38,16 +42,24 @@ def serve(cluster, tasks):
     servers = []
     for task in tasks:
         job, index = task.split(":")
-        servers.append(
-            tf.distribute.Server(
-                tf.train.ClusterSpec(cluster),
-                job_name=job,
-                task_index=int(index),
-                protocol="grpc",
-                config=config,
-                start=True,
+        try:
+            servers.append(
+                tf.distribute.Server(
+                    tf.train.ClusterSpec(cluster),
+                    job_name=job,
+                    task_index=int(index),
+                    protocol="grpc",
+                    config=config,
+                    start=True,
+                )
             )
-        )
+        except tf.errors.UnknownError as e:  # TF names neither the task nor the cause
+            address = cluster[job][int(index)]
+            raise TaskServerError(
+                f"Could not start the TF server of {task} at {address}: is its port in use "
+                f"(another {task} already running, or another program)? (TensorFlow said: "
+                f"{e.message.splitlines()[0]})"
+            ) from e
     print(local_cluster.READY, flush=True)
     return servers
 

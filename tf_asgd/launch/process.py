@@ -122,7 +122,7 @@ def _train(config, workdir, resume, verbose_tf, stop_timeout):
     stop = run_parts.StopSignals(stop_timeout)
     try:
         roles.run(config, workdir and os.path.abspath(workdir), resume=resume, stop=stop)
-    except lost_tasks.ClusterTaskLostError as e:
+    except (lost_tasks.ClusterTaskLostError, task_server.TaskServerError) as e:
         logging.error("%s", e)
         sys.exit(f"tf_asgd.launch: {e}")
     except KeyboardInterrupt:
