@@ -234,7 +234,7 @@ def wait_for_tasks(tasks, timeout):
                 )
             if reasons and pace.due(now):
                 log.warning(
-                    "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %g s): %s",
+                    "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %.3g s): %s",
                     len(reasons),
                     len(tasks),
                     now - start,
