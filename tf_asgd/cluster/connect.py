@@ -234,11 +234,11 @@ def wait_for_tasks(tasks, timeout):
                 )
             if reasons and pace.due(now):
                 log.warning(
-                    "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %.3g s): %s",
+                    "Waiting for %d of %d cluster task(s) to answer (%.0f s of at most %s s): %s",
                     len(reasons),
                     len(tasks),
                     now - start,
-                    timeout,
+                    f"{timeout:.0f}" if timeout >= 10 else f"{timeout:.2g}",
                     ", ".join(f"{j}:{i} at {a} ({r})" for (j, i, a), r in reasons.items()),
                 )
             if reasons:
