@@ -50,10 +50,8 @@ def _ids_dataset(policy=None, seeded=True):
     return dataset
 
 
-def _fit_one_pass(cluster, dataset, n_sync=4):
-    strategy = tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver, n_sync=n_sync, synchronous=True
-    )
+def _id_model(strategy):
+    """A linear model over the ids, with `_IdCounts` as its metric: `(model, metric)`."""
     with strategy.scope():
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(IDS)])
         metric = _IdCounts()
@@ -62,6 +60,14 @@ def _fit_one_pass(cluster, dataset, n_sync=4):
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=[metric],
         )
+    return model, metric
+
+
+def _fit_one_pass(cluster, dataset, n_sync=4):
+    strategy = tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver, n_sync=n_sync, synchronous=True
+    )
+    model, metric = _id_model(strategy)
     model.fit(dataset, epochs=1, steps_per_epoch=IDS // BATCH, verbose=0)  # one pass
     return metric.counts.numpy(), strategy
 
@@ -156,14 +162,7 @@ def test_a_dataset_of_unknown_length_is_counted_once_for_an_epochs_steps(
     dataset = _records_dataset(_write_records(tmp_path, 4))
     assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=4, synchronous=True)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(IDS)])
-        metric = _IdCounts()
-        model.compile(
-            keras.optimizers.SGD(0.01),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=[metric],
-        )
+    model, metric = _id_model(strategy)
     with caplog.at_level(logging.INFO, logger="tf_asgd"):
         model.fit(dataset, epochs=1, verbose=0)
     assert f"found {IDS // BATCH} batches" in caplog.text
