@@ -167,7 +167,8 @@ def test_a_slow_workers_closure_hands_back_the_windows_it_did_not_start(cluster,
         records = log[at : at + run]
         at += run
         assert all(r.worker == worker for r in records)
-        assert records[-1].started_at - records[0].started_at < budget
+        # (The closure checks its budget just before a window's start is stamped: a few ms.)
+        assert records[-1].started_at - records[0].started_at < budget + 0.05
     assert any(run < asked for asked, run in slow), slow
     assert sum(run for _, run in fast) > 4 * sum(run for _, run in slow)
     assert len(log) == steps == len({r.window_id for r in log})
