@@ -47,6 +47,7 @@ def get_config():
     c.pull_compression = "none"  # pulls: none | bf16
     # A PS lost mid-run is recovered from the newest snapshot (a local run restarts it).
     c.snapshot_every = 60.0  # seconds; 0 = none: a lost PS stops the run (--resume)
+    c.connect_timeout = 600.0  # seconds to wait for tasks that do not answer
     # The workers' rate: auto = x N annealed to x 1 (Adam's kin) or x sqrt(N) (others)
     # under the default outer rule (GEM: unchanged).
     c.lr_scaling = "auto"  # auto | none | sqrt | linear | anneal | a factor, e.g. "2"

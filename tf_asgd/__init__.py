@@ -32,6 +32,7 @@ _EXPORTS = {
     "TrainStepError": "tf_asgd.errors",
     "UnsupportedFeatureError": "tf_asgd.errors",
     "WindowRecord": "tf_asgd.runtime.records",
+    "WorkerStalledError": "tf_asgd.errors",
     "WorkersLostError": "tf_asgd.errors",
     "parse_tf_config": "tf_asgd.cluster.tf_config",
 }
@@ -96,6 +97,7 @@ __all__ = [
     "TrainStepError",
     "UnsupportedFeatureError",
     "WindowRecord",
+    "WorkerStalledError",
     "WorkersLostError",
     "data",
     "errors",

@@ -164,6 +164,40 @@ class WorkersLostError(ClusterUnreachableError):
         )
 
 
+class WorkerStalledError(WorkersLostError):
+    """A worker neither finished nor failed its closure within `connect_timeout`.
+
+    TensorFlow sees a worker as lost only when its connection fails. A worker whose
+    process is stopped (SIGSTOP), hung on its device or cut off without its connection
+    closing keeps its closure forever, and `fit` would wait for it without a bound. Raised
+    by `fit` once the chief must wait for windows and no closure has finished for the
+    strategy's `connect_timeout` (plus the closure's own time budget). A
+    `WorkersLostError`: its `tasks` are the workers that finished no closure meanwhile,
+    and `timeout` the seconds waited. The pushes that finished are on the parameter
+    servers.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(x, y, epochs=3)
+    except tf_asgd.WorkerStalledError as e:
+        print(e.tasks)  # restart these workers at the same addresses, then fit again
+    ```
+    """
+
+    def _message(self, named):
+        return (
+            f"No window closure finished for {self.timeout:g} s, and {len(self.tasks)} "
+            f"worker(s) finished none meanwhile: {named}. TensorFlow takes a worker for "
+            "lost only when its connection fails; one that is stopped, hung on its device "
+            "or cut off without the connection closing holds its closure without a bound, "
+            "so fit stopped here. The pushes that finished are on the parameter servers. "
+            "Restart these workers at the same addresses and fit again (or restart the "
+            "job from a checkpoint); connect_timeout sets how long to wait."
+        )
+
+
 class ClusterTaskLostError(RuntimeError):
     """Training stopped because a cluster task could not be reached.
 

@@ -99,6 +99,11 @@ def model_strategy(model):
     return getattr(model, "_distribute_strategy", None)
 
 
+def optimizer_strategy(optimizer):
+    """The strategy `optimizer` was created under (Keras's TF optimizers keep it), or None."""
+    return getattr(optimizer, "_distribution_strategy", None)  # (private: Keras's)
+
+
 def loss_tracker(model):
     """The model's loss `Mean` metric (Keras exposes it only as `_loss_tracker`)."""
     return model._loss_tracker

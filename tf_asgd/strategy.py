@@ -12,6 +12,7 @@ Example:
         print(strategy.stats())
 """
 
+import functools
 import weakref
 
 import tensorflow as tf
@@ -39,6 +40,16 @@ def _stop_earlier_strategies():
     for earlier in list(_connected):
         _connected.discard(earlier)
         internals.stop_coordinator(earlier.coordinator)
+
+
+def _on_cluster_close(strategy_ref):
+    """Run by a closing `LocalCluster` before its tasks stop: the strategy's coordinator is
+    stopped, and its models refuse at once rather than wait for tasks that are gone."""
+    strategy = strategy_ref()
+    if strategy is not None:
+        _connected.discard(strategy)
+        strategy._cluster_closed = True  # (private: the strategy's own flag)
+        internals.stop_coordinator(strategy.coordinator)
 
 
 def _shard_ops():
@@ -463,9 +474,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self._reconnection_watch = lost_workers.ReconnectionWatch(
             self, self.coordinator, self.cluster_spec
         )
-        coordinator = weakref.ref(self.coordinator)
+        self._cluster_closed = False
         cluster_lib.before_stop(
-            self.cluster_spec, lambda: internals.stop_coordinator(coordinator())
+            self.cluster_spec, functools.partial(_on_cluster_close, weakref.ref(self))
         )
         # Registers every variable the scope creates from now on, the counters first.
         self.ps_recovery = ps_recovery.PSRecovery(self, snapshot_every)
@@ -648,6 +659,12 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     def check_connected(self):
         """Raises `RuntimeError` once a later strategy of this process has
         connected (TensorFlow holds one cluster connection per process)."""
+        if self._cluster_closed:
+            raise RuntimeError(
+                "This AsyncParameterServerStrategy's LocalCluster was closed: its tasks are "
+                "gone. Use the model inside the `with LocalCluster(...)` block, or save it "
+                "there (`model.save`) and load it as a plain Keras model."
+            )
         if self not in _connected:
             raise RuntimeError(
                 "This AsyncParameterServerStrategy no longer has a cluster connection: a "

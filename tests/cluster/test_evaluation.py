@@ -220,6 +220,21 @@ def test_a_metric_that_does_not_add_runs_on_the_chief_with_a_log_line(cluster, d
     assert logs["max_logit"] == pytest.approx(float(logits.max()), abs=1e-5)
 
 
+def test_empty_evaluation_data_returns_nothing_as_plain_keras(cluster, digits):
+    # Plain Keras: `evaluate` on no batch returns `[]`; empty validation data is skipped.
+    (x, y), _ = digits
+    strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
+    with strategy.scope():
+        model = compile_digits(tf_asgd.models.digits_convnet())
+    assert model.evaluate(x[:0], y[:0], verbose=0) == []
+    history = model.fit(
+        x, y, batch_size=32, steps_per_epoch=20, validation_data=(x[:0], y[:0]), verbose=0
+    )
+    assert set(history.history) >= {"loss", "accuracy"}
+    assert not any(k.startswith("val_") for k in history.history), history.history
+    assert model.evaluate(x[:0], y[:0], verbose=0) == []
+
+
 def test_bad_evaluation_argument_is_refused(cluster):
     with pytest.raises(ValueError, match="evaluation must be 'workers'.*or 'chief'.*'gpu'"):
         tf_asgd.AsyncParameterServerStrategy(cluster.resolver, evaluation="gpu")

@@ -31,6 +31,18 @@ def test_fit_on_model_built_outside_scope(cluster, digits):
             model.fit(x, y, epochs=1, verbose=0)
 
 
+def test_fit_on_model_built_outside_scope_and_compiled_inside(cluster, digits):
+    # The compiled optimizer is the strategy's; plain Keras would train on the chief alone.
+    (x, y), _ = digits
+    strategy = _strategy(cluster, n_sync=10)
+    model = tf_asgd.models.digits_convnet()
+    with strategy.scope():
+        compile_digits(model)
+    with pytest.raises(ValueError, match="created outside `AsyncParameterServerStrategy.scope"):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert strategy.stats().windows == 0
+
+
 def test_dataset_shape_mismatch(cluster, digits):
     (x, y), _ = digits
     strategy = _strategy(cluster, n_sync=10)

@@ -416,6 +416,23 @@ def test_a_task_whose_port_is_taken_exits_with_one_clear_line():
     assert "Traceback" not in proc.stderr
 
 
+def test_a_chief_whose_tasks_never_answer_exits_with_one_line(tmp_path):
+    """The chief under TF_CONFIG, no worker or PS started: after `connect_timeout` it
+    exits 1 with one line naming the tasks, as other launcher failures do."""
+    p = _free_ports(3)
+    cluster = {
+        "chief": [f"localhost:{p[0]}"],
+        "worker": [f"localhost:{p[1]}"],
+        "ps": [f"localhost:{p[2]}"],
+    }
+    cmd, env = launcher([*SHORT, "--config.connect_timeout=5", f"--workdir={tmp_path}"])
+    env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "tf_asgd.launch: Could not reach 2 cluster task(s) within 5 s" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_interrupt_checkpoint_is_not_written_twice_and_says_so(tmp_path, caplog):
     """A Ctrl-C/SIGTERM right after an epoch's checkpoint (no window pushed
     since) writes no second copy, and says which checkpoint holds the run."""

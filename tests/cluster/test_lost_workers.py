@@ -5,9 +5,12 @@ running; a worker that comes back in time is waited for, and after the error
 the strategy trains again once its workers answer."""
 
 import logging
+import os
+import signal
 import threading
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -205,3 +208,45 @@ def test_a_worker_recovery_failed_by_a_lost_ps_keeps_the_worker_thread(local_clu
         # What a recovery logs of a worker thread that did not run its probe in time.
         stack = internals.worker_thread_stack(strategy.coordinator, 1)
         assert stack.startswith("dead with error: ") and "_process_queue" in stack
+
+
+def test_a_frozen_worker_stops_fit_within_the_bound_naming_it(local_cluster, digits):
+    """A worker stopped (SIGSTOP: a hung device, a paused VM) keeps its connection, so TF
+    never takes it for lost; the epoch's end waits for its closure. `fit` raises
+    `WorkerStalledError` once no closure has finished for `connect_timeout` (plus the
+    closure's budget), naming that worker and not the one that kept training."""
+    (x, y), _ = digits
+    with local_cluster(2, 1, own=True, shared_process=False) as cluster:
+        address = cluster.cluster_spec["worker"][1]
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=2, connect_timeout=TIMEOUT
+        )
+        model = linear_digits_model(strategy, metrics=["accuracy"])
+        pid = cluster.pids()["worker:1"]
+        events = {}
+
+        class Freeze(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 0:
+                    os.kill(pid, signal.SIGSTOP)
+                    events["stopped_at"] = time.perf_counter()
+
+        try:
+            with pytest.raises(tf_asgd.WorkerStalledError) as info:
+                model.fit(
+                    x,
+                    y,
+                    batch_size=32,
+                    epochs=50,
+                    steps_per_epoch=40,
+                    verbose=0,
+                    callbacks=[Freeze()],
+                )
+            raised_after = time.perf_counter() - events["stopped_at"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        tasks = info.value.tasks
+        assert [t[:3] for t in tasks] == [("worker", 1, address)], tasks
+        assert f"worker:1 at {address}" in str(info.value)
+        print(f"a frozen worker: fit raised {raised_after:.1f} s after SIGSTOP")
+        assert TIMEOUT <= raised_after < TIMEOUT + SLACK

@@ -261,6 +261,20 @@ def test_local_cluster_stops_every_process_also_on_error():
     assert not pids & _task_servers()
 
 
+def test_a_model_used_after_its_local_cluster_closed_is_refused_at_once(digits):
+    (x, y), _ = digits
+    with tf_asgd.LocalCluster(num_workers=1, num_ps=1) as c:
+        strategy = _strategy(c, n_sync=10)
+        with strategy.scope():
+            model = compile_digits(tf_asgd.models.digits_convnet())
+        model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
+    start = time.monotonic()
+    for run in (lambda: model.fit(x[:64], y[:64], epochs=1, verbose=0), lambda: model.predict(x)):
+        with pytest.raises(RuntimeError, match="LocalCluster was closed"):
+            run()
+    assert time.monotonic() - start < 5
+
+
 def test_defaults_keep_momentum_sgd_stable_on_4_workers(local_cluster, digits):
     """An unchanged `SGD(0.05, momentum=0.9)` on a digits MLP, 4 workers, n_sync 10,
     only `n_sync` given, the samples of 10 plain epochs. DynSGD with every push added

@@ -63,6 +63,14 @@ def test_good_roles(task_type, index):
             "unknown job 'trainer'",
         ),
         (tf_config(cluster={**CLUSTER, "ps": ["no-port"]}, task_type="ps"), "'host:port'"),
+        (
+            tf_config(cluster={**CLUSTER, "worker": ["host1:2222", "host1:2222"]}),
+            "same address (worker:0 and worker:1 at host1:2222)",
+        ),
+        (
+            tf_config(cluster={**CLUSTER, "ps": ["host0:2222"]}),
+            "chief:0 and ps:0 at host0:2222",
+        ),
     ],
 )
 def test_bad_tf_config_quotes_the_problem(environ, quoted):

@@ -98,13 +98,27 @@ def tf_config_role(environ=None):
 
 
 def validate_cluster_spec(cluster):
-    """Raises `ValueError` unless `cluster` has at least one ps and one worker."""
+    """Raises `ValueError` unless `cluster` has at least one ps and one worker, each task
+    at its own address (two tasks on one address fail later, deep in TF's eager
+    service)."""
     for job in ("ps", "worker"):
         if not cluster.get(job):
             raise ValueError(
                 f"The cluster has no {job!r} task; asynchronous parameter-server "
                 f"training needs at least one ps and one worker. Cluster: {cluster}"
             )
+    tasks = {}
+    for job, addresses in cluster.items():
+        pairs = addresses.items() if isinstance(addresses, dict) else enumerate(addresses)
+        for index, address in pairs:
+            tasks.setdefault(address, []).append(f"{job}:{index}")
+    shared = {a: t for a, t in tasks.items() if len(t) > 1}
+    if shared:
+        named = "; ".join(f"{' and '.join(t)} at {a}" for a, t in shared.items())
+        raise ValueError(
+            f"Two cluster tasks have the same address ({named}): each task needs its "
+            f"own host:port. Cluster: {cluster}"
+        )
 
 
 def validate_coordinator_task(resolver):

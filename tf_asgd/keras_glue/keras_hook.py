@@ -21,7 +21,7 @@ import types
 import keras
 import tensorflow as tf
 
-from tf_asgd import internals
+from tf_asgd import errors, internals
 from tf_asgd.cluster import lost_tasks
 from tf_asgd.runtime import input_sharding, optimizer_options, ps_recovery, python_inputs
 
@@ -74,11 +74,12 @@ def _fitting_state(model):
 
 
 def _check_outside_scope(model):
-    if (
-        tf.distribute.has_strategy()
-        and _asgd_strategy(tf.distribute.get_strategy()) is not None
-        and not _ours(model)
-    ):
+    # Compiled inside the scope but built outside it: the optimizer is the strategy's.
+    in_scope = tf.distribute.has_strategy() and _asgd_strategy(tf.distribute.get_strategy())
+    compiled_in_scope = _asgd_strategy(
+        internals.optimizer_strategy(getattr(model, "optimizer", None))
+    )
+    if (in_scope or compiled_in_scope) and not _ours(model):
         raise ValueError(
             f"Model {model.name!r} was created outside "
             "`AsyncParameterServerStrategy.scope()`, so its variables are not "
@@ -162,6 +163,9 @@ def _fit(original, model, *args, **kwargs):
         return result
     except KeyboardInterrupt:
         failed = _INTERRUPTED
+        raise
+    except errors.WorkerStalledError:
+        failed = _STALLED
         raise
     except tf.errors.OpError as e:
         _raise_if_ps_lost(e, strategy)
@@ -256,6 +260,7 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
 
 _JOIN_ATTEMPTS = 8
 _INTERRUPTED = "interrupted"  # `_join`'s `failed` after a KeyboardInterrupt
+_STALLED = "stalled"  # ... after `WorkerStalledError`: already waited `connect_timeout`
 # After Ctrl-C or SIGTERM, the longest wait for the windows scheduled: under the launcher's
 # 60 s bound on stopping, with time left for its checkpoint.
 STOP_WAIT_S = 20.0
@@ -273,7 +278,7 @@ def _join(coordinator, trainer, failed):
     not a CancelledError of the windows it stopped; the closures that failed
     are dropped, so the next `fit` does not raise their errors either. After a
     KeyboardInterrupt (`failed` is `_INTERRUPTED`) the wait is bounded
-    (`wait_after_interrupt`).
+    (`wait_after_interrupt`); after a frozen worker (`_STALLED`) there is none.
     """
     if not failed:
         coordinator.join()
@@ -282,6 +287,8 @@ def _join(coordinator, trainer, failed):
         return
     if failed == _INTERRUPTED:
         wait_after_interrupt(coordinator)
+    elif failed == _STALLED:
+        pass  # the frozen worker's closure may never end; its windows push at most once
     else:
         for _ in range(_JOIN_ATTEMPTS):  # `join` returns at the first error; the rest may run on
             try:
@@ -589,6 +596,12 @@ def _symbolic_build(original, model, iterator=None, data_batch=None):
     with local_mode():
         try:
             return original(model, iterator=iterator, data_batch=data_batch)
+        except StopIteration:
+            # No batch to build from (empty evaluation data): nothing runs, and
+            # Keras's evaluate returns `[]`, as plain Keras does.
+            if iterator is None:
+                raise
+            return None
         except RuntimeError:
             # Under any strategy Keras builds the model by calling it, which a
             # model that only overrides `train_step` (a GAN without `call`)

@@ -71,6 +71,8 @@ CONFIG_FIELDS = {
     "snapshot_every": "seconds between snapshots of the central state: a PS lost mid-run and "
     "back on its address is recovered from the newest (a local run restarts it itself); "
     "0 = none, so a lost PS stops the run and --resume continues from the newest checkpoint",
+    "connect_timeout": "seconds the chief waits for cluster tasks that do not answer (at the "
+    "start, and for lost workers), naming them, before it stops with one line",
     "gem.enabled": "wrap the optimizer in tf_asgd.optimizers.GEM",
     "gem.kappa": "GEM's kappa (the paper reports 2 as a good value)",
     "num_workers": "local cluster: worker tasks (ignored under TF_CONFIG)",

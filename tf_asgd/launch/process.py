@@ -100,20 +100,29 @@ def refuse_a_used_workdir(workdir):
     """Exits, saying why, if `workdir` holds a checkpoint: without `--resume` the run would
     write over it. Read from TF's `checkpoint` state file before TensorFlow is loaded, so
     the refusal is immediate (the chief checks again with TF)."""
+    latest = _latest_checkpoint(workdir)
+    if latest:
+        sys.exit(f"tf_asgd.launch: {config_fields.used_workdir_message(workdir, latest)}")
+
+
+def _latest_checkpoint(workdir):
+    """The newest checkpoint's path in `workdir` (from TF's `checkpoint` state file), or
+    None."""
+    if not workdir:
+        return None
     ckpt_dir = os.path.join(workdir, config_fields.CHECKPOINT_DIR)
     try:
         with open(os.path.join(ckpt_dir, "checkpoint")) as f:
             m = re.search(r'^model_checkpoint_path: "(.*)"$', f.read(), re.MULTILINE)
     except OSError:
-        return
+        return None
     latest = m and os.path.join(ckpt_dir, m.group(1))
-    if latest and os.path.exists(latest + ".index"):
-        sys.exit(f"tf_asgd.launch: {config_fields.used_workdir_message(workdir, latest)}")
+    return latest if latest and os.path.exists(latest + ".index") else None
 
 
 def _train(config, workdir, resume, verbose_tf, stop_timeout):
     """Runs the role of this process (`roles.run`), or exits saying why it stopped."""
-    from tf_asgd import internals
+    from tf_asgd import errors, internals
     from tf_asgd.cluster import lost_tasks
     from tf_asgd.launch import roles, run_parts
 
@@ -122,13 +131,21 @@ def _train(config, workdir, resume, verbose_tf, stop_timeout):
     stop = run_parts.StopSignals(stop_timeout)
     try:
         roles.run(config, workdir and os.path.abspath(workdir), resume=resume, stop=stop)
-    except (lost_tasks.ClusterTaskLostError, task_server.TaskServerError) as e:
+    except (
+        lost_tasks.ClusterTaskLostError,
+        task_server.TaskServerError,
+        errors.ClusterUnreachableError,  # WorkersLostError too
+    ) as e:
         logging.error("%s", e)
         sys.exit(f"tf_asgd.launch: {e}")
     except KeyboardInterrupt:
+        saved = _latest_checkpoint(workdir)
         logging.warning(
-            "stopped by %s. Rerun with --resume to continue from the newest checkpoint.",
+            "stopped by %s. %s",
             f"signal {stop.signum}" if stop.signum else "KeyboardInterrupt",
+            "Rerun with --resume to continue from the newest checkpoint."
+            if saved
+            else "No checkpoint was saved yet: a rerun starts afresh.",
         )
         sys.exit(stop.exit_code)
     finally:

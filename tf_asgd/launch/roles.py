@@ -220,6 +220,7 @@ def make_strategy(config, resolver):
         pull_compression=config.pull_compression,
         snapshot_every=config.snapshot_every or None,
         lr_scaling=_lr_scaling(config.lr_scaling),
+        connect_timeout=config.connect_timeout,
     )
 
 

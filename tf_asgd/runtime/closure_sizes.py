@@ -4,9 +4,14 @@
 `TARGET_CLOSURE_S` of work on a worker (each schedule costs the chief), few enough that
 closures shrink towards an epoch's end. A closure stops starting windows after its budget,
 so a worker slowed down meanwhile hands its windows back. Measured: results/throughput.
+`ClosureWaits` bounds how long the chief waits for closures that neither finish nor fail.
 """
 
+import math
 import statistics
+import time
+
+from tf_asgd import errors
 
 # Automatic K: about this much work on a worker per closure (shorter closures were slower:
 # results/throughput/README.md).
@@ -66,3 +71,54 @@ class ClosureSizes:
         if pace is None:
             return 1e9
         return max(MIN_BUDGET_S, BUDGET_FACTOR * windows * pace)
+
+
+class ClosureWaits:
+    """Bounds the chief's wait for its scheduled closures.
+
+    TF's coordinator waits without a bound for a closure whose worker neither finishes
+    nor fails it (a stopped process keeps its connection open). Once no closure has
+    finished for the strategy's `connect_timeout`, plus the oldest pending closure's
+    budget, `check` raises `errors.WorkerStalledError` naming the workers that finished
+    none meanwhile.
+
+    Args:
+        strategy: the strategy (read: `connect_timeout`, `cluster_spec`).
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._scheduled = {}  # id(RemoteValue) -> (monotonic time, budget s)
+        self._finished_at = {}  # worker index -> when its last closure finished
+        self._progress = time.monotonic()
+
+    def scheduled(self, rv, budget):
+        self._scheduled[id(rv)] = (time.monotonic(), budget)
+
+    def finished(self, rv, worker=None):
+        """`rv` finished (on `worker`, where known), or was dropped (`worker` None)."""
+        self._scheduled.pop(id(rv), None)
+        if worker is not None:
+            self._progress = self._finished_at[worker] = time.monotonic()
+
+    def forget_all(self):
+        self._scheduled.clear()
+
+    def check(self, pending):
+        """Raises `errors.WorkerStalledError` when the closures `pending` (RemoteValues)
+        have waited past the bound with none finished."""
+        times = [self._scheduled[id(rv)] for rv in pending if id(rv) in self._scheduled]
+        if not times:
+            return
+        start, budget = min(times)
+        since, now = max(start, self._progress), time.monotonic()
+        bound = float(self.strategy.connect_timeout) + (budget if budget < 1e8 else 0.0)
+        if now - since <= bound:
+            return
+        addresses = self.strategy.cluster_spec.get("worker", [])
+        silent = [i for i in range(len(addresses)) if self._finished_at.get(i, -math.inf) < since]
+        tasks = [
+            ("worker", i, addresses[i], f"finished no closure for {now - since:.0f} s")
+            for i in silent or range(len(addresses))
+        ]
+        raise errors.WorkerStalledError(tasks, round(now - since))

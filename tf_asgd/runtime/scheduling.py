@@ -25,6 +25,7 @@ from tf_asgd.runtime.closure_sizes import (
     MAX_WINDOWS_PER_CLOSURE,
     TARGET_CLOSURE_S,
     ClosureSizes,
+    ClosureWaits,
 )
 from tf_asgd.runtime.commits import PushCommits
 from tf_asgd.runtime.push import (
@@ -91,10 +92,8 @@ class WindowTrainer:
         self.outer = outer_optimizer
         # The workers' rate factor: `lr_scale_peak` after the warm-up, falling toward
         # `lr_scale` (`update_rules.annealed_rate_scale`).
-        self.lr_scale, self.lr_scale_peak = (
-            strategy.worker_rate_scale(opt),
-            strategy.worker_rate_peak(opt),
-        )
+        self.lr_scale = strategy.worker_rate_scale(opt)
+        self.lr_scale_peak = strategy.worker_rate_peak(opt)
         synchronous = getattr(strategy, "synchronous", False)
         self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
         self.state_gains = _moving_average_gains(model, strategy)
@@ -105,6 +104,7 @@ class WindowTrainer:
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self.sizes = ClosureSizes(strategy, self.log)
+        self.waits = ClosureWaits(strategy)  # bounds waits for closures that never end
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
         self.rounds = _rounds(self, outer_optimizer) if synchronous else None
@@ -266,6 +266,7 @@ class WindowTrainer:
                 self._queue = list(windows) + self._queue
             raise
         self._pending.append((rv, windows, budget))
+        self.waits.scheduled(rv, budget)
         if first:
             self.closure_sizes.append(len(windows))
 
@@ -287,9 +288,11 @@ class WindowTrainer:
                     if internals.remote_value_failed(rv):
                         raise
                     self._pending.remove(item)
+                    self.waits.finished(rv)
                     self._result_lost(windows)
                     continue
                 self._pending.remove(item)
+                self.waits.finished(rv, int(rows[0][0]))
                 for row, (steps, window_id) in zip(rows, windows):
                     self.log.record(row, window_id, steps)
                 if python_inputs.is_feed(self._iterator):
@@ -299,6 +302,7 @@ class WindowTrainer:
                     self._schedule(windows[len(rows) :], first=False)
             if not block or len(self._pending) <= keep:
                 return
+            self.waits.check([p[0] for p in self._pending])
             internals.wait_briefly(self._pending[0][0])
 
     def _result_lost(self, windows):
@@ -327,6 +331,7 @@ class WindowTrainer:
         traces that captured the old PS variables; returns the windows, `(steps, id)`."""
         windows = [w for _, ws, _ in self._pending for w in ws] + self._queue
         self._pending, self._queue = [], []
+        self.waits.forget_all()
         self._concrete, self._fed_concrete = None, {}
         return windows
 
@@ -418,6 +423,7 @@ class WindowTrainer:
         while not waits and carried is None and not self.log.epoch_records and self._pending:
             self._drain(block=True, keep=len(self._pending) - 1)
         while waits:
+            self._drain(block=True)  # bounded (`ClosureWaits`); then join has none left
             self.coordinator.join()
             self._drain(block=True)  # may schedule windows a closure did not run
             if not self._pending:
@@ -429,13 +435,8 @@ class WindowTrainer:
         self._epoch_step = 0
         # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
         # ends `fit` as it would.)
-        epoch = self.log.epoch_records
-        if epoch and not any(r.pushed for r in epoch) and not (self.model.stop_training):
-            raise FloatingPointError(
-                f"All {len(epoch)} windows of this epoch computed "
-                "updates with NaN or Inf; none was pushed. Lower the learning "
-                "rate or check the data for NaN/Inf."
-            )
+        if not self.model.stop_training:
+            self.log.check_progress()
         values, logs = carried or (self.log.metric_values(), self.log.logs())
         self._carried = (values, logs)
         for var, value in zip(self.model.metrics_variables, values):

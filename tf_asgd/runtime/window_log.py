@@ -125,6 +125,17 @@ class WindowLog:
         self._metric_sum = None
         self.epoch_records = []
 
+    def check_progress(self):
+        """Raises `FloatingPointError` if every window of the epoch held NaN or Inf
+        (none pushed): training cannot progress, and spinning on would hide it."""
+        epoch = self.epoch_records
+        if epoch and not any(r.pushed for r in epoch):
+            raise FloatingPointError(
+                f"All {len(epoch)} windows of this epoch computed "
+                "updates with NaN or Inf; none was pushed. Lower the learning "
+                "rate or check the data for NaN/Inf."
+            )
+
     def metric_values(self):
         """The epoch's metric variable values: its start plus every window's deltas."""
         if self._metric_sum is None:
