@@ -342,6 +342,8 @@ def data():
 
 
 train, val, images, generated = data()
+words = keras.layers.StringLookup()  # adapted at the top of the script, as Keras's guides do
+words.adapt(np.round(x.reshape(len(x), -1) * 16).astype(int).astype(str))
 with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
     with strategy.scope():
@@ -375,6 +377,16 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
     model.save(path)  # a plain Keras model (not the strategy's) meets them too
     loaded = keras.models.load_model(path)
     out["loaded"] = [loaded.evaluate(val, verbose=0), loaded.evaluate(val_now, verbose=0)]
+    with strategy.scope():
+        inputs = keras.Input((64,), dtype="string")
+        hidden = keras.layers.Flatten()(keras.layers.Embedding(20, 4)(words(inputs)))
+        stale = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+        stale.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    strings = np.round(x.reshape(len(x), -1) * 16).astype(int).astype(str)
+    try:
+        stale.fit(strings, y, epochs=1, steps_per_epoch=5, verbose=0)
+    except ValueError as e:
+        out["stale_table"] = str(e)
 print("RESULT " + json.dumps(out))
 """
 
@@ -406,3 +418,6 @@ def test_datasets_built_before_the_strategy_are_read_on_the_chief(tmp_path):
     np.testing.assert_allclose(out["generated_after_fit"], evaluated, atol=TOL)
     np.testing.assert_allclose(out["predict_generated"], predicted, atol=TOL)
     np.testing.assert_allclose(*out["loaded"], atol=TOL)
+    # A lookup table adapted before the strategy is refused before any window (each
+    # would fail with "unknown device" on the workers, which TF retried without end).
+    assert "made before the strategy connected" in out.get("stale_table", ""), out

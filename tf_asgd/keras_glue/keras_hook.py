@@ -23,7 +23,13 @@ import tensorflow as tf
 
 from tf_asgd import errors, internals
 from tf_asgd.cluster import lost_tasks
-from tf_asgd.runtime import input_sharding, optimizer_options, ps_recovery, python_inputs
+from tf_asgd.runtime import (
+    constraints,
+    input_sharding,
+    optimizer_options,
+    ps_recovery,
+    python_inputs,
+)
 
 SUPPORTED_KERAS = internals.SUPPORTED_KERAS
 
@@ -88,6 +94,27 @@ def _check_outside_scope(model):
         )
 
 
+def _check_tables_connected(model):
+    """Refuses a model whose layers hold a lookup table made before the strategy connected
+    (a `TextVectorization` or `StringLookup` adapted at the top of the script): its
+    resource stays on the old `/job:localhost` device, which no task knows, and every
+    window would fail with "unknown device"."""
+    here = internals.host_address_space()
+    for layer in internals.all_layers(model):
+        for value in vars(layer).values():
+            if not (hasattr(value, "resource_handle") and hasattr(value, "lookup")):
+                continue
+            device = value.resource_handle.device
+            if device and not device.startswith(here):
+                raise ValueError(
+                    f"Layer {layer.name!r} of model {model.name!r} holds a lookup table "
+                    f"({type(value).__name__}) made before the strategy connected to the "
+                    f"cluster: it lives on {device}, which no cluster task can run. Create "
+                    "(and adapt) the layer after creating the strategy, for example under "
+                    "`with strategy.scope():`."
+                )
+
+
 def _wrap(name, ours_impl, entry_point=False):
     """Routes `TensorFlowTrainer.<name>` to `ours_impl` for our models. An entry point
     (fit, evaluate, predict) first checks that the model's strategy is still connected."""
@@ -98,6 +125,7 @@ def _wrap(name, ours_impl, entry_point=False):
         if _ours(self):
             if entry_point:
                 _strategy_of(self).check_connected()
+                _check_tables_connected(self)
                 args, kwargs = _datasets_on_chief(original, self, args, kwargs)
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
@@ -178,6 +206,7 @@ def _fit(original, model, *args, **kwargs):
         finally:
             python_inputs.end_fit(model, state.trainer)
         if not failed and state.trainer is not None:  # for a PS lost before the next fit
+            constraints.apply(state.trainer)  # every window finished
             strategy.ps_recovery.end_fit(state.trainer)
 
 
@@ -510,7 +539,10 @@ def _make_train_function(original, model, force=False):
 
 def _get_metrics_result_or_logs(original, model, logs):
     if _fitting_state(model) is not None:
-        logs = ps_recovery.finish(_window_trainer(model), _strategy_of(model).ps_recovery)
+        trainer = _window_trainer(model)
+        logs = ps_recovery.finish(trainer, _strategy_of(model).ps_recovery)
+        if trainer.strategy.synchronous or trainer.strategy.epoch_barrier:  # nothing in flight
+            constraints.apply(trainer)
         python_inputs.end_epoch(model)  # a PyDataset's on_epoch_end, where Keras calls it
         return logs
     return original(model, logs)
