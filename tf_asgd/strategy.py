@@ -448,7 +448,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         _stop_earlier_strategies()
         # Connecting starts this process's gRPC server and TF's devices: their start-up
         # lines (the address, a failed cuInit) are dropped, anything else is shown.
-        with tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()):
+        with (
+            tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()),
+            tf_startup.one_tf_log_handler(),
+        ):
             super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
         self.n_sync = n_sync
         self.staleness = staleness

@@ -126,3 +126,17 @@ def test_a_task_server_starts_quietly_and_without_keras():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[-2] == "['tensorflow']", proc.stdout
     assert "cpu_feature_guard" not in proc.stderr and "oneDNN" not in proc.stderr, proc.stderr
+
+
+def test_a_tensorflow_log_line_prints_once_after_connecting():
+    # Connecting makes absl call `logging.basicConfig()`; TF's logger has its own handler
+    # (TF imported before any logging set-up), so each record printed twice.
+    code = (
+        "import tf_asgd, tensorflow as tf\n"
+        "with tf_asgd.LocalCluster(num_workers=1, num_ps=1) as cluster:\n"
+        "    tf_asgd.AsyncParameterServerStrategy(cluster.resolver)\n"
+        "    tf.get_logger().warning('a probe line')\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("a probe line") == 1, proc.stderr[-3000:]

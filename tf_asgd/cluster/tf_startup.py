@@ -175,6 +175,26 @@ def quiet_tf_startup(enabled=True):
             sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def one_tf_log_handler():
+    """While the block runs (connecting to the cluster), TF's own modules may call
+    `logging.basicConfig()` through absl, which gives the root logger a handler. TF's
+    logger, which has a handler of its own when TF was imported before any logging set-up,
+    then prints each record twice. Where the block added the root's handler, TF's own
+    handler is removed afterwards: each record is printed once, by the root's handler."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        yield
+    finally:
+        if not before and root.handlers:
+            tf_logger = logging.getLogger("tensorflow")
+            for handler in list(tf_logger.handlers):
+                tf_logger.removeHandler(handler)
+
+
 # Copies stdin to stderr line by line, without the lines matching argv[1].
 _FILTER = (
     "import re,sys\n"

@@ -47,10 +47,6 @@ class PushCommits:
                 self.begun = tf.Variable(
                     tf.constant(0, tf.int64), trainable=False, name="pushes_begun"
                 )
-        self._read = tf.function(
-            lambda: [v.read_value() for v in [self.begun, *self.by_device.values()]],
-            autograph=False,
-        )
 
     def begin(self, count):
         """The first write of a push, on the counters' PS before its ticket: `count` (1,
@@ -59,7 +55,9 @@ class PushCommits:
 
     def counts(self):
         """`(pushes begun, {PS task ("ps:1"): pushes it has written})`, read in one call."""
-        begun, *values = [int(c) for c in self._read()]
+        # Eager reads, one per PS: a tf.function made per model would count as retraced
+        # after a few models, and TF then warns about it in the user's console.
+        begun, *values = [int(v.read_value()) for v in [self.begun, *self.by_device.values()]]
         return begun, {_task(d): n for d, n in zip(self.by_device, values)}
 
     def cut(self):
