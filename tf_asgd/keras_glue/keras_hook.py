@@ -105,7 +105,7 @@ def _check_tables_connected(model):
             if not (hasattr(value, "resource_handle") and hasattr(value, "lookup")):
                 continue
             device = value.resource_handle.device
-            if device and not device.startswith(here):
+            if device.startswith("/job:localhost") and not here.startswith("/job:localhost"):
                 raise ValueError(
                     f"Layer {layer.name!r} of model {model.name!r} holds a lookup table "
                     f"({type(value).__name__}) made before the strategy connected to the "
