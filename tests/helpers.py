@@ -169,7 +169,7 @@ def worker_killed_mid_closure(local_cluster, digits, **strategy_options):
             if trainer is None:
                 return None
             applied = trainer.window.applied_windows.numpy()
-            for _, windows, _ in list(trainer._pending):
+            for _, windows, *_ in list(trainer._pending):
                 ids = [i for _, i in windows]
                 done = [applied[i % APPLIED_RING] == i + 1 for i in ids]
                 if any(done) and not all(done):

@@ -41,7 +41,7 @@ def test_a_result_lost_with_its_worker_runs_again_as_a_replay(cluster, digits, c
     version, seen = strategy.stats().windows, len(trainer.window_log)
     trainer.train_function(iterator)
     strategy.coordinator.join()
-    ((rv, windows, _),) = trainer._pending  # private: the finished, unfetched closure
+    ((rv, windows, *_),) = trainer._pending  # private: the finished, unfetched closure
     assert strategy.stats().windows == version + 1  # it pushed
 
     def lost():

@@ -8,7 +8,7 @@ import tf_asgd
 from tf_asgd import errors
 from tf_asgd.cluster import connect, lost_tasks
 from tf_asgd.rules import update_rules
-from tf_asgd.runtime import closure_sizes, metric_states, optimizer_options, steps
+from tf_asgd.runtime import metric_states, optimizer_options, steps
 
 
 def test_every_error_class_is_exported_once_from_tf_asgd_errors():
@@ -31,7 +31,7 @@ def test_every_error_class_is_exported_once_from_tf_asgd_errors():
     assert metric_states.MetricStateError is errors.MetricStateError
     assert optimizer_options.UnsupportedFeatureError is errors.UnsupportedFeatureError
     assert tf_asgd.data.MissingDataError is errors.MissingDataError
-    assert closure_sizes.errors.WorkerStalledError is errors.WorkerStalledError
+    assert issubclass(errors.WorkerStalledError, errors.WorkersLostError)  # as documented
 
 
 def test_the_outer_optimizers_stand_beside_gem():

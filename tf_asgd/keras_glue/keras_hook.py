@@ -99,13 +99,12 @@ def _check_tables_connected(model):
     (a `TextVectorization` or `StringLookup` adapted at the top of the script): its
     resource stays on the old `/job:localhost` device, which no task knows, and every
     window would fail with "unknown device"."""
-    here = internals.host_address_space()
     for layer in internals.all_layers(model):
         for value in vars(layer).values():
             if not (hasattr(value, "resource_handle") and hasattr(value, "lookup")):
                 continue
             device = value.resource_handle.device
-            if device.startswith("/job:localhost") and not here.startswith("/job:localhost"):
+            if device.startswith("/job:localhost"):  # ours is connected: no task has it
                 raise ValueError(
                     f"Layer {layer.name!r} of model {model.name!r} holds a lookup table "
                     f"({type(value).__name__}) made before the strategy connected to the "

@@ -88,29 +88,20 @@ class ClosureWaits:
 
     def __init__(self, strategy):
         self.strategy = strategy
-        self._scheduled = {}  # id(RemoteValue) -> (monotonic time, budget s)
         self._finished_at = {}  # worker index -> when its last closure finished
         self._progress = time.monotonic()
 
-    def scheduled(self, rv, budget):
-        self._scheduled[id(rv)] = (time.monotonic(), budget)
-
-    def finished(self, rv, worker=None):
-        """`rv` finished (on `worker`, where known), or was dropped (`worker` None)."""
-        self._scheduled.pop(id(rv), None)
-        if worker is not None:
-            self._progress = self._finished_at[worker] = time.monotonic()
-
-    def forget_all(self):
-        self._scheduled.clear()
+    def finished(self, worker):
+        """A closure finished on `worker` (its index)."""
+        self._progress = self._finished_at[worker] = time.monotonic()
 
     def check(self, pending):
-        """Raises `errors.WorkerStalledError` when the closures `pending` (RemoteValues)
-        have waited past the bound with none finished."""
-        times = [self._scheduled[id(rv)] for rv in pending if id(rv) in self._scheduled]
-        if not times:
+        """Raises `errors.WorkerStalledError` when the closures `pending`, as
+        `(time.monotonic() when scheduled, budget s)` pairs, have waited past the bound
+        with none finished."""
+        if not pending:
             return
-        start, budget = min(times)
+        start, budget = min(pending)
         since, now = max(start, self._progress), time.monotonic()
         bound = float(self.strategy.connect_timeout) + (budget if budget < 1e8 else 0.0)
         if now - since <= bound:

@@ -54,7 +54,7 @@ class PushCommits:
         return self.begun.assign_add(count, read_value=False)
 
     def counts(self):
-        """`(pushes begun, {PS task ("ps:1"): pushes it has written})`, read in one call."""
+        """`(pushes begun, {PS task ("ps:1"): pushes it has written})`, read eagerly."""
         # Eager reads, one per PS: a tf.function made per model would count as retraced
         # after a few models, and TF then warns about it in the user's console.
         begun, *values = [int(v.read_value()) for v in [self.begun, *self.by_device.values()]]

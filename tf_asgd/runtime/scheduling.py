@@ -108,7 +108,7 @@ class WindowTrainer:
         self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
         # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
         self.rounds = _rounds(self, outer_optimizer) if synchronous else None
-        self._pending = []  # (RemoteValue, its windows, budget) of scheduled closures
+        self._pending = []  # (RemoteValue, its windows, budget, when scheduled) of closures
         self._iterator = None
         self.next_window_id = 0  # the windows given an id so far
         self.windows_taken = 0  # Keras's `train_function` calls that queued their window
@@ -265,8 +265,7 @@ class WindowTrainer:
             if self.rounds is None:  # (rounds run again whole: `Rounds.roll_back`)
                 self._queue = list(windows) + self._queue
             raise
-        self._pending.append((rv, windows, budget))
-        self.waits.scheduled(rv, budget)
+        self._pending.append((rv, windows, budget, time.monotonic()))
         if first:
             self.closure_sizes.append(len(windows))
 
@@ -281,18 +280,17 @@ class WindowTrainer:
         while True:
             ready = [p for p in self._pending if internals.remote_value_ready(p[0])]
             for item in ready:
-                rv, windows, budget = item
+                rv, windows, budget, _ = item
                 try:  # a failed closure stays pending: `abandon` or `drop_failed` takes it
                     rows = np.asarray(rv.fetch()).reshape(-1, self.log.layout.size)
                 except tf.errors.UnavailableError:
                     if internals.remote_value_failed(rv):
                         raise
                     self._pending.remove(item)
-                    self.waits.finished(rv)
                     self._result_lost(windows)
                     continue
                 self._pending.remove(item)
-                self.waits.finished(rv, int(rows[0][0]))
+                self.waits.finished(int(rows[0][0]))
                 for row, (steps, window_id) in zip(rows, windows):
                     self.log.record(row, window_id, steps)
                 if python_inputs.is_feed(self._iterator):
@@ -302,7 +300,7 @@ class WindowTrainer:
                     self._schedule(windows[len(rows) :], first=False)
             if not block or len(self._pending) <= keep:
                 return
-            self.waits.check([p[0] for p in self._pending])
+            self.waits.check([(at, budget) for _, _, budget, at in self._pending])
             internals.wait_briefly(self._pending[0][0])
 
     def _result_lost(self, windows):
@@ -329,9 +327,8 @@ class WindowTrainer:
     def abandon(self):
         """Forgets every queued and scheduled window (a PS's loss failed them) and the
         traces that captured the old PS variables; returns the windows, `(steps, id)`."""
-        windows = [w for _, ws, _ in self._pending for w in ws] + self._queue
+        windows = [w for _, ws, *_ in self._pending for w in ws] + self._queue
         self._pending, self._queue = [], []
-        self.waits.forget_all()
         self._concrete, self._fed_concrete = None, {}
         return windows
 
