@@ -460,12 +460,14 @@ def test_weight_constraints_hold_on_the_central_weights(strategy, flat):
     so the chief applies them where no push is in flight: what each epoch's callbacks
     and the fitted model see meets them, as in plain Keras."""
     (x, y), (xt, yt) = flat
-    compile_kw = dict(optimizer=lambda: keras.optimizers.Adam(3e-3))
+    # Trained near convergence (plain Keras 0.95 on two seeds), where one run's noise
+    # is inside the comparison's 3 points.
+    compile_kw = dict(optimizer=lambda: keras.optimizers.Adam(1e-2))
     seen = WeightsPerEpoch()
     (ours, _), (plain, _) = _both(
         strategy,
         (x, y),
-        dict(epochs=3),
+        dict(epochs=6),
         build=_constrained,
         compile_kw=compile_kw,
         callbacks=lambda: [seen],
