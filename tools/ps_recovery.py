@@ -16,7 +16,9 @@ each). The last three feed a user's seeded `tf.data` pipeline.
 
 import faulthandler
 import random
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 
@@ -525,6 +527,7 @@ def run_chaos_seeds(args):
     recoveries and the invariant's violations."""
     import tf_asgd
     from tf_asgd.cluster import chaos
+    from tf_asgd.runtime import push_journal
 
     data, rows = harness.load_data("digits"), []
     for seed in range(args.first_run, args.first_run + args.runs):
@@ -538,17 +541,28 @@ def run_chaos_seeds(args):
                 per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
             )  # fmt: skip
             faults, error, t0 = None, "", time.perf_counter()
-            broken = ["no fit"]
+            broken, replay = ["no fit"], "n/a (synchronous)" if synchronous else ""
+            initial = _initial_values_callback()
+            journal = tempfile.mkdtemp(prefix="push_journal_")
             try:
                 faults = chaos.Chaos(cluster, strategy, 20, seed)
-                model, _, accuracy = _user_fit(strategy, data, 100_000, 40, [faults], seed)
+                with push_journal.recording(journal):
+                    model, _, accuracy = _user_fit(
+                        strategy, data, 100_000, 40, [initial, faults], seed
+                    )
                 windows = chaos.windows_run(strategy, model)
                 broken = chaos.violations(strategy, model, windows)
                 asked = len(model.history.history["loss"]) * 40 // 5  # (asynchronous)
                 if not synchronous and windows != asked:
                     broken.append(f"Keras asked for {asked} windows, the chief ran {windows}")
+                if not synchronous:  # the central weights against a NumPy replay
+                    found = chaos.replay_violations(strategy, model, journal, initial.values)
+                    replay = "; ".join(found)
+                    broken += found
             except Exception as e:  # noqa: BLE001 - the row reports it
                 accuracy, error = float("nan"), repr(e)[:200]
+            finally:
+                shutil.rmtree(journal, ignore_errors=True)
         left = [p for p in pids.values() if _alive(p)]
         done = faults.done if faults else []
         rows.append({
@@ -559,6 +573,7 @@ def run_chaos_seeds(args):
             "worker_faults": sum(t.startswith("worker:") for _, ts in done for t in ts),
             "recoveries": len(strategy.recoveries), "completed": not error,
             "violations": "; ".join(broken) if not error else "",
+            "replay": replay if not error else "",
             "stalled": bool(faults and faults.stalled), "test_accuracy": accuracy,
             "processes_left": len(left),
             "error": error or repr((faults and faults.error) or "")[:200],
@@ -574,9 +589,28 @@ def run_chaos_seeds(args):
         f"{sum(bool(r['violations']) for r in rows)} run(s) broke the invariant, "
         f"{sum(not r['completed'] for r in rows)} stopped with an error, "
         f"{sum(r['stalled'] for r in rows)} stalled, "
-        f"{sum(r['processes_left'] for r in rows)} process(es) left.",
+        f"{sum(r['processes_left'] for r in rows)} process(es) left. Asynchronous runs "
+        f"whose central weights equal the NumPy replay of their pushes: "
+        f"{sum(r['replay'] == '' and r['completed'] and not r['synchronous'] for r in rows)}"
+        f" of {sum(not r['synchronous'] for r in rows)}.",
     ]
     return rows, lines
+
+
+def _initial_values_callback():
+    """A callback that keeps the central variables' values as `fit` begins
+    (`chaos.initial_values`), before any push: the replay's start."""
+    import keras
+
+    from tf_asgd.cluster import chaos
+
+    class Initial(keras.callbacks.Callback):
+        values = None
+
+        def on_train_begin(self, logs=None):
+            self.values = chaos.initial_values(self.model)
+
+    return Initial()
 
 
 def _alive(pid):

@@ -8,6 +8,7 @@ PS reads the next window's pull after its writes of this push).
 
 import tensorflow as tf
 
+from tf_asgd.runtime import push_journal
 from tf_asgd.runtime.push import CentralVariables, PushGate, Transfer, branch_free, update_specs
 from tf_asgd.runtime.records import PushMeta
 
@@ -70,7 +71,9 @@ class PushRound:
         if payloads is None:  # uncompressed: each piece as it is
             payloads = update_specs(self._variables, outgoing.update)
             payloads = [(s, (p,)) for s, p in payloads]
-        arrived, landed, meta, flags = self._send(payloads, meta)
+        # A test may record the update before it leaves (off in production).
+        with tf.control_dependencies(push_journal.worker_record(meta, outgoing.update)):
+            arrived, landed, meta, flags = self._send(payloads, meta)
         tau, done = self._apply(payloads, arrived, landed, meta)
         return self._next_pull(meta, flags, tau, done)
 
@@ -113,7 +116,7 @@ class PushRound:
                 return tf.constant(-1, tf.int64)
 
         gate = PushGate(
-            ok=meta.ok, skipped=skipped, writes=lambda tau, push: self._writes(meta, push)
+            ok=meta.ok, skipped=skipped, writes=lambda tau, push: self._writes(meta, tau, push)
         )
         updates = self._state.codec.decode(payloads, arrived)  # each on its PS
         _, tau = self._central.apply(updates, landed, meta.version, gate)
@@ -128,7 +131,7 @@ class PushRound:
                 done = tf.identity(tau)
         return tau, done
 
-    def _writes(self, meta, push):
+    def _writes(self, meta, tau, push):
         """The push's writes beside the variables (`PushGate.writes`): the
         step counters' advances and the window's id in the applied ring.
         `push`: None when they run only for a push, else `meta.ok`
@@ -141,6 +144,7 @@ class PushRound:
             if push is not None:
                 advances = advances * tf.cast(push, tf.int64)
             ops = [self._state.mark_applied(meta.window_id, push)]
+            ops += push_journal.ticket_record(meta, tau, push)  # (tests only)
         for i, counter in enumerate(counters):
             with tf.device(counter.device):
                 ops.append(

@@ -1,0 +1,151 @@
+"""What each push carried, written to files while a test records it, and its NumPy replay.
+
+Off in production: with nothing recorded, no op is added to the trace. A test records
+(`recording`) around the `fit` it checks, and the window is traced inside the block:
+- each worker writes the update of each window it pushes (its floating variables,
+  flattened, as float64), keyed by the window's id and the version it pulled, before it
+  sends it;
+- the counters' PS writes, under each push's ticket, which window and pulled version
+  that ticket applied (a ticket used again after a rollback is written again).
+
+`replay` applies tickets 0 to `version - 1` in ticket order with the pure rule
+(`update_rules.ps_push`) from the weights before the `fit`: where the outer optimizer's
+writes commute (asynchronous pushes, no momentum on the PS), the central weights must
+equal it. Used by `cluster.chaos.replay_violations`.
+"""
+
+import contextlib
+import glob
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tf_asgd.rules import update_rules
+
+_directory = []  # the directory being recorded to, if any
+
+
+@contextlib.contextmanager
+def recording(directory):
+    """Records every push traced inside the block to files in `directory`.
+
+    Example:
+
+    ```python
+    with push_journal.recording(tmp_path):
+        model.fit(...)
+    ```
+    """
+    os.makedirs(directory, exist_ok=True)
+    _directory.append(os.fspath(directory))
+    try:
+        yield
+    finally:
+        _directory.pop()
+
+
+def _name(kind, *numbers):
+    """`<directory>/<kind>-<number>-...`, a string tensor."""
+    parts = [tf.strings.as_string(n) for n in numbers]
+    return tf.strings.join([os.path.join(_directory[-1], kind)] + parts, "-")
+
+
+def _write_if(condition, path, contents):
+    """An op that writes `contents` to `path` where `condition` holds (None: always)."""
+
+    def write():
+        with tf.control_dependencies([tf.io.write_file(path, contents)]):
+            return tf.constant(True)
+
+    if condition is None:
+        return write()
+    return tf.cond(condition, write, lambda: tf.constant(False))
+
+
+def worker_record(meta, updates):
+    """On the worker: ops that write the window's update where it is pushed (`meta.ok`),
+    named by its id, its pulled version and the time; none when nothing is recorded.
+
+    Args:
+        meta: the window's `records.PushMeta`.
+        updates: one update per central variable (the push's, uncompressed).
+    """
+    if not _directory:
+        return []
+    flat = [tf.reshape(tf.cast(u, tf.float64), [-1]) for u in updates if u.dtype.is_floating]
+    when = tf.strings.as_string(tf.timestamp(), precision=6)
+    path = tf.strings.join([_name("u", meta.window_id, meta.version), when], "-")
+    return [_write_if(meta.ok, path, tf.io.serialize_tensor(tf.concat(flat, 0)))]
+
+
+def ticket_record(meta, tau, push):
+    """On the counters' PS, under the push's ticket: ops that write which window and
+    pulled version the ticket applied (`push`: None, or whether it was pushed); none
+    when nothing is recorded."""
+    if not _directory:
+        return []
+    ticket = meta.version + tau
+    contents = tf.strings.format("{} {}", (meta.window_id, meta.version))
+    return [_write_if(push, _name("t", ticket), contents)]
+
+
+def _updates(directory):
+    """`{(window id, pulled version): path}` of the workers' records, the latest of each."""
+    latest = {}
+    for path in glob.glob(os.path.join(directory, "u-*")):
+        _, window, version, when = os.path.basename(path).split("-")
+        key = (int(window), int(version))
+        if key not in latest or float(when) > latest[key][0]:
+            latest[key] = (float(when), path)
+    return {k: p for k, (_, p) in latest.items()}
+
+
+def replay(directory, initial, dtypes, version, outer, rule, max_staleness, num_workers):
+    """The central variables after tickets 0 to `version - 1`, replayed in ticket order.
+
+    Args:
+        directory: what `recording` wrote.
+        initial: the floating central variables' values before the first push (arrays, in
+            the order of the push's updates).
+        dtypes: their dtypes.
+        version: the PS's version counter after the `fit`.
+        outer, rule, max_staleness, num_workers: the push's outer optimizer, staleness
+            rule, staleness bound and worker count (`update_rules.ps_push`).
+
+    Returns:
+        `(values, missing)`: the replayed values, and the tickets without a record (the
+        replay skips them).
+    """
+    updates = _updates(directory)
+    values = [np.array(v, dtype=d) for v, d in zip(initial, dtypes)]
+    states = [{} for _ in values]
+    sizes = [v.size for v in values]
+    missing = []
+    for ticket in range(version):
+        path = os.path.join(directory, f"t-{ticket}")
+        if not os.path.exists(path):
+            missing.append(ticket)
+            continue
+        with open(path) as f:
+            window, pulled = (int(s) for s in f.read().split())
+        if (window, pulled) not in updates:
+            missing.append(ticket)
+            continue
+        raw = tf.io.read_file(updates[(window, pulled)])
+        flat = tf.io.parse_tensor(raw, tf.float64).numpy()
+        pieces = np.split(flat, np.cumsum(sizes)[:-1])
+        for i, piece in enumerate(pieces):
+            update = piece.reshape(values[i].shape).astype(values[i].dtype)
+            values[i], states[i] = update_rules.ps_push(
+                values[i],
+                update,
+                ticket - pulled,
+                ticket,
+                states[i],
+                rule,
+                max_staleness,
+                outer,
+                num_workers,
+            )
+    return values, missing
