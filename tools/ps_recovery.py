@@ -556,7 +556,7 @@ def run_chaos_seeds(args):
                 if not synchronous and windows != asked:
                     broken.append(f"Keras asked for {asked} windows, the chief ran {windows}")
                 if not synchronous:  # the central weights against a NumPy replay
-                    found = chaos.replay_violations(strategy, model, journal, initial.values)
+                    found = push_journal.replay_violations(strategy, model, journal, initial.values)
                     replay = "; ".join(found)
                     broken += found
             except Exception as e:  # noqa: BLE001 - the row reports it
@@ -599,16 +599,16 @@ def run_chaos_seeds(args):
 
 def _initial_values_callback():
     """A callback that keeps the central variables' values as `fit` begins
-    (`chaos.initial_values`), before any push: the replay's start."""
+    (`push_journal.initial_values`), before any push: the replay's start."""
     import keras
 
-    from tf_asgd.cluster import chaos
+    from tf_asgd.runtime import push_journal
 
     class Initial(keras.callbacks.Callback):
         values = None
 
         def on_train_begin(self, logs=None):
-            self.values = chaos.initial_values(self.model)
+            self.values = push_journal.initial_values(self.model)
 
     return Initial()
 

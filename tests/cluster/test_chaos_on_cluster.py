@@ -41,15 +41,15 @@ def test_a_fault_free_fit_equals_its_numpy_replay(local_cluster, digits, tmp_pat
     with local_cluster(2, 2) as cluster:
         strategy = _strategy(cluster)
         model = dense_digits_model(strategy, seed=0)
-        initial = chaos.initial_values(model)
+        initial = push_journal.initial_values(model)
         with push_journal.recording(tmp_path):
             model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=STEPS, verbose=0)
         assert int(strategy.counters.version.numpy()) == 2 * STEPS // N_SYNC
-        assert chaos.replay_violations(strategy, model, tmp_path, initial) == []
+        assert push_journal.replay_violations(strategy, model, tmp_path, initial) == []
         # The check sees a push applied twice: the replay then lacks one.
         first = tf.convert_to_tensor(initial[0] * 0 + 1e-3)
         model.trainable_variables[0].assign_add(first)
-        assert chaos.replay_violations(strategy, model, tmp_path, initial) != []
+        assert push_journal.replay_violations(strategy, model, tmp_path, initial) != []
 
 
 def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(
@@ -62,7 +62,7 @@ def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(
         strategy = _strategy(cluster)
         model = dense_digits_model(strategy, seed=0)
         faults = chaos.Chaos(cluster, strategy, FAULTS, SEED)
-        initial = chaos.initial_values(model)
+        initial = push_journal.initial_values(model)
         start = time.monotonic()
         with push_journal.recording(tmp_path):
             history = model.fit(
@@ -83,7 +83,7 @@ def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(
         windows = chaos.windows_run(strategy, model)
         assert windows == len(history.history["loss"]) * STEPS // N_SYNC  # each Keras asked for
         assert chaos.violations(strategy, model, windows) == []
-        assert chaos.replay_violations(strategy, model, tmp_path, initial) == []
+        assert push_journal.replay_violations(strategy, model, tmp_path, initial) == []
         assert model.evaluate(xt, yt, verbose=0)[1] > 0.85
         assert seconds < 240, seconds
     assert not [p for p in pids.values() if alive(p)]

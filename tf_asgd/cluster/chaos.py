@@ -14,9 +14,6 @@ import threading
 import time
 
 import keras
-import numpy as np
-
-from tf_asgd.runtime import push, push_journal
 
 # A fault, as drawn: "kill" a task and restart it on its port; "pause" a PS (SIGSTOP, then
 # SIGCONT); "ps_then_worker": a PS killed, then a worker while the chief waits for the PS.
@@ -156,53 +153,4 @@ def violations(strategy, model, windows):
             f"counters: {stats.windows} windows, {stats.applied} applied, version {version}, "
             f"against {windows} windows run"
         )
-    return found
-
-
-def initial_values(model):
-    """The central variables' values before `model`'s first push, in the order the push
-    carries them (trainable, then non-trainable): `replay_violations`'s `initial`."""
-    return [np.asarray(push.read(push.raw(v))) for v in model.trainable_variables] + [
-        np.asarray(push.read(push.raw(v))) for v in model.non_trainable_variables
-    ]
-
-
-def replay_violations(strategy, model, directory, initial, atol=1e-5):
-    """Whether `model`'s central weights equal a NumPy replay, in ticket order, of the
-    pushes a `push_journal.recording(directory)` recorded during its asynchronous `fit`
-    (from `initial`, `initial_values` before it), where the PS's writes commute: an
-    outer optimizer without momentum.
-
-    Returns:
-        A list of sentences, empty where they are equal to `atol` and every ticket
-        applied has its record.
-    """
-    trainer = strategy._trainer(model)  # (private: the chief's trainer holds the push's rule)
-    outer = trainer.outer
-    if getattr(strategy, "synchronous", False) or outer.slots:
-        raise ValueError("A replay in ticket order needs asynchronous pushes that commute.")
-    floats = [i for i, v in enumerate(trainer.variables) if np.dtype(v.dtype).kind == "f"]
-    version = int(strategy.counters.version.numpy())
-    values, missing = push_journal.replay(
-        directory,
-        [initial[i] for i in floats],
-        [np.dtype(trainer.variables[i].dtype) for i in floats],
-        version,
-        outer,
-        strategy.staleness,
-        strategy.max_staleness,
-        strategy.num_workers,
-    )
-    found = [f"tickets without a record: {missing}"] if missing else []
-    gains = trainer.state_gains or [None] * len(trainer.variables)
-    for i, expected in zip(floats, values):
-        if gains[i] is not None:  # a moving average's push has its own gain
-            continue
-        v = trainer.variables[i]
-        actual = np.asarray(push.read(push.raw(v)))
-        error = float(np.max(np.abs(actual - expected))) if actual.size else 0.0
-        if not error <= atol:
-            found.append(
-                f"{v.path}: {error:.3g} from the replay of {version} pushes (tolerance {atol:g})"
-            )
     return found

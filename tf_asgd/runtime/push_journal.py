@@ -11,7 +11,7 @@ Off in production: with nothing recorded, no op is added to the trace. A test re
 `replay` applies tickets 0 to `version - 1` in ticket order with the pure rule
 (`update_rules.ps_push`) from the weights before the `fit`: where the outer optimizer's
 writes commute (asynchronous pushes, no momentum on the PS), the central weights must
-equal it. Used by `cluster.chaos.replay_violations`.
+equal it (`replay_violations`).
 """
 
 import contextlib
@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asgd.rules import update_rules
+from tf_asgd.runtime import push
 
 _directory = []  # the directory being recorded to, if any
 
@@ -149,3 +150,52 @@ def replay(directory, initial, dtypes, version, outer, rule, max_staleness, num_
                 num_workers,
             )
     return values, missing
+
+
+def initial_values(model):
+    """The central variables' values before `model`'s first push, in the order the push
+    carries them (trainable, then non-trainable): `replay_violations`'s `initial`."""
+    return [np.asarray(push.read(push.raw(v))) for v in model.trainable_variables] + [
+        np.asarray(push.read(push.raw(v))) for v in model.non_trainable_variables
+    ]
+
+
+def replay_violations(strategy, model, directory, initial, atol=1e-5):
+    """Whether `model`'s central weights equal a NumPy replay, in ticket order, of the
+    pushes a `recording(directory)` recorded during its asynchronous `fit`
+    (from `initial`, `initial_values` before it), where the PS's writes commute: an
+    outer optimizer without momentum.
+
+    Returns:
+        A list of sentences, empty where they are equal to `atol` and every ticket
+        applied has its record.
+    """
+    trainer = strategy.model_states.get(model).trainer
+    outer = trainer.outer
+    if getattr(strategy, "synchronous", False) or outer.slots:
+        raise ValueError("A replay in ticket order needs asynchronous pushes that commute.")
+    floats = [i for i, v in enumerate(trainer.variables) if np.dtype(v.dtype).kind == "f"]
+    version = int(strategy.counters.version.numpy())
+    values, missing = replay(
+        directory,
+        [initial[i] for i in floats],
+        [np.dtype(trainer.variables[i].dtype) for i in floats],
+        version,
+        outer,
+        strategy.staleness,
+        strategy.max_staleness,
+        strategy.num_workers,
+    )
+    found = [f"tickets without a record: {missing}"] if missing else []
+    gains = trainer.state_gains or [None] * len(trainer.variables)
+    for i, expected in zip(floats, values):
+        if gains[i] is not None:  # a moving average's push has its own gain
+            continue
+        v = trainer.variables[i]
+        actual = np.asarray(push.read(push.raw(v)))
+        error = float(np.max(np.abs(actual - expected))) if actual.size else 0.0
+        if not error <= atol:
+            found.append(
+                f"{v.path}: {error:.3g} from the replay of {version} pushes (tolerance {atol:g})"
+            )
+    return found
