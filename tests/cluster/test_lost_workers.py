@@ -250,3 +250,30 @@ def test_a_frozen_worker_stops_fit_within_the_bound_naming_it(local_cluster, dig
         assert f"worker:1 at {address}" in str(info.value)
         print(f"a frozen worker: fit raised {raised_after:.1f} s after SIGSTOP")
         assert TIMEOUT <= raised_after < TIMEOUT + SLACK
+
+
+def test_a_frozen_worker_stops_evaluate_within_the_bound_naming_it(local_cluster, digits):
+    """`evaluate` on the workers waits for each shard; a worker stopped while it holds
+    one would hold `evaluate` for ever. It raises `WorkerStalledError` once no shard has
+    finished for `connect_timeout` (plus four times the longest shard), naming it."""
+    (x, y), _ = digits
+    with local_cluster(2, 1, own=True, shared_process=False) as cluster:
+        address = cluster.cluster_spec["worker"][1]
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver, n_sync=2, connect_timeout=TIMEOUT
+        )
+        model = linear_digits_model(strategy, metrics=["accuracy"])
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=10, verbose=0)
+        assert len(model.evaluate(x, y, batch_size=32, verbose=0)) == 2  # both workers answer
+        pid = cluster.pids()["worker:1"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.perf_counter()
+        try:
+            with pytest.raises(tf_asgd.WorkerStalledError) as info:
+                model.evaluate(x, y, batch_size=32, verbose=0)
+            raised_after = time.perf_counter() - stopped_at
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        tasks = info.value.tasks
+        assert [t[:3] for t in tasks] == [("worker", 1, address)], tasks
+        assert TIMEOUT <= raised_after < TIMEOUT + SLACK

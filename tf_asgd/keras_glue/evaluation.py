@@ -9,6 +9,7 @@ saying why. How shards are made and read: docs/architecture.md.
 """
 
 import logging
+import time
 import weakref
 
 import keras
@@ -16,14 +17,15 @@ import numpy as np
 import tensorflow as tf
 from keras import StatelessScope
 
-from tf_asgd import internals
+from tf_asgd import errors, internals
 from tf_asgd.keras_glue import keras_hook
-from tf_asgd.runtime import metric_states
+from tf_asgd.runtime import closure_sizes, metric_states
 from tf_asgd.runtime.push import raw, read
 
 EVALUATION_MODES = ("workers", "chief")
 SHARDS_PER_WORKER = 4  # array shards per worker: a slow worker holds back a quarter of its share
 DATASET_SHARDS_PER_WORKER = 2  # fewer for datasets: each shard skips the batches before it
+BUDGET_FACTOR = closure_sizes.BUDGET_FACTOR  # a shard's share of the bound on waiting
 FETCH_RETRIES = 3  # a shard whose result was lost with its worker runs again, at most this often
 _EXTERNAL_STATE_WARN = 0  # DatasetToGraphV2's ExternalStatePolicy.WARN
 
@@ -249,11 +251,15 @@ class Evaluator:
 
     def _run_shards(self, plan, init):
         """Schedules a closure per shard; yields `(state deltas, batches)` of
-        each as it finishes (in the order they finish)."""
+        each as it finishes (in the order they finish). A worker that holds a
+        shard and neither finishes nor fails it (a frozen process) stops the
+        wait once no shard has finished for `connect_timeout` plus four times the
+        longest shard so far (`closure_sizes.ClosureWaits`)."""
         function = self._function_for(plan, init)
         self.last_shards = shards = self._shards(plan)
         coordinator = self.strategy.coordinator
-        pending = []
+        waits = closure_sizes.ClosureWaits(self.strategy)
+        pending, longest = [], None
         try:
             for start, count in shards:
                 if plan["kind"] == "dataset":
@@ -261,16 +267,22 @@ class Evaluator:
                 else:
                     b = plan["batch_size"]
                     lo, hi = start * b, min((start + count) * b, plan["rows"])
-                    args = (tuple(a[lo:hi] for a in plan["flat"]),)
-                pending.append((coordinator.schedule(function, args=args), args, 0))
+                    # Tensors on the chief now: a NumPy argument is converted when the
+                    # closure runs, under its worker's device, a copy that holds the GIL
+                    # (a frozen worker would stop every thread of the chief).
+                    args = (tuple(tf.constant(a[lo:hi]) for a in plan["flat"]),)
+                scheduled = coordinator.schedule(function, args=args)
+                pending.append((scheduled, args, 0, time.monotonic()))
             while pending:
                 ready = [p for p in pending if internals.remote_value_ready(p[0])]
                 if not ready:
                     internals.wait_briefly(pending[0][0], 0.005)
+                    budget = 1e9 if longest is None else BUDGET_FACTOR * longest
+                    waits.check([(at, budget) for *_, at in pending])
                     continue
                 for item in ready:
                     pending.remove(item)
-                    value, args, retries = item
+                    value, args, retries, at = item
                     try:
                         flat = value.fetch()
                     except tf.errors.UnavailableError:
@@ -279,12 +291,18 @@ class Evaluator:
                         if retries >= FETCH_RETRIES:
                             raise
                         value = coordinator.schedule(function, args=args)
-                        pending.append((value, args, retries + 1))
+                        pending.append((value, args, retries + 1, time.monotonic()))
                         continue
-                    yield _unpack(flat, init)
+                    deltas, batches, worker = _unpack(flat, init)
+                    waits.finished(worker)
+                    longest = max(longest or 0.0, time.monotonic() - at)
+                    yield deltas, batches
         except KeyboardInterrupt:
             pending = []
             keras_hook.wait_after_interrupt(coordinator)
+            raise
+        except errors.WorkerStalledError:
+            pending = []  # the frozen worker's shard may never end: no join (read-only)
             raise
         finally:
             if pending:  # an error: nothing may be left running
@@ -372,7 +390,8 @@ def _states(model_ref, num_batches, batch, init, optional=False):
     `num_batches` batches (`batch(i)`; with `optional`, a
     `tf.experimental.Optional` of one, and the loop stops early at the data's
     end), from the central variables read once. Returns the metric-variable
-    states minus `init`, flat, float64, then the number of batches read."""
+    states minus `init`, flat, float64, then the number of batches read and
+    the worker's index."""
     model = model_ref()  # at trace time: the traced function holds no model
     variables = list(model.trainable_variables) + list(model.non_trainable_variables)
     weights = [read(raw(v)) for v in variables]
@@ -400,21 +419,22 @@ def _states(model_ref, num_batches, batch, init, optional=False):
             (tf.constant(0), tf.constant(0), *states),
             parallel_iterations=1,
         )
+    worker = tf.distribute.coordinator.experimental_get_current_worker_index()
     return tf.concat(
         [tf.reshape(tf.cast(s, tf.float64) - v, [-1]) for s, v in zip(out[2:], init)]
-        + [tf.cast(out[:1], tf.float64)],
+        + [tf.cast(out[:1], tf.float64), tf.cast([worker], tf.float64)],
         axis=0,
     )
 
 
 def _unpack(flat, init):
-    """`(state deltas, batches read)` of a shard's result."""
+    """`(state deltas, batches read, worker index)` of a shard's result."""
     flat, out, at = np.asarray(flat), [], 0
     for value in init:
         size = int(np.prod(np.shape(value)))
         out.append(flat[at : at + size].reshape(np.shape(value)))
         at += size
-    return out, int(flat[at])
+    return out, int(flat[at]), int(flat[at + 1])
 
 
 def _results(model, init, total):
