@@ -560,7 +560,7 @@ def run_chaos_seeds(args):
                     replay = "; ".join(found)
                     broken += found
             except Exception as e:  # noqa: BLE001 - the row reports it
-                accuracy, error = float("nan"), repr(e)[:200]
+                accuracy, error = float("nan"), repr(e)[:1000]
             finally:
                 shutil.rmtree(journal, ignore_errors=True)
         left = [p for p in pids.values() if _alive(p)]

@@ -212,6 +212,12 @@ class PSRecovery:
                 # then aborts): go back again, while `connect_timeout` lasts.
                 cause = e.__cause__
                 if not isinstance(cause, tf.errors.OpError) or time.monotonic() > deadline:
+                    log.warning(
+                        "Not going back again: %s",
+                        "connect_timeout has passed"
+                        if isinstance(cause, tf.errors.OpError)
+                        else f"{type(cause).__name__} is no task's loss",
+                    )
                     raise error from cause
                 lost = self._lost(cause) or lost
         raise error
@@ -285,7 +291,12 @@ class PSRecovery:
             if reconnect:
                 trainer.rebuild_input()
         except Exception as e:
-            log.warning("Could not go back to the snapshot (%s): %s", ", ".join(lost), e)
+            log.warning(
+                "Could not go back to the snapshot (%s): %s: %s",
+                ", ".join(lost),
+                type(e).__name__,
+                e,
+            )
             if in_flight:  # queued again: the next attempt finds them to train again
                 trainer.retrain(in_flight)
             raise _NotRecovered(str(e)) from e
