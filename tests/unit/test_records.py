@@ -56,6 +56,7 @@ def test_push_meta_fields():
         "bad",
         "next_id",
         "has_next",
+        "steps",
         "advances",
     )
     assert PushMeta.SCALARS == PushMeta._fields[:-1]
@@ -72,13 +73,14 @@ def test_push_meta_round_trip(num_counters):
         bad=tf.constant(False),
         next_id=tf.constant(42, tf.int64),
         has_next=tf.constant(True),
+        steps=tf.constant(7, tf.int64),
         advances=advances,
     )
     packed = meta.pack()
     assert packed.dtype == tf.int64 and packed.shape == [PushMeta.size(num_counters)]
     back = PushMeta.unpack(packed)
     assert back.window_id.numpy() == 41 and back.version.numpy() == 9
-    assert back.next_id.numpy() == 42
+    assert back.next_id.numpy() == 42 and back.steps.numpy() == 7
     for name in PushMeta.BOOLS:
         assert getattr(back, name).dtype == tf.bool
     assert bool(back.ok.numpy()) and not bool(back.bad.numpy()) and bool(back.has_next.numpy())
@@ -90,7 +92,7 @@ def test_push_meta_every_flag():
     """Each bool travels on its own: every combination comes back as it was sent."""
     for bits in range(8):
         ok, bad, has_next = (bool(bits & 1), bool(bits & 2), bool(bits & 4))
-        packed = PushMeta(0, 0, ok, bad, 1, has_next, [0]).pack()
+        packed = PushMeta(0, 0, ok, bad, 1, has_next, 10, [0]).pack()
         back = PushMeta.unpack(packed)
         assert (bool(back.ok), bool(back.bad), bool(back.has_next)) == (ok, bad, has_next)
 

@@ -57,13 +57,30 @@ def test_bad_staleness_config(rule, max_staleness, match):
         update_rules.validate_staleness(rule, max_staleness)
 
 
-@pytest.mark.parametrize("momentum,steps,workers", [(0.99, 10, 2), (0.99, 10, 8), (0.9, 100, 4)])
-def test_a_round_of_moving_average_pushes_moves_as_far_as_plain_keras(momentum, steps, workers):
-    """N pushes from one pulled value, each `1 - m^k` of the way times the gain, move a
-    moving average `1 - m^(N k)` of the way, as N windows' steps do in plain Keras; the
-    per-push gain stays within [1/N, 1]."""
-    gain = update_rules.moving_average_gain(momentum, steps, workers)
-    moved = workers * gain * (1 - momentum**steps)
-    np.testing.assert_allclose(moved, 1 - momentum ** (workers * steps), rtol=1e-12)
-    assert 1 / workers - 1e-12 <= gain <= 1.0
-    assert gain * (1 - momentum**steps) < update_rules.stability_limit(workers)
+def _plain_moving_average(value, stats, momentum, steps):
+    """Keras's update of a moving average, `steps` times toward `stats`."""
+    for _ in range(steps):
+        value = momentum * value + (1 - momentum) * stats
+    return value
+
+
+@pytest.mark.parametrize("momentum,steps", [(0.99, 10), (0.9, 10), (0.5, 3)])
+def test_a_moving_average_push_takes_the_windows_steps_from_where_it_stands(momentum, steps):
+    """A window pulled 1.0 and took `k` steps toward 0.01; by its push, other pushes had
+    moved the variance to 0.02. Applied where it stands, the push equals plain Keras's `k`
+    steps from 0.02 and stays above 0; added as it was (`end - pulled`) it went below 0
+    at low momentum. N such pushes in turn equal plain Keras's N k steps."""
+    pulled, stats, now = 1.0, 0.01, 0.02
+    end = _plain_moving_average(pulled, stats, momentum, steps)
+    sent = update_rules.moving_average_sent(end, pulled, momentum, steps)
+    pushed = update_rules.moving_average_push(now, sent, momentum, steps)
+    np.testing.assert_allclose(pushed, _plain_moving_average(now, stats, momentum, steps))
+    assert pushed > 0
+    if momentum <= 0.9:
+        assert now + (end - pulled) < 0  # the delta added as it was
+    value = 1.0
+    for _ in range(4):
+        value = update_rules.moving_average_push(value, sent, momentum, steps)
+    np.testing.assert_allclose(value, _plain_moving_average(1.0, stats, momentum, 4 * steps))
+    # A push not made (scale 0) leaves it.
+    assert update_rules.moving_average_push(now, sent, momentum, steps, scale=0.0) == now

@@ -54,12 +54,27 @@ def effective_learning_rate(opt, num_workers, ticket):
     return update_rules.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy)
 
 
-def apply_moving_average(shard, piece, scale, gain):
-    """The op that adds a push of a moving average (`piece`: the worker's change to it)
-    to `shard` at `gain` (`update_rules.moving_average_gain`) times the push's staleness
-    `scale`, in place of the outer rate."""
-    factor = tf.cast(scale, piece.dtype) * tf.constant(gain, piece.dtype)
-    return shard.assign_add(factor * piece, read_value=False)
+def apply_moving_average(shard, piece, scale, momentum, steps):
+    """The op that applies a push of a moving average (`piece`: the window's
+    `update_rules.moving_average_sent`) where `shard` stands now:
+    `shard + scale * (piece - (1 - m^k) shard)` (`update_rules.moving_average_push`).
+
+    It is one locked op, TF's proximal gradient step: with `alpha = 1`, `l1 = 0` it sets
+    `var = (var - delta) / (1 + l2)`, which is the push for `l2 = g / (1 - g)` and
+    `delta = -scale * piece / (1 - g)`, where `g = scale * (1 - m^k)` (below 1): a
+    read-modify-write under the variable's lock, so concurrent pushes lose nothing.
+    """
+    dtype = shard.dtype
+    moved = 1.0 - tf.pow(tf.constant(momentum, tf.float64), tf.cast(steps, tf.float64))
+    g = tf.minimum(tf.cast(scale, tf.float64) * moved, 1.0 - 1e-6)
+    return tf.raw_ops.ResourceApplyProximalGradientDescent(
+        var=shard.handle,
+        alpha=tf.constant(1.0, dtype),
+        l1=tf.constant(0.0, dtype),
+        l2=tf.cast(g / (1.0 - g), dtype),
+        delta=-tf.cast(tf.cast(scale, tf.float64) / (1.0 - g), dtype) * piece,
+        use_locking=True,
+    )
 
 
 def apply(opt, shard, piece, slots, scale, ticket, num_workers):

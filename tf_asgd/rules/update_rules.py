@@ -301,38 +301,46 @@ def stability_limit(num_workers):
     return 2.0 * float(np.sin(np.pi / (4.0 * n - 2.0)))
 
 
-def moving_average_gain(momentum, steps, num_workers):
-    """The PS's gain on a push of a moving average (BatchNormalization's moving mean and
-    variance), so that a round of N pushes moves it as far as N windows' steps move it in
-    plain Keras: `(1 - m^(N k)) / (N (1 - m^k))` for momentum `m` and `k` steps a window.
-
-    A window of `k` steps moves a moving average `1 - m^k` of the way from where it was
-    pulled to the batches' statistics. N such pushes from one pulled value, each times
-    this gain, add up to `1 - m^(N k)`: what plain Keras's `N k` steps do. The outer rate
-    (`1 / N` by default) would add up to `1 - m^k`, as if the N windows were one. The gain
-    lies between `1 / N` (a window that reaches the statistics) and 1 (a window that
-    moves little), so the delayed error stays below `1 / N` of the way a push, under
-    `stability_limit(N)` for every N.
-
-    Args:
-        momentum: the layer's momentum `m`, in [0, 1].
-        steps: `k`, a window's local steps (at least 1).
-        num_workers: N, the number of workers (at least 1).
-
-    Returns:
-        The gain, a Python float.
+def moving_average_sent(end, pulled, momentum, steps, xp=np):
+    """What a window pushes of a moving average (BatchNormalization's moving mean and
+    variance) after `steps` local steps at momentum `m`: `end - m^k pulled`, which is
+    `(1 - m^k)` times the window's blend of its batches' statistics. The PS applies it with
+    `moving_average_push`.
 
     Examples:
-        >>> round(moving_average_gain(0.99, 10, 8), 3)
-        0.722
-        >>> [moving_average_gain(0.99, 10, 1), moving_average_gain(1.0, 10, 4)]
-        [1.0, 1.0]
+        >>> round(float(moving_average_sent(0.55, 1.0, 0.5, 1)), 3)  # a step toward 0.1
+        0.05
     """
-    m, k, n = float(momentum), max(1, int(steps)), max(1, int(num_workers))
-    moved = 1.0 - m**k  # one window's share of the way
-    if moved <= 0.0:
-        return 1.0
-    return float((1.0 - m ** (n * k)) / (n * moved))
+    return end - xp.asarray(momentum, dtype=xp.float64) ** steps * pulled
+
+
+def moving_average_push(central, sent, momentum, steps, scale=1.0, xp=np):
+    """A moving average's push applied where it stands now: `central + scale * (sent -
+    (1 - m^k) central)`, that is the window's `k` steps of the average taken from the
+    central value, as plain Keras takes them, whatever moved it since the pull.
+
+    A push of `end - pulled` added as it is would overshoot where the average moved
+    since the pull: a variance falling fast went below 0 under stale pushes, and held-out
+    losses were NaN. Here each push is a convex combination of the central value and its
+    window's statistics (for `scale` in [0, 1]), so a variance stays at or above 0, and N
+    pushes move the average as far as N windows' steps in plain Keras.
+
+    Args:
+        central: the central value.
+        sent: the push (`moving_average_sent`).
+        momentum: the layer's momentum `m`, in [0, 1].
+        steps: `k`, the window's local steps.
+        scale: the push's staleness scale (0 for a push not made).
+
+    Returns:
+        The new central value.
+
+    Examples:
+        >>> round(float(moving_average_push(0.2, 0.05, 0.5, 1)), 3)  # 0.2 a step toward 0.1
+        0.15
+    """
+    moved = 1.0 - xp.asarray(momentum, dtype=xp.float64) ** steps
+    return central + scale * (sent - moved * central)
 
 
 def default_outer_learning_rate(num_workers):

@@ -212,12 +212,7 @@ class PSRecovery:
                 # then aborts): go back again, while `connect_timeout` lasts.
                 cause = e.__cause__
                 if not isinstance(cause, tf.errors.OpError) or time.monotonic() > deadline:
-                    log.warning(
-                        "Not going back again: %s",
-                        "connect_timeout has passed"
-                        if isinstance(cause, tf.errors.OpError)
-                        else f"{type(cause).__name__} is no task's loss",
-                    )
+                    log.warning("Not going back again: %s", _why_not_again(cause))
                     raise error from cause
                 lost = self._lost(cause) or lost
         raise error
@@ -291,12 +286,8 @@ class PSRecovery:
             if reconnect:
                 trainer.rebuild_input()
         except Exception as e:
-            log.warning(
-                "Could not go back to the snapshot (%s): %s: %s",
-                ", ".join(lost),
-                type(e).__name__,
-                e,
-            )
+            why = f"{type(e).__name__}: {e}"
+            log.warning("Could not go back to the snapshot (%s): %s", ", ".join(lost), why)
             if in_flight:  # queued again: the next attempt finds them to train again
                 trainer.retrain(in_flight)
             raise _NotRecovered(str(e)) from e
@@ -519,6 +510,13 @@ class WorkerShadows:
                     f"back within connect_timeout: {_status(failed[0][1])}"
                 )
             connect.pause(PROBE_RETRY_S)  # idempotent: every worker copies again
+
+
+def _why_not_again(cause):
+    """Why a failed recovery is not tried again (`PSRecovery.recover`)."""
+    if isinstance(cause, tf.errors.OpError):
+        return "connect_timeout has passed"
+    return f"{type(cause).__name__} is no task's loss"
 
 
 class _NotRecovered(Exception):

@@ -378,11 +378,14 @@ class PushGate:
         writes: optional `fn(tau, push) -> [ops]`: more writes that belong to the push
             (e.g. the step count), made under its ticket. `push` is None when they run
             only for a push, else `ok`: they must then change nothing where it is false.
+        steps: int64 scalar on the counters' PS, the window's local steps (a moving
+            average's push needs them: `update_rules.moving_average_push`); None: none.
     """
 
     ok: tf.Tensor
     skipped: typing.Callable[[], tf.Tensor]
     writes: typing.Optional[typing.Callable] = None
+    steps: typing.Optional[tf.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,9 +412,9 @@ class CentralVariables:
             rounds: `counters.PushCounters.take_ticket`); 1 when asynchronous.
         commits: a `commits.PushCommits`: each PS adds the push to its count after its
             own writes. None: none.
-        state_gains: per variable, the gain of a push of a moving average
-            (`update_rules.moving_average_gain`) in place of the outer rate, or None;
-            None: the outer rate for every variable.
+        moving_average_momenta: per variable, the momentum of the moving average it is
+            (applied by `outer.apply_moving_average`, from the window's steps: the gate's
+            `steps`), or None; None: the outer optimizer for every variable.
 
     Example:
 
@@ -437,7 +440,7 @@ class CentralVariables:
     num_workers: int = 1
     round_size: int = 1
     commits: typing.Any = None
-    state_gains: typing.Any = None
+    moving_average_momenta: typing.Any = None
 
     def push(self, updates, pulled_version):
         """Sends `updates` to the PS and applies them (`apply`).
@@ -484,7 +487,7 @@ class CentralVariables:
             and the push's staleness (int64 scalar on the counters' PS, available only once
             every write of the push is done; `gate.skipped()` when not pushed).
         """
-        plan = _PushPlan(self, arrived)
+        plan = _PushPlan(self, arrived, gate.steps if gate else None)
         cdev = plan.cdev
         ok = gate.ok if gate else None
         free = gate is not None and branch_free(self.slots)
@@ -525,20 +528,22 @@ class CentralVariables:
 class _PushPlan:
     """One push's shards grouped by PS device, and the writes made on each."""
 
-    def __init__(self, central, arrived):
-        self.central, self.arrived = central, arrived
+    def __init__(self, central, arrived, steps=None):
+        self.central, self.arrived, self.steps = central, arrived, steps
         self.outer = central.outer_optimizer or update_rules.OuterSGD()
-        slots, gains = central.slots, central.state_gains
+        slots, momenta = central.slots, central.moving_average_momenta
         self.shards = [
             (s, slots[i][j] if slots else {})
             for i, v in enumerate(central.variables)
             for j, s in enumerate(shard_variables(raw(v)))
         ]
-        self.gains = [
-            gains[i] if gains else None
+        self.momenta = [
+            momenta[i] if momenta else None
             for i, v in enumerate(central.variables)
             for _ in shard_variables(raw(v))
         ]
+        if self.steps is None and any(m is not None for m in self.momenta):
+            raise ValueError("A push of a moving average needs its window's steps.")
         self.cdev = raw(central.counters.version).device
         self.counted = tf.constant(1, tf.int64)  # what each PS adds to its commit count
         self.by_device = {self.cdev: []}
@@ -556,8 +561,12 @@ class _PushPlan:
             update = self.arrived[i]
             # Under the ticket even where the scale is a constant ("none").
             with tf.device(device), tf.control_dependencies([tau, *held]):
-                if update.dtype.is_floating and self.gains[i] is not None:
-                    ops.append(outer.apply_moving_average(shard, update, scale, self.gains[i]))
+                if update.dtype.is_floating and self.momenta[i] is not None:
+                    ops.append(
+                        outer.apply_moving_average(
+                            shard, update, scale, self.momenta[i], self.steps
+                        )
+                    )
                 elif update.dtype.is_floating:
                     ops += outer.apply(
                         self.outer,

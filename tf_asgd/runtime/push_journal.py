@@ -187,9 +187,9 @@ def replay_violations(strategy, model, directory, initial, atol=1e-5):
         strategy.num_workers,
     )
     found = [f"tickets without a record: {missing}"] if missing else []
-    gains = trainer.state_gains or [None] * len(trainer.variables)
+    momenta = trainer.moving_average_momenta
     for i, expected in zip(floats, values):
-        if gains[i] is not None:  # a moving average's push has its own gain
+        if momenta[i] is not None:  # a moving average's push has its own rule
             continue
         v = trainer.variables[i]
         actual = np.asarray(push.read(push.raw(v)))

@@ -205,6 +205,7 @@ class PushMeta(typing.NamedTuple):
         bad: bool, the update holds NaN/Inf (not a replay): counted as skipped.
         next_id: int64, the next window's id (its pull's replay check).
         has_next: bool, whether a next window follows (its pull is read).
+        steps: int64, the window's local steps (0 for a replay).
         advances: int64 `[counters]`, how far the window advances each step
             counter the push writes (the local optimizer's first).
     """
@@ -215,9 +216,10 @@ class PushMeta(typing.NamedTuple):
     bad: typing.Any
     next_id: typing.Any
     has_next: typing.Any
+    steps: typing.Any
     advances: typing.Any
 
-    SCALARS = ("window_id", "version", "ok", "bad", "next_id", "has_next")
+    SCALARS = ("window_id", "version", "ok", "bad", "next_id", "has_next", "steps")
     BOOLS = ("ok", "bad", "has_next")
 
     @classmethod

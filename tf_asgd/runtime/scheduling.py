@@ -96,7 +96,7 @@ class WindowTrainer:
         self.lr_scale_peak = strategy.worker_rate_peak(opt)
         synchronous = getattr(strategy, "synchronous", False)
         self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
-        self.state_gains = _moving_average_gains(model, strategy)
+        self.moving_average_momenta = _moving_average_momenta(model)
         # Tracked there, so a checkpoint of the model can hold them.
         strategy.outer_state(model).slots = self.outer_slots
         self.noise = NoiseSums(self.outer_slots, strategy.num_workers)
@@ -636,23 +636,16 @@ def _create_outer_slots(model, strategy, opt, synchronous):
         ]
 
 
-def _moving_average_gains(model, strategy):
-    """Per variable of `WindowTrainer.variables`, the PS's gain on a push of a
-    BatchNormalization moving average (`update_rules.moving_average_gain`), else None
-    (the outer rate)."""
+def _moving_average_momenta(model):
+    """Per variable of `WindowTrainer.variables`, the momentum of the BatchNormalization
+    moving average it is (its push: `update_rules.moving_average_push`), else None."""
     momenta = {}
     for layer in internals.all_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization):
             for v in (layer.moving_mean, layer.moving_variance):
-                momenta[id(v)] = layer.momentum
+                momenta[id(v)] = float(layer.momentum)
     variables = list(model.trainable_variables) + list(model.non_trainable_variables)
-    n_sync, workers = strategy.n_sync, strategy.num_workers
-    return [
-        update_rules.moving_average_gain(momenta[id(v)], n_sync, workers)
-        if id(v) in momenta
-        else None
-        for v in variables
-    ]
+    return [momenta.get(id(v)) for v in variables]
 
 
 def _rounds(trainer, opt):

@@ -211,7 +211,7 @@ class WindowFunction:
             iterator, window_steps, pulled
         )
         with tf.control_dependencies([token]):
-            outgoing = self._outgoing(pulled, weights, opt_values)
+            outgoing = self._outgoing(pulled, weights, opt_values, window_steps)
         count, budget, start = limits
         # A compressed push's new residuals too: a codec may drop (top-k) or
         # overflow (bf16) what the update holds.
@@ -229,6 +229,7 @@ class WindowFunction:
             bad=tf.logical_not(tf.logical_or(finite, replayed)),  # NaN/Inf, not a replay
             next_id=window_ids[tf.minimum(k + 1, window_ids.shape[0] - 1)],
             has_next=has_next,
+            steps=window_steps,
             advances=self.state.advances(pulled, opt_values),
         )
         tau, flats = self._push_round.run(outgoing, meta)
@@ -326,12 +327,22 @@ class WindowFunction:
             self._trainer.model, self.local_optimizer, batch, weights, opt_values, metric_values
         )
 
-    def _outgoing(self, pulled, weights, opt_values):
+    def _outgoing(self, pulled, weights, opt_values, num_steps):
         """The update to push (`weights - pulled`, the trainable part passed
-        through the push rule, e.g. GEM's `pi * g`) and the worker state to
-        keep if it is pushed. Returns an `Outgoing`."""
+        through the push rule, e.g. GEM's `pi * g`; a moving average's
+        `update_rules.moving_average_sent` after the window's `num_steps`) and the
+        worker state to keep if it is pushed. Returns an `Outgoing`."""
         n_train = len(self._trainer.model.trainable_variables)
-        update = [w - s for w, s in zip(weights, pulled.weights)]
+        k = tf.cast(num_steps, tf.float64)
+
+        def sent(end, start, momentum):
+            if momentum is None:
+                return end - start
+            wide = [tf.cast(t, tf.float64) for t in (end, start)]
+            return tf.cast(update_rules.moving_average_sent(*wide, momentum, k, tnp), end.dtype)
+
+        momenta = self._trainer.moving_average_momenta
+        update = [sent(w, s, m) for w, s, m in zip(weights, pulled.weights, momenta)]
         worker_state = self.state.own(opt_values)
         if self._trainer.push_rule:
             pushed_train, rule_updates, pi_stats = self._trainer.push_rule.transform(

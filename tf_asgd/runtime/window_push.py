@@ -53,7 +53,7 @@ class PushRound:
             # A synchronous round's pushes are not stale to one another.
             strategy.num_workers if getattr(strategy, "synchronous", False) else 1,
             commits=trainer.commits,
-            state_gains=trainer.state_gains,
+            moving_average_momenta=trainer.moving_average_momenta,
         )
 
     def run(self, outgoing, meta):
@@ -116,7 +116,10 @@ class PushRound:
                 return tf.constant(-1, tf.int64)
 
         gate = PushGate(
-            ok=meta.ok, skipped=skipped, writes=lambda tau, push: self._writes(meta, tau, push)
+            ok=meta.ok,
+            skipped=skipped,
+            writes=lambda tau, push: self._writes(meta, tau, push),
+            steps=meta.steps,
         )
         updates = self._state.codec.decode(payloads, arrived)  # each on its PS
         _, tau = self._central.apply(updates, landed, meta.version, gate)
