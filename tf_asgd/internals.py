@@ -1063,3 +1063,20 @@ def wait_for_closures(coordinator, timeout):
         except tf.errors.OpError:
             continue
     return False
+
+
+def metric_objects_variables(model):
+    """The variables of every metric object `model` holds, also those `compile` was given
+    that Keras builds only at the first step (`CompileMetrics` keeps them unbuilt)."""
+    metrics = list(model.metrics)
+    compiled = getattr(model, "_compile_metrics", None)  # (private: the metrics as given)
+    for name in ("_user_metrics", "_user_weighted_metrics"):
+        given = getattr(compiled, name, None)  # (private: CompileMetrics' own)
+        metrics += [m for m in tf.nest.flatten(given) if isinstance(m, keras.metrics.Metric)]
+    seen, out = set(), []
+    for metric in metrics:
+        for v in metric.variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out

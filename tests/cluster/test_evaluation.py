@@ -344,6 +344,7 @@ def data():
 train, val, images, generated = data()
 words = keras.layers.StringLookup()  # adapted at the top of the script, as Keras's guides do
 words.adapt(np.round(x.reshape(len(x), -1) * 16).astype(int).astype(str))
+auc = keras.metrics.AUC(name="auc")  # a metric object made at the top of the script
 with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
     with strategy.scope():
@@ -387,6 +388,13 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
         stale.fit(strings, y, epochs=1, steps_per_epoch=5, verbose=0)
     except ValueError as e:
         out["stale_table"] = str(e)
+    with strategy.scope():
+        early = tf_asgd.models.digits_convnet()
+        early.compile("sgd", keras.losses.CategoricalCrossentropy(from_logits=True), metrics=[auc])
+    try:
+        early.fit(x, keras.utils.to_categorical(y, 10), epochs=1, steps_per_epoch=5, verbose=0)
+    except ValueError as e:
+        out["stale_metric"] = str(e)
 print("RESULT " + json.dumps(out))
 """
 
@@ -421,3 +429,6 @@ def test_datasets_built_before_the_strategy_are_read_on_the_chief(tmp_path):
     # A lookup table adapted before the strategy is refused before any window (each
     # would fail with "unknown device" on the workers, which TF retried without end).
     assert "made before the strategy connected" in out.get("stale_table", ""), out
+    # So is a metric object made before it, naming its variable (reading it failed with
+    # TF's "Client for target /job:localhost ... not found").
+    assert "'auc/true_positives' was made before" in out.get("stale_metric", ""), out

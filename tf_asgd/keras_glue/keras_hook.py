@@ -114,6 +114,23 @@ def _check_tables_connected(model):
                 )
 
 
+def _check_metrics_connected(model):
+    """Refuses a model compiled with a metric object made before the strategy connected
+    (`keras.metrics.AUC()` at the top of the script): its variables stay on the old
+    `/job:localhost` device, which no task knows, and reading them failed with "Client for
+    target /job:localhost ... not found"."""
+    for v in internals.metric_objects_variables(model):
+        device = getattr(getattr(v, "value", v), "device", "") or ""
+        if device.startswith("/job:localhost"):  # ours is connected: no task has it
+            raise ValueError(
+                f"Model {model.name!r} was compiled with a metric whose variable "
+                f"{getattr(v, 'path', v.name)!r} was made before the strategy connected to "
+                f"the cluster: it lives on {device}, which no cluster task can run. Create "
+                "the metric objects after creating the strategy (for example under `with "
+                "strategy.scope():`), or name them (`metrics=['auc']`)."
+            )
+
+
 def _wrap(name, ours_impl, entry_point=False):
     """Routes `TensorFlowTrainer.<name>` to `ours_impl` for our models. An entry point
     (fit, evaluate, predict) first checks that the model's strategy is still connected."""
@@ -125,6 +142,8 @@ def _wrap(name, ours_impl, entry_point=False):
             if entry_point:
                 _strategy_of(self).check_connected()
                 _check_tables_connected(self)
+                if name != "predict":
+                    _check_metrics_connected(self)
                 args, kwargs = _datasets_on_chief(original, self, args, kwargs)
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
