@@ -298,8 +298,11 @@ def _say_batch_callbacks_run_per_window(callbacks, n_sync):
     if names:
         log.warning(
             "tf_asgd: %s: batch-level callback methods run once per window of n_sync=%d "
-            "steps, with `batch` the window's last step and the logs of the windows "
-            "finished so far (Keras's steps_per_execution is n_sync during fit).",
+            "steps as the chief schedules it, with `batch` the window's last step and the "
+            "logs of the windows finished so far: the central weights then hold only the "
+            "finished windows (`windows` in the logs), not those still in flight, so a "
+            "checkpoint saved every N batches holds fewer than N steps (Keras's "
+            "steps_per_execution is n_sync during fit).",
             ", ".join(names),
             n_sync,
         )
