@@ -128,6 +128,8 @@ def test_steps_per_execution(strategy, flat, caplog):
     assert "BatchEnds: batch-level callback methods run once per window of n_sync=10" in (
         caplog.text
     )
+    # The plain model, trained while this process is connected, is named once (of 2 fits).
+    assert caplog.text.count("outside `AsyncParameterServerStrategy.scope()`: it trains") == 1
     # Keras reports its last execution's end (49 of 45 steps); the strategy the last step.
     assert plain[1].batches == [9, 19, 29, 39, 49] * 2
     assert ours[1].batches == [9, 19, 29, 39, 44] * 2

@@ -17,6 +17,7 @@ import inspect
 import logging
 import threading
 import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -94,6 +95,25 @@ def _check_outside_scope(model):
         )
 
 
+_said_on_the_chief = weakref.WeakSet()  # plain models named in the log, per process
+
+
+def _say_trains_on_the_chief(model):
+    """Logs once per model that a model built and compiled outside the strategy's scope
+    trains on the chief alone, where this process is connected to a cluster (a forgotten
+    `with strategy.scope():` would otherwise pass unseen)."""
+    if internals.server_def() is None or model in _said_on_the_chief:
+        return
+    _said_on_the_chief.add(model)
+    log.warning(
+        "tf_asgd: model %r was built and compiled outside "
+        "`AsyncParameterServerStrategy.scope()`: it trains as plain Keras, on the chief "
+        "alone. Build and compile it inside `with strategy.scope():` to train on the "
+        "workers.",
+        model.name,
+    )
+
+
 def _check_tables_connected(model):
     """Refuses a model whose layers hold a lookup table made before the strategy connected
     (a `TextVectorization` or `StringLookup` adapted at the top of the script): its
@@ -148,6 +168,7 @@ def _wrap(name, ours_impl, entry_point=False):
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
             _check_outside_scope(self)
+            _say_trains_on_the_chief(self)
         if entry_point and internals.server_def() is not None:
             # A plain model (a loaded one) meets a dataset built before connecting too.
             args, kwargs = _datasets_on_chief(original, self, args, kwargs)
