@@ -118,3 +118,33 @@ def test_the_strategy_on_a_worker_or_ps_task_is_refused_at_once(monkeypatch, tas
     with pytest.raises(ValueError, match=rf"This process is {task_type}:0 .*tf_asgd.launch"):
         tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=10, connect_timeout=30)
     assert time.monotonic() - start < 5
+
+
+def test_the_strategy_on_the_evaluator_is_refused_at_once(monkeypatch):
+    """A user script run with the evaluator's TF_CONFIG would train as a second chief on
+    the chief's address; it is refused at once, saying what an evaluator does instead."""
+    import tensorflow as tf
+
+    import tf_asgd
+
+    cluster = dict(CLUSTER, evaluator=["localhost:1"])
+    monkeypatch.setenv("TF_CONFIG", tf_config(cluster, task_type="evaluator")["TF_CONFIG"])
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    with pytest.raises(ValueError, match=r"This process is the cluster's evaluator .*checkpoints"):
+        tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=10, connect_timeout=30)
+
+
+def test_the_evaluator_job_is_dropped_from_the_cluster_the_chief_connects_to():
+    """The evaluator runs no TF server: TF's connection to a cluster listing it waited for
+    it without end, so the chief connects to the cluster without it."""
+    import tensorflow as tf
+
+    from tf_asgd.cluster import tf_config as tf_config_module
+
+    spec = tf.train.ClusterSpec(dict(CLUSTER, evaluator=["localhost:1"]))
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, "", "chief", 0)
+    dropped = tf_config_module.without_evaluator(resolver)
+    assert dropped.cluster_spec().as_dict() == CLUSTER
+    assert (dropped.task_type, dropped.task_id, dropped.rpc_layer) == ("chief", 0, "grpc")
+    plain = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(CLUSTER))
+    assert tf_config_module.without_evaluator(plain) is plain

@@ -127,6 +127,14 @@ def validate_coordinator_task(resolver):
     (with the training script run on every task, as `MultiWorkerMirroredStrategy` has it,
     each would otherwise wait for the others, itself included, until `connect_timeout`)."""
     task_type = getattr(resolver, "task_type", None)
+    if task_type == "evaluator":
+        raise ValueError(
+            "This process is the cluster's evaluator (its TF_CONFIG says so), and "
+            "AsyncParameterServerStrategy runs on the chief only: it would train as a "
+            "second chief on the chief's address. An evaluator reads the chief's "
+            "checkpoints instead: `python -m tf_asgd.launch --config=...` with this "
+            "TF_CONFIG runs one (docs/launcher.md), or evaluate them with plain Keras."
+        )
     if task_type not in ("worker", "ps"):
         return
     task = f"{task_type}:{getattr(resolver, 'task_id', 0)}"
@@ -138,6 +146,24 @@ def validate_coordinator_task(resolver):
         "`if resolver.task_type in ('worker', 'ps'): tf.distribute.Server(resolver."
         "cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id, "
         "protocol='grpc').join()` before creating the strategy."
+    )
+
+
+def without_evaluator(resolver):
+    """`resolver`, or where its cluster lists an `evaluator` job, a resolver of the same
+    task without it: the evaluator runs no TF server, and TF's connection to a cluster
+    that lists it waited for it without end."""
+    import tensorflow as tf
+
+    spec = resolver.cluster_spec().as_dict()
+    if "evaluator" not in spec:
+        return resolver
+    spec.pop("evaluator")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec),
+        task_type=getattr(resolver, "task_type", None),
+        task_id=getattr(resolver, "task_id", None),
+        rpc_layer=getattr(resolver, "rpc_layer", None) or "grpc",
     )
 
 
