@@ -100,3 +100,48 @@ def test_stop_signals_raise_again_after_a_lost_keyboard_interrupt():
             run_parts.InterruptCallback(stop).on_train_batch_end(0)
     assert stop.exit_code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+_HELD_IN_C = """
+from tf_asgd.launch import run_parts
+with run_parts.StopSignals(timeout=1.0):
+    print("ready", flush=True)
+    sum(range(10**12))  # C that holds the GIL for minutes: no Python handler runs
+"""
+
+
+def test_a_signal_while_the_main_thread_is_held_in_c_ends_the_process_within_the_bound(
+    tmp_path,
+):
+    """Python's handler runs only once the main thread is back in Python; a main thread
+    held in C (as in TF's C++, reading from a stopped PS) never gets there, and SIGTERM
+    was ignored. The signal reaches the watchdog process through the wakeup fd, which
+    aborts the process `WATCHDOG_GRACE_S` after the bound: no process is left."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "held.py"
+    script.write_text(_HELD_IN_C)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.5)  # inside the sum
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    took = time.monotonic() - start
+    assert proc.returncode in (-signal.SIGABRT, -signal.SIGKILL), proc.returncode
+    assert 1.0 + run_parts.WATCHDOG_GRACE_S <= took < 1.0 + run_parts.WATCHDOG_GRACE_S + 8
+
+
+def test_stop_signals_leave_no_watchdog_behind():
+    """The watchdog process exits with the block."""
+    with run_parts.StopSignals(timeout=5.0) as stop:
+        watchdog = stop._watchdog  # (private: the test looks at the process)
+        assert watchdog is not None and watchdog.poll() is None
+    assert watchdog.wait(timeout=5) == 0
+    assert signal.set_wakeup_fd(-1) == -1  # the previous wakeup fd is back

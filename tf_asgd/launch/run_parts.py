@@ -16,6 +16,7 @@ import importlib.util
 import logging as py_logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -255,6 +256,12 @@ class StopSignals:
     GIL, so it fires even while TF's C++ holds it) prints every thread's
     stack and exits with status 1; a local cluster's tasks follow (their
     stdin lifeline). Further signals while stopping are logged and ignored.
+    The handler that arms it is Python's, which runs only once the main thread
+    is back in Python; a main thread held inside TF's C++ (a read from a PS that
+    was stopped) never gets there. So the signal also reaches a watchdog process
+    through Python's wakeup fd, which C writes at once: `WATCHDOG_GRACE_S` after
+    `timeout` it aborts this process (SIGABRT: `faulthandler` prints the stacks),
+    then kills it.
     A SIGINT that was ignored when the process started (a background job of
     a non-interactive shell, nohup) stays ignored, as Python itself does.
 
@@ -267,6 +274,7 @@ class StopSignals:
         self.requested = threading.Event()
         self.signum = None
         self._previous = {}
+        self._watchdog = self._wakeup = None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -274,12 +282,38 @@ class StopSignals:
                 if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
                     continue
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if self.timeout and self._previous:
+                self._start_watchdog()
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._watchdog is not None:
+            signal.set_wakeup_fd(self._wakeup[1])
+            _watched_fds.discard(self._wakeup[0])
+            os.close(self._wakeup[0])  # the watchdog reads the end: it exits
+            self._watchdog.wait(timeout=5)
+            self._watchdog = None
+
+    def _start_watchdog(self):
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        deadline = self.timeout + WATCHDOG_GRACE_S
+        signals = f"{int(signal.SIGINT)},{int(signal.SIGTERM)}"
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(deadline), signals],
+                stdin=read,
+                close_fds=True,
+            )
+        except OSError:  # no watchdog: Python's own deadline only
+            os.close(read), os.close(write)
+            return
+        os.close(read)
+        self._wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+        _watched_fds.add(write)
 
     def _handle(self, signum, frame):
         if self.requested.is_set():
@@ -301,6 +335,55 @@ class StopSignals:
     def exit_code(self):
         return 128 + (self.signum or signal.SIGINT)
 
+
+# After `StopSignals.timeout`, the watchdog waits this long for Python's own deadline.
+WATCHDOG_GRACE_S = 5.0
+# The watchdog: reads signal numbers from its stdin (the wakeup fd's pipe) until one of
+# the stop signals; then aborts its parent where it has not exited by the deadline. An
+# empty read is its parent's exit, or `StopSignals.__exit__`.
+_WATCHDOG = """
+import os, signal, sys, time
+parent, deadline = int(sys.argv[1]), float(sys.argv[2])
+stops = {int(n) for n in sys.argv[3].split(",")}
+while True:
+    data = os.read(0, 64)
+    if not data:
+        sys.exit(0)
+    if any(b in stops for b in data):
+        break
+end = time.monotonic() + deadline
+while time.monotonic() < end:
+    time.sleep(0.2)
+    if os.getppid() != parent:
+        sys.exit(0)
+for sig in (signal.SIGABRT, signal.SIGKILL):
+    if os.getppid() != parent:
+        sys.exit(0)
+    os.kill(parent, sig)
+    time.sleep(3.0)
+"""
+
+_watched_fds = set()  # the write ends of watchdogs' pipes this process holds
+
+
+def _forget_watchdogs_in_child():
+    """In a process forked from one that holds a watchdog (a local cluster's task): its
+    signals must not reach its parent's watchdog."""
+    if not _watched_fds:
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from another thread: the fd stays, and open
+        return
+    for fd in _watched_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _watched_fds.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watchdogs_in_child)
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (tf, keras))
 
