@@ -441,15 +441,7 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
         return os.path.exists(os.path.join(workdir, DONE_FILE))
 
     out = []
-    # Poll every 5 s until DONE appears (or, with timeout_secs, until no new
-    # checkpoint came for that long).
-    checkpoints = tf.train.checkpoints_iterator(
-        ckpt_dir,
-        min_interval_secs=1,
-        timeout=timeout_secs or 5,
-        timeout_fn=lambda: done() or bool(timeout_secs),
-    )
-    for path in checkpoints:
+    for path in _new_checkpoints(ckpt_dir, done, timeout_secs):
         checkpoint.restore(path).expect_partial()
         epoch = int(epoch_var.numpy())
         result = model.evaluate(data.test, steps=data.test_steps, return_dict=True, verbose=0)
@@ -471,6 +463,37 @@ def evaluate_checkpoints(config, workdir, timeout_secs=None):
         if epoch >= config.epochs:
             break
     return out
+
+
+EVALUATOR_POLL_S = 1.0  # between looks for a new checkpoint
+EVALUATOR_SAY_S = 60.0  # between log lines while none comes
+
+
+def _new_checkpoints(ckpt_dir, done, timeout_secs=None):
+    """Each new latest checkpoint in `ckpt_dir` as it appears, until `done()` holds and
+    the latest has been yielded (the chief's last one is always evaluated), or none came
+    for `timeout_secs`. Says where it waits, and again every `EVALUATOR_SAY_S` while
+    nothing comes (a mistyped workdir would wait in silence). (TF's `checkpoints_iterator`
+    asks its `timeout_fn` after every checkpoint too, so it ended before the last.)"""
+    logging.info("evaluator: waiting for checkpoints in %s", ckpt_dir)
+    last, since, said = None, time.monotonic(), time.monotonic()
+    while True:
+        finished = done()  # read first: a checkpoint written before DONE is seen below
+        latest = tf.train.latest_checkpoint(ckpt_dir)
+        if latest is not None and latest != last:
+            last, since = latest, time.monotonic()
+            yield latest
+            continue
+        if finished:
+            return
+        now = time.monotonic()
+        if timeout_secs and now - since > timeout_secs:
+            logging.info("evaluator: no new checkpoint in %s for %g s", ckpt_dir, timeout_secs)
+            return
+        if now - said > EVALUATOR_SAY_S:
+            logging.info("evaluator: still waiting for a checkpoint in %s", ckpt_dir)
+            said = now
+        time.sleep(EVALUATOR_POLL_S)
 
 
 def run_task(config, workdir, cluster, task_type, task_index, resume=False, stop=None):
