@@ -186,15 +186,22 @@ class WorkerStalledError(WorkersLostError):
     ```
     """
 
+    def __init__(self, tasks, timeout, during="fit"):
+        self.during = during  # "fit", or "evaluate" (its shards write nothing)
+        super().__init__(tasks, timeout)
+
     def _message(self, named):
+        closures, kept = "window closure", "The pushes that finished are on the PS tasks."
+        if self.during != "fit":
+            closures, kept = "evaluation shard", "Its shards write nothing to the PS tasks."
         return (
-            f"No window closure finished for {self.timeout:g} s, and {len(self.tasks)} "
+            f"No {closures} finished for {self.timeout:g} s, and {len(self.tasks)} "
             f"worker(s) finished none meanwhile: {named}. TensorFlow takes a worker for "
             "lost only when its connection fails; one that is stopped, hung on its device "
             "or cut off without the connection closing holds its closure without a bound, "
-            "so fit stopped here. The pushes that finished are on the parameter servers. "
-            "Restart these workers at the same addresses and fit again (or restart the "
-            "job from a checkpoint); connect_timeout sets how long to wait."
+            f"so {self.during} stopped here. {kept} "
+            f"Restart these workers at the same addresses and {self.during} again (or "
+            "restart the job from a checkpoint); connect_timeout sets how long to wait."
         )
 
 

@@ -276,4 +276,6 @@ def test_a_frozen_worker_stops_evaluate_within_the_bound_naming_it(local_cluster
             os.kill(pid, signal.SIGCONT)
         tasks = info.value.tasks
         assert [t[:3] for t in tasks] == [("worker", 1, address)], tasks
+        assert "No evaluation shard finished" in str(info.value)
+        assert "so evaluate stopped here" in str(info.value)
         assert TIMEOUT <= raised_after < TIMEOUT + SLACK

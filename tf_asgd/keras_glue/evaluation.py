@@ -258,7 +258,7 @@ class Evaluator:
         function = self._function_for(plan, init)
         self.last_shards = shards = self._shards(plan)
         coordinator = self.strategy.coordinator
-        waits = closure_sizes.ClosureWaits(self.strategy)
+        waits = closure_sizes.ClosureWaits(self.strategy, during="evaluate")
         pending, longest = [], None
         try:
             for start, count in shards:

@@ -84,10 +84,11 @@ class ClosureWaits:
 
     Args:
         strategy: the strategy (read: `connect_timeout`, `cluster_spec`).
+        during: what waits, as the error names it: `"fit"` or `"evaluate"`.
     """
 
-    def __init__(self, strategy):
-        self.strategy = strategy
+    def __init__(self, strategy, during="fit"):
+        self.strategy, self.during = strategy, during
         self._finished_at = {}  # worker index -> when its last closure finished
         self._progress = time.monotonic()
 
@@ -112,4 +113,4 @@ class ClosureWaits:
             ("worker", i, addresses[i], f"finished no closure for {now - since:.0f} s")
             for i in silent or range(len(addresses))
         ]
-        raise errors.WorkerStalledError(tasks, round(now - since))
+        raise errors.WorkerStalledError(tasks, round(now - since), self.during)
