@@ -453,7 +453,17 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()),
             tf_startup.one_tf_log_handler(),
         ):
-            super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
+            try:
+                super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
+            except tf.errors.UnknownError as e:  # TF names neither the task nor the cause
+                if "Could not start gRPC server" not in str(e):
+                    raise
+                address = cluster_resolver.cluster_spec().as_dict().get("chief", ["?"])[0]
+                raise RuntimeError(
+                    f"Could not start this process's TF server, the chief's, at {address}: "
+                    "is its port in use by another process (an earlier run still alive)? "
+                    "Stop that process, or give the chief another port in the cluster spec."
+                ) from None
         self.n_sync = n_sync
         self.staleness = staleness
         self.max_staleness = max_staleness

@@ -341,3 +341,34 @@ def test_a_later_fit_on_the_same_dataset_continues_the_workers_stream(local_clus
     assert batches_of_fit(dataset()) == [0.0, 1.0, 2.0]
     strategy.per_worker_dataset_fn = lambda d, i: d
     assert batches_of_fit(ds) == [0.0, 1.0, 2.0]
+
+
+_CHIEF_PORT_TAKEN = """
+import socket, tensorflow as tf, tf_asgd
+with tf_asgd.LocalCluster(1, 1) as cluster:
+    spec = dict(cluster.cluster_spec)
+    taken = socket.socket()
+    taken.bind(("localhost", 0))
+    taken.listen(1)
+    spec["chief"] = [f"localhost:{taken.getsockname()[1]}"]
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), "", "chief", 0, rpc_layer="grpc"
+    )
+    tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=5, connect_timeout=20)
+"""
+
+
+def test_the_chiefs_port_in_use_is_named_in_one_line(tmp_path):
+    """TF's own error (`UnknownError: Could not start gRPC server`) names neither the task
+    nor the port; the strategy's names the chief's address and the likely cause."""
+    import sys
+
+    script = tmp_path / "port_taken.py"
+    script.write_text(_CHIEF_PORT_TAKEN)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: Could not start this process's TF server, the chief's")
+    assert "is its port in use" in last
