@@ -308,3 +308,30 @@ def test_cuda_convnet_lrn_layer_round_trips(tmp_path):
     again = keras.models.load_model(path)
     x = np.random.default_rng(0).uniform(0, 255, (2, 24, 24, 3)).astype("float32")
     np.testing.assert_allclose(model(x), again(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flag,says",
+    [
+        ("--config=no/such/config.py", "--config: could not load 'no/such/config.py'"),
+        ("--config.epoch=3", """--config: no field 'epoch'. Did you mean "epochs\""""),
+    ],
+)
+def test_a_config_mistake_is_one_line(tmp_path, flag, says):
+    """A config file that cannot be read, or an override naming no field, exits with one
+    line naming it (ml_collections raised them as tracebacks of 36 and 55 lines)."""
+    import subprocess
+    import sys
+
+    args = ["--config=configs/default.py", flag] if flag.startswith("--config.") else [flag]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_asgd.launch", *args, f"--workdir={tmp_path / 'w'}"],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("tf_asgd.launch: ") and says in line

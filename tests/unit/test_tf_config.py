@@ -148,3 +148,8 @@ def test_the_evaluator_job_is_dropped_from_the_cluster_the_chief_connects_to():
     assert (dropped.task_type, dropped.task_id, dropped.rpc_layer) == ("chief", 0, "grpc")
     plain = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(CLUSTER))
     assert tf_config_module.without_evaluator(plain) is plain
+
+
+def test_an_index_written_as_a_string_is_read_as_tf_reads_it():
+    text = json.dumps({"cluster": CLUSTER, "task": {"type": "worker", "index": "1"}})
+    assert tf_config_role({"TF_CONFIG": text})[1:] == ("worker", 1)

@@ -65,6 +65,8 @@ def parse_tf_config(text):
     if not isinstance(task, dict):
         raise ValueError(f'TF_CONFIG needs a "task" object: {text!r}')
     task_type, task_index = task.get("type"), task.get("index", 0)
+    if isinstance(task_index, str) and task_index.strip().isdigit():
+        task_index = int(task_index)  # as TF's own TFConfigClusterResolver reads it
     if task_type not in ROLES:
         raise ValueError(f"TF_CONFIG task type {task_type!r} is not one of {ROLES}.")
     if task_type != "evaluator":

@@ -10,4 +10,4 @@ __doc__ = main.__doc__  # absl prints the main module's docstring as --help's us
 flags.adopt_module_key_flags(main)  # and lists the key flags of the main module only
 
 process.set_tf_log_level(sys.argv)
-app.run(main.main)
+app.run(main.main, flags_parser=main.parse_flags)

@@ -12,6 +12,9 @@ TensorFlow's start-up lines and INFO logs are off in the launcher and every task
 unless `--verbose_tf`.
 """
 
+import re
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -82,10 +85,11 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if FLAGS.config is None:
+    config = _config()
+    if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/default.py")
     process.launch(
-        FLAGS.config,
+        config,
         FLAGS.workdir,
         resume=FLAGS.resume,
         gpus_per_worker=FLAGS.gpus_per_worker,
@@ -94,3 +98,48 @@ def main(argv):
         verbose_tf=FLAGS.verbose_tf,
         stop_timeout=FLAGS.stop_timeout,
     )
+
+
+def _config():
+    """`--config` as loaded, or an exit with one line (`config_error`)."""
+    try:
+        config = FLAGS.config
+        if config is not None:
+            config.keys()  # one that failed to load raises when first read
+        return config
+    except (OSError, KeyError, AttributeError, TypeError, ValueError) as e:
+        sys.exit(config_error(e))
+
+
+def parse_flags(argv):
+    """absl's flag parsing, where a config file that cannot be read or a `--config.FIELD`
+    that names no field exits with one line (ml_collections raises them as tracebacks,
+    which absl's own parser lets through)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"tf_asgd.launch: {e}\nPass --help to see the flags.")
+    except (OSError, KeyError, AttributeError, TypeError, ValueError) as e:
+        sys.exit(config_error(e))
+
+
+def config_error(error):
+    """The launcher's one line for a config that did not load."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    if isinstance(error, OSError):
+        path = FLAGS["config"].config_filename or "?"
+        return (
+            f"tf_asgd.launch: --config: could not load {path!r} (a path relative to the "
+            f"directory you run from): {_first_line(cause)}"
+        )
+    text = str(cause.args[0]) if cause.args else str(cause)
+    if "Did you mean" in text:  # ml_collections' unknown field: a repr inside a repr
+        field = re.search(r"[A-Za-z_][\w.]*", text).group(0)
+        hint = text[text.index("Did you mean") :].rstrip("'")
+        text = f"no field {field!r}. {hint}"
+    return f"tf_asgd.launch: --config: {' '.join(text.split())}"
+
+
+def _first_line(error):
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -135,9 +135,9 @@ def _train(config, workdir, resume, verbose_tf, stop_timeout):
         lost_tasks.ClusterTaskLostError,
         task_server.TaskServerError,
         errors.ClusterUnreachableError,  # WorkersLostError too
+        errors.MissingDataError,
     ) as e:
-        logging.error("%s", e)
-        sys.exit(f"tf_asgd.launch: {e}")
+        sys.exit(f"tf_asgd.launch: {e}")  # one line, once
     except KeyboardInterrupt:
         saved = _latest_checkpoint(workdir)
         logging.warning(
