@@ -28,10 +28,11 @@ class TaskServerError(RuntimeError):
     """A task's TF server did not start (its port taken, most often)."""
 
 
-def serve(cluster, tasks):
+def serve(cluster, tasks, announce=True):
     """Starts TF servers for `tasks` ("job:index") in this process and returns them.
 
-    The caller keeps the process alive.
+    The caller keeps the process alive. With `announce`, prints `READY` (what a
+    `LocalCluster` waits for on the task's stdout); the launcher's tasks do not.
     """
     tf = tf_startup.import_tensorflow("tf_asgd.cluster.task_server")
 
@@ -60,7 +61,8 @@ def serve(cluster, tasks):
                 f"(another {task} already running, or another program)? (TensorFlow said: "
                 f"{e.message.splitlines()[0]})"
             ) from e
-    print(local_cluster.READY, flush=True)
+    if announce:
+        print(local_cluster.READY, flush=True)
     return servers
 
 

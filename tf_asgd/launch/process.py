@@ -127,7 +127,9 @@ def _train(config, workdir, resume, verbose_tf, stop_timeout):
     from tf_asgd.launch import roles, run_parts
 
     run_parts.configure_tf_python_logging(verbose_tf)
-    logging.info("config:\n%s", "\n".join(config_lines(config)))
+    role = tf_config.tf_config_role()
+    if role is None or role[1] not in ("worker", "ps"):  # a server's config means nothing
+        logging.info("config:\n%s", "\n".join(config_lines(config)))
     stop = run_parts.StopSignals(stop_timeout)
     try:
         roles.run(config, workdir and os.path.abspath(workdir), resume=resume, stop=stop)

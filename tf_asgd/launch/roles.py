@@ -399,7 +399,7 @@ def serve_task(cluster, task_type, task_index, stop_event=None):
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        servers = task_server.serve(cluster, [f"{task_type}:{task_index}"])
+        servers = task_server.serve(cluster, [f"{task_type}:{task_index}"], announce=False)
         logging.info(
             "%s:%d serving at %s until SIGTERM",
             task_type,
