@@ -239,3 +239,17 @@ def test_the_update_rules_examples_run():
 
     failures, tried = doctest.testmod(update_rules)
     assert failures == 0 and tried >= 20
+
+
+@pytest.mark.parametrize("scale,momentum,steps", [(1.0, 0.99, 10), (1.0, 0.5, 3), (0.0, 0.9, 10)])
+def test_the_moving_average_op_is_the_pure_rule(scale, momentum, steps):
+    """`outer.apply_moving_average`'s one locked op (a proximal step) computes
+    `update_rules.moving_average_push`."""
+    central = np.array([0.02, 1.0, 3.5], np.float32)
+    sent = np.array([0.004, -0.2, 0.5], np.float32)
+    shard = tf.Variable(central)
+    outer.apply_moving_average(shard, tf.constant(sent), tf.constant(scale), momentum, steps)
+    want = update_rules.moving_average_push(
+        central.astype(np.float64), sent.astype(np.float64), momentum, steps, scale
+    )
+    np.testing.assert_allclose(shard.numpy(), want, rtol=1e-6, atol=1e-7)
