@@ -439,8 +439,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         pull_compression = as_pull_compression(pull_compression)
         tf_config.validate_coordinator_task(cluster_resolver)
         cluster_resolver = tf_config.without_evaluator(cluster_resolver)
-        tf_config.validate_cluster_spec(cluster_resolver.cluster_spec().as_dict())
-        workers = cluster_resolver.cluster_spec().num_tasks("worker")
+        spec = cluster_resolver.cluster_spec()
+        tf_config.validate_cluster_spec(spec.as_dict())
+        workers = spec.num_tasks("worker")
         options = (staleness, max_staleness, windows_per_closure, outer_optimizer, workers)
         rounds.validate_synchronous(synchronous, *options)
         ps_recovery.validate_snapshot_every(snapshot_every)
@@ -453,17 +454,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             tf_startup.quiet_tf_startup(not tf_startup.verbose_tf()),
             tf_startup.one_tf_log_handler(),
         ):
-            try:
-                super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
-            except tf.errors.UnknownError as e:  # TF names neither the task nor the cause
-                if "Could not start gRPC server" not in str(e):
-                    raise
-                address = cluster_resolver.cluster_spec().as_dict().get("chief", ["?"])[0]
-                raise RuntimeError(
-                    f"Could not start this process's TF server, the chief's, at {address}: "
-                    "is its port in use by another process (an earlier run still alive)? "
-                    "Stop that process, or give the chief another port in the cluster spec."
-                ) from None
+            self._connect(cluster_resolver, variable_partitioner)
         self.n_sync = n_sync
         self.staleness = staleness
         self.max_staleness = max_staleness
@@ -476,10 +467,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.compression, self.pull_compression = compression, pull_compression
         self.synchronous, self.lr_scaling = synchronous, lr_scaling
         self.epoch_barrier = epoch_barrier
-        # (TF's `cluster_resolver` property is None here: count from the resolver given.)
-        self.num_workers = cluster_resolver.cluster_spec().num_tasks("worker")
-        # The cluster as a dict: what a lost task is named by.
-        self.cluster_spec = cluster_resolver.cluster_spec().as_dict()
+        # (TF's `cluster_resolver` is None here.) A lost task is named from the dict.
+        self.num_workers, self.cluster_spec = workers, spec.as_dict()
         # evaluate/predict run on the chief against the central variables.
         internals.allow_run_without_coordinator(self)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
@@ -498,6 +487,21 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             self.counters = PushCounters()
         self.model_states = ModelStates(self, self._outer_optimizer_for)
         self.training_data = TrainingData()
+
+    def _connect(self, cluster_resolver, variable_partitioner):
+        """TF's own connection (`ParameterServerStrategy.__init__`), with the chief's port
+        in use named in one line (TF's `UnknownError` names neither task nor port)."""
+        try:
+            super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
+        except tf.errors.UnknownError as e:
+            if "Could not start gRPC server" not in str(e):
+                raise
+            address = cluster_resolver.cluster_spec().as_dict().get("chief", ["?"])[0]
+            raise RuntimeError(
+                f"Could not start this process's TF server, the chief's, at {address}: is "
+                "its port in use by another process (an earlier run still alive)? Stop "
+                "that process, or give the chief another port in the cluster spec."
+            ) from None
 
     @property
     def connect_timeout(self):

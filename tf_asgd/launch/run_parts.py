@@ -293,8 +293,12 @@ class StopSignals:
         if self._watchdog is not None:
             signal.set_wakeup_fd(self._wakeup[1])
             _watched_fds.discard(self._wakeup[0])
-            os.close(self._wakeup[0])  # the watchdog reads the end: it exits
-            self._watchdog.wait(timeout=5)
+            os.close(self._wakeup[0])  # a watchdog still reading exits on this
+            try:
+                self._watchdog.wait(timeout=2)
+            except subprocess.TimeoutExpired:  # armed by a signal: stopping reached its end
+                self._watchdog.kill()
+                self._watchdog.wait(timeout=5)
             self._watchdog = None
 
     def _start_watchdog(self):
