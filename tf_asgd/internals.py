@@ -1053,16 +1053,43 @@ def retrace_every_function():
 
 def wait_for_closures(coordinator, timeout):
     """Waits up to `timeout` seconds until no closure of `coordinator` runs or waits,
-    swallowing their errors (the queue raises each once). Returns whether it emptied."""
-    closures = coordinator._cluster.closure_queue
+    swallowing their errors (the queue raises each once). Returns whether it emptied.
+
+    TF's `ClosureQueue.wait(timeout)` is not bounded once a closure has failed: it
+    then cancels the rest and waits, with no timeout, for every closure in flight, and
+    a worker's closure stays in flight until TF reconnects to that worker (seconds,
+    or for good). Here that wait is bounded too."""
+    return wait_for_queue(coordinator._cluster.closure_queue, timeout)  # (private: TF's)
+
+
+def wait_for_queue(closures, timeout):
+    """`wait_for_closures` on TF's closure queue itself (`ClusterCoordinator`'s
+    `_CoordinatedClosureQueue`, through its private state)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if closures.wait(timeout=max(0.01, deadline - time.monotonic())):
+    with closures._queue_lock:
+        cancelled = False
+        while True:
+            failed = closures._error is not None
+            if failed and closures._inflight_closure_count == 0:
+                try:  # TF's own cancel: nothing in flight, so it does not wait
+                    closures._raise_if_error()
+                except Exception:  # noqa: BLE001 - swallowed, as documented
+                    pass
+                continue
+            if not failed and closures._queue.empty() and closures._inflight_closure_count == 0:
                 return True
-        except tf.errors.OpError:
-            continue
-    return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if failed and not cancelled:  # as TF's cancel starts: the closures in flight end
+                closures._cancellation_mgr.start_cancel()
+                cancelled = True
+            condition = (
+                closures._no_inflight_closure_condition
+                if failed
+                else closures._stop_waiting_condition
+            )
+            condition.wait(min(remaining, 0.1))
 
 
 def metric_objects_variables(model):

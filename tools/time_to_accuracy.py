@@ -254,17 +254,21 @@ def _outer_options(outer, workers, optimizer):
     return {"outer_optimizer": outer_sgd(outer, workers)}
 
 
-def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", outer="default"):
+def run_asgd(
+    cluster, setup, workers, n_sync, seed, args, compression="none", outer="default", budget=None
+):
     """tf_asgd on `workers` emulated devices, pushes (and pulls) compressed as
     `compression` says (`parse_compression`), under the default outer optimizer or a
-    constant `OuterSGD(outer)`; returns (run row, curve points)."""
+    constant `OuterSGD(outer)`, for `budget` times plain's samples (default: the first
+    of `--budget`); returns (run row, curve points)."""
     import keras
 
     import tf_asgd
 
     data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
     data = _data(data_name)
-    steps = int(round(args.budget * _steps(setup, args)))
+    budget = args.budget[0] if budget is None else budget
+    steps = int(round(budget * _steps(setup, args)))
     device_ms = _device_ms(setup, args)
     # Worker 0 a straggler at `--slow-worker` times the device time (1: none).
     slow = {0: args.slow_worker} if args.slow_worker != 1 else None
@@ -325,6 +329,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression="none", ou
         batch_size=batch,
         steps=steps,
         samples=steps * batch,
+        budget=budget,
     )
     row.update(_timings(curve, curve.points, end, startup, steps, workers, device_ms, args.cores))
     row.update(
@@ -423,6 +428,7 @@ def run_line(row):
     return (
         f"{row['setup']} {row['workers']}w n_sync {row['n_sync']}"
         + ("" if codec == "none" else f" {codec}")
+        + ("" if row.get("budget", 1.0) == 1.0 else f" {row['budget']:g}x samples")
         + f" seed {row['seed']}: "
         f"{reached}; final {row['final_accuracy']:.3f} "
         f"(plain {row['plain_final_accuracy']:.3f}), "
@@ -448,10 +454,10 @@ def write_table(out, runs):
     groups = collections.defaultdict(list)
     for r in runs:
         if r["method"] == "tf_asgd":
-            groups[(r["setup"], r["n_sync"], r["workers"], variant(r))].append(r)
+            groups[(r["setup"], r["n_sync"], r["workers"], variant(r), r["budget"])].append(r)
     rows = []
     compressed = any(key[3] != "none" for key in groups)
-    for (setup, n_sync, workers, codec), rs in sorted(groups.items()):
+    for (setup, n_sync, workers, codec, budget), rs in sorted(groups.items()):
         reached = [r for r in rs if math.isfinite(r["time_to_target_s"])]
         rows.append(
             [
@@ -459,6 +465,7 @@ def write_table(out, runs):
                 n_sync,
                 workers,
                 *([codec] if compressed else []),
+                f"{budget:g}x",
                 len(rs),
                 rs[0]["device_ms"],
                 _range([r["plain_final_accuracy"] for r in rs], "{:.3f}"),
@@ -479,6 +486,7 @@ def write_table(out, runs):
         "n_sync",
         "workers",
         *(["compression (push+pull), outer rate"] if compressed else []),
+        "samples",
         "seeds",
         "device ms",
         "plain final",
@@ -486,7 +494,7 @@ def write_table(out, runs):
         "tf_asgd s to target",
         "speed-up",
         "samples ratio",
-        f"final at {runs[0].get('budget', 2)}x samples",
+        "final",
         "worst drop (pts)",
         "must hold",
         "CPU share",
@@ -677,7 +685,13 @@ def main(argv=None):
         default=None,
         help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
     )
-    p.add_argument("--budget", type=float, default=2.0, help="tf_asgd's samples over plain's")
+    p.add_argument(
+        "--budget",
+        type=harness.float_list,
+        default=[2.0],
+        help="tf_asgd's samples over plain's; several (e.g. 1,2) alternate run by run, "
+        "after one plain run per seed",
+    )
     p.add_argument(
         "--slow-worker",
         type=float,
@@ -729,7 +743,7 @@ def main(argv=None):
         * len(args.seeds)
         * (
             1
-            + args.budget
+            + sum(args.budget)
             * len(args.n_sync)
             * len(args.compressions)
             * len(args.outer_rates)
@@ -747,7 +761,8 @@ def main(argv=None):
     t0 = time.time()
 
     def record(row, points):
-        row.update(cores=args.cores, budget=args.budget, cpu_bound=int(row["cpu_util"] > CPU_BOUND))
+        row.setdefault("budget", 1.0)  # plain's own samples
+        row.update(cores=args.cores, cpu_bound=int(row["cpu_util"] > CPU_BOUND))
         runs.append(row)
         tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
         tags["compression"] = row.get("compression", "none")
@@ -766,10 +781,17 @@ def main(argv=None):
             record(row, points)
     for workers in args.workers:
         with harness.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
-            for setup, n_sync, codec, outer, seed in itertools.product(
-                args.setups, args.n_sync, args.compressions, args.outer_rates, args.seeds
+            for setup, n_sync, codec, outer, seed, budget in itertools.product(
+                args.setups,
+                args.n_sync,
+                args.compressions,
+                args.outer_rates,
+                args.seeds,
+                args.budget,
             ):
-                row, points = run_asgd(cluster, setup, workers, n_sync, seed, args, codec, outer)
+                row, points = run_asgd(
+                    cluster, setup, workers, n_sync, seed, args, codec, outer, budget
+                )
                 row.update(summarize(points, plain[(setup, seed)], args))
                 record(row, points)
                 write_table(args.out, runs)

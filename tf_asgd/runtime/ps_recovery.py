@@ -35,6 +35,7 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
+PROBE_GRACE_S = 2.0  # the least a probe is waited for, once queued
 COPY_WAIT_S = 60.0  # the longest wait for the workers' half of a snapshot
 RECOVERY_ATTEMPTS = 20  # at most, going back again where another PS is lost meanwhile
 _EARLIER_FIT = (
@@ -281,13 +282,18 @@ class PSRecovery:
             connect.wait_for_tasks(ps, max(0.1, deadline - time.monotonic()))
             answered = time.monotonic()
             self._restore(reconnect)
-            self._reach_workers(strategy, deadline)
+            _reach_workers(strategy, deadline)
             self._copy_worker_state(back=True, deadline=deadline)
             if reconnect:
                 trainer.rebuild_input()
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
-            log.warning("Could not go back to the snapshot (%s): %s", ", ".join(lost), why)
+            log.warning(
+                "Could not go back to the snapshot (%s) after %.1f s: %s",
+                ", ".join(lost),
+                time.monotonic() - start,
+                why,
+            )
             if in_flight:  # queued again: the next attempt finds them to train again
                 trainer.retrain(in_flight)
             raise _NotRecovered(str(e)) from e
@@ -431,24 +437,6 @@ class PSRecovery:
                 internals.forget_cached_read(layer)
         internals.retrace_every_function()
 
-    def _reach_workers(self, strategy, deadline):
-        """Waits until every worker reads the PS again: right after a reconnection the
-        workers' own channels to a restarted PS back off for seconds."""
-        version = strategy.counters.version
-        probe = tf.function(lambda: version.read_value() + 0, autograph=False)
-        while True:
-            try:
-                for i, run in enumerate(internals.on_every_worker(strategy.coordinator, probe)):
-                    _fetch_by(run, deadline, strategy.coordinator, worker=i)
-                return
-            except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
-                # A channel backing off; another error (a handle from before TF's own
-                # reconnection for a worker) fails the attempt, which goes back again.
-                internals.wait_for_closures(strategy.coordinator, 5.0)
-                if time.monotonic() > deadline:
-                    raise
-                connect.pause(PROBE_RETRY_S)
-
 
 class WorkerShadows:
     """The workers' half of a snapshot: a shadow of every per-worker variable (the
@@ -510,6 +498,32 @@ class WorkerShadows:
                     f"back within connect_timeout: {_status(failed[0][1])}"
                 )
             connect.pause(PROBE_RETRY_S)  # idempotent: every worker copies again
+
+
+def _reach_workers(strategy, deadline):
+    """Waits until every worker reads the PS again: right after a reconnection the
+    workers' own channels to a restarted PS back off for seconds."""
+    version = strategy.counters.version
+    probe = tf.function(lambda: version.read_value() + 0, autograph=False)
+    while True:
+        if time.monotonic() > deadline:  # spent waiting for the closures in flight
+            raise tf.errors.UnavailableError(
+                None, None, "connect_timeout passed before every worker read the PS again"
+            )
+        try:
+            runs = internals.on_every_worker(strategy.coordinator, probe)
+            # A probe just queued is given a moment even at the deadline's edge.
+            by = max(deadline, time.monotonic() + PROBE_GRACE_S)
+            for i, run in enumerate(runs):
+                _fetch_by(run, by, strategy.coordinator, worker=i)
+            return
+        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
+            # A channel backing off; another error (a handle from before TF's own
+            # reconnection for a worker) fails the attempt, which goes back again.
+            internals.wait_for_closures(strategy.coordinator, 5.0)
+            if time.monotonic() > deadline:
+                raise
+            connect.pause(PROBE_RETRY_S)
 
 
 def _why_not_again(cause):
