@@ -506,6 +506,13 @@ def _reach_workers(strategy, deadline):
     version = strategy.counters.version
     probe = tf.function(lambda: version.read_value() + 0, autograph=False)
     while True:
+        revived = internals.revive_orphaned_workers(strategy.coordinator)
+        if revived:
+            log.warning(
+                "Worker(s) %s, which TF's coordinator still marked failed after a "
+                "reconnection that failed on a lost PS, run closures again.",
+                revived,
+            )
         if time.monotonic() > deadline:  # spent waiting for the closures in flight
             raise tf.errors.UnavailableError(
                 None, None, "connect_timeout passed before every worker read the PS again"
