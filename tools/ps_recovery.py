@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import threading
 import time
+import traceback
 
 import harness
 
@@ -561,6 +562,7 @@ def run_chaos_seeds(args):
                     broken += found
             except Exception as e:  # noqa: BLE001 - the row reports it
                 accuracy, error = float("nan"), repr(e)[:1000]
+                traceback.print_exc()  # where it came from, in the run's log
             finally:
                 shutil.rmtree(journal, ignore_errors=True)
         left = [p for p in pids.values() if _alive(p)]

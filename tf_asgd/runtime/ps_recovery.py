@@ -200,6 +200,8 @@ class PSRecovery:
         if self.snapshot is None or not self._covers(trainer):
             raise error
         lost = self._lost(error)
+        if lost is None and _cancelled_by_coordinator(error):
+            lost = []  # a closure queued behind a failed one: nothing of the cluster lost
         if lost is None:
             raise error
         if not lost:
@@ -376,12 +378,21 @@ class PSRecovery:
         is in the ring of applied ids). Synchronous rounds raise `error`: a round's
         windows cannot train again outside their round."""
         strategy = self._strategy()
+        cancelled = _cancelled_by_coordinator(error)
+        if strategy.synchronous and cancelled:  # the rounds since the snapshot run again
+            try:
+                return self._go_back(trainer, [_CANCELLED], ("Found", "from"), reconnect=False)
+            except _NotRecovered as e:
+                raise error from e.__cause__
         if strategy.synchronous:
             raise error
         log.warning(
-            "A window failed with an error that names a parameter server, but every "
-            "parameter server still holds its variables: nothing is rolled back, and the "
-            "windows in flight train again. (TensorFlow said: %s)",
+            "%s: nothing is rolled back, and the windows in flight train again. "
+            "(TensorFlow said: %s)",
+            _CANCELLED[0].upper() + _CANCELLED[1:]
+            if cancelled
+            else "A window failed with an error that names a parameter server, but every "
+            "parameter server still holds its variables",
             _status(error),
         )
         in_flight = trainer.abandon()
@@ -542,6 +553,17 @@ def _why_not_again(cause):
 
 class _NotRecovered(Exception):
     """Going back to the snapshot failed (its cause is the error that stopped it)."""
+
+
+_CANCELLED = "windows that TF's coordinator cancelled, queued behind one that failed"
+
+
+def _cancelled_by_coordinator(error):
+    """Whether `error` is TF's coordinator cancelling a closure it had not run, or had to
+    put back, because another closure failed (`Closure.mark_cancelled`, and a resource
+    of a worker marked failed): nothing of the cluster is lost, and TF asks for it to be
+    scheduled again."""
+    return isinstance(error, tf.errors.CancelledError) and "Please reschedule" in str(error)
 
 
 def _may_be_ps_loss(error):
