@@ -525,7 +525,7 @@ def test_time_to_accuracy_tool(tmp_path):
     assert int(asgd["must_hold"]) == int(drop <= 0.05 and final_ok)
     assert 0 < float(asgd["cpu_util"]) and int(asgd["cpu_bound"]) == (float(asgd["cpu_util"]) > 0.7)
     md = (tmp_path / "speedups.md").read_text()
-    assert "| mnist1d_adam | 10 | 2 | 1 |" in md and "speed-up" in md
+    assert "| mnist1d_adam | 10 | 2 | 2x | 1 |" in md and "speed-up" in md
     for name in ("accuracy_vs_time.png", "accuracy_vs_samples.png"):
         _png(tmp_path / name)
 
