@@ -828,14 +828,7 @@ def worker_thread_stack(coordinator, index):
 
     worker = coordinator._cluster.workers[index]  # (private: TF's)
     queued = coordinator._cluster.closure_queue._tagged_queue[index].qsize()  # (private)
-    thread = next(
-        (
-            t
-            for t in threading.enumerate()
-            if getattr(getattr(t, "_target", None), "__self__", None) is worker
-        ),
-        None,
-    )  # (private: `Thread._target`, CPython's)
+    thread = _worker_thread(worker)
     frame = sys._current_frames().get(thread.ident) if thread else None  # (private: CPython's)
     if frame is None:
         return None
@@ -859,6 +852,52 @@ def workers_awaiting_reconnection(cluster):
     """Indices of the workers whose thread waits for the reconnection (its
     last closure failed as a worker failure): they run no closure until then."""
     return [w.worker_index for w in cluster.workers if w._is_dead_with_error]
+
+
+def revive_orphaned_workers(coordinator):
+    """Lets TF's coordinator run closures again on the workers it still marks failed
+    though their thread no longer waits for a reconnection: a worker whose recovery
+    failed on a lost PS (TF's reconnection raised the PS's error in its thread, which
+    `keep_worker_threads` keeps alive). TF clears the mark (`_is_dead_with_error`) only
+    in a recovery of its own, so every per-worker resource made on such a worker
+    meanwhile is aborted at once ("The corresponding function is aborted"), and a PS
+    recovery's probe of it fails until `connect_timeout`. Here each such worker is
+    recovered as TF recovers one (`Worker._on_worker_recovery`: its resources made
+    again, the mark cleared); call it once the chief has reconnected to every task.
+
+    Returns:
+        The indices of the workers revived.
+    """
+    import sys
+
+    revived = []
+    for worker in coordinator._cluster.workers:  # (private: TF's)
+        if not worker._is_dead_with_error:  # (private: TF's)
+            continue
+        thread = _worker_thread(worker)
+        frame = sys._current_frames().get(thread.ident) if thread else None  # (private)
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "wait_on_failure" in names or "_process_queue" not in names:
+            continue  # waits for TF's own reconnection, which recovers it
+        worker._on_worker_recovery()  # (private: TF's)
+        revived.append(worker.worker_index)
+    return revived
+
+
+def _worker_thread(worker):
+    """The thread of TF's coordinator that runs `worker`'s closures (found by its
+    target, `Worker._process_queue`); None where none runs."""
+    return next(
+        (
+            t
+            for t in threading.enumerate()
+            if getattr(getattr(t, "_target", None), "__self__", None) is worker
+        ),
+        None,
+    )  # (private: `Thread._target`, CPython's)
 
 
 def fail_waiting_closures(cluster, error):
@@ -1053,16 +1092,43 @@ def retrace_every_function():
 
 def wait_for_closures(coordinator, timeout):
     """Waits up to `timeout` seconds until no closure of `coordinator` runs or waits,
-    swallowing their errors (the queue raises each once). Returns whether it emptied."""
-    closures = coordinator._cluster.closure_queue
+    swallowing their errors (the queue raises each once). Returns whether it emptied.
+
+    TF's `ClosureQueue.wait(timeout)` is not bounded once a closure has failed: it
+    then cancels the rest and waits, with no timeout, for every closure in flight, and
+    a worker's closure stays in flight until TF reconnects to that worker (seconds,
+    or for good). Here that wait is bounded too."""
+    return wait_for_queue(coordinator._cluster.closure_queue, timeout)  # (private: TF's)
+
+
+def wait_for_queue(closures, timeout):
+    """`wait_for_closures` on TF's closure queue itself (`ClusterCoordinator`'s
+    `_CoordinatedClosureQueue`, through its private state)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if closures.wait(timeout=max(0.01, deadline - time.monotonic())):
+    with closures._queue_lock:
+        cancelled = False
+        while True:
+            failed = closures._error is not None
+            if failed and closures._inflight_closure_count == 0:
+                try:  # TF's own cancel: nothing in flight, so it does not wait
+                    closures._raise_if_error()
+                except Exception:  # noqa: BLE001 - swallowed, as documented
+                    pass
+                continue
+            if not failed and closures._queue.empty() and closures._inflight_closure_count == 0:
                 return True
-        except tf.errors.OpError:
-            continue
-    return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if failed and not cancelled:  # as TF's cancel starts: the closures in flight end
+                closures._cancellation_mgr.start_cancel()
+                cancelled = True
+            condition = (
+                closures._no_inflight_closure_condition
+                if failed
+                else closures._stop_waiting_condition
+            )
+            condition.wait(min(remaining, 0.1))
 
 
 def metric_objects_variables(model):

@@ -35,6 +35,7 @@ DEFAULT_SNAPSHOT_EVERY = 60.0
 # is read in about 0.05 s, so every 5 s (results/ps_recovery).
 SNAPSHOT_BUDGET = 0.01
 PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
+PROBE_GRACE_S = 2.0  # the least a probe is waited for, once queued
 COPY_WAIT_S = 60.0  # the longest wait for the workers' half of a snapshot
 RECOVERY_ATTEMPTS = 20  # at most, going back again where another PS is lost meanwhile
 _EARLIER_FIT = (
@@ -199,6 +200,8 @@ class PSRecovery:
         if self.snapshot is None or not self._covers(trainer):
             raise error
         lost = self._lost(error)
+        if lost is None and _cancelled_by_coordinator(error):
+            lost = []  # a closure queued behind a failed one: nothing of the cluster lost
         if lost is None:
             raise error
         if not lost:
@@ -281,13 +284,18 @@ class PSRecovery:
             connect.wait_for_tasks(ps, max(0.1, deadline - time.monotonic()))
             answered = time.monotonic()
             self._restore(reconnect)
-            self._reach_workers(strategy, deadline)
+            _reach_workers(strategy, deadline)
             self._copy_worker_state(back=True, deadline=deadline)
             if reconnect:
                 trainer.rebuild_input()
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
-            log.warning("Could not go back to the snapshot (%s): %s", ", ".join(lost), why)
+            log.warning(
+                "Could not go back to the snapshot (%s) after %.1f s: %s",
+                ", ".join(lost),
+                time.monotonic() - start,
+                why,
+            )
             if in_flight:  # queued again: the next attempt finds them to train again
                 trainer.retrain(in_flight)
             raise _NotRecovered(str(e)) from e
@@ -370,12 +378,21 @@ class PSRecovery:
         is in the ring of applied ids). Synchronous rounds raise `error`: a round's
         windows cannot train again outside their round."""
         strategy = self._strategy()
+        cancelled = _cancelled_by_coordinator(error)
+        if strategy.synchronous and cancelled:  # the rounds since the snapshot run again
+            try:
+                return self._go_back(trainer, [_CANCELLED], ("Found", "from"), reconnect=False)
+            except _NotRecovered as e:
+                raise error from e.__cause__
         if strategy.synchronous:
             raise error
         log.warning(
-            "A window failed with an error that names a parameter server, but every "
-            "parameter server still holds its variables: nothing is rolled back, and the "
-            "windows in flight train again. (TensorFlow said: %s)",
+            "%s: nothing is rolled back, and the windows in flight train again. "
+            "(TensorFlow said: %s)",
+            _CANCELLED[0].upper() + _CANCELLED[1:]
+            if cancelled
+            else "A window failed with an error that names a parameter server, but every "
+            "parameter server still holds its variables",
             _status(error),
         )
         in_flight = trainer.abandon()
@@ -430,24 +447,6 @@ class PSRecovery:
             for layer in internals.variable_layers(top):
                 internals.forget_cached_read(layer)
         internals.retrace_every_function()
-
-    def _reach_workers(self, strategy, deadline):
-        """Waits until every worker reads the PS again: right after a reconnection the
-        workers' own channels to a restarted PS back off for seconds."""
-        version = strategy.counters.version
-        probe = tf.function(lambda: version.read_value() + 0, autograph=False)
-        while True:
-            try:
-                for i, run in enumerate(internals.on_every_worker(strategy.coordinator, probe)):
-                    _fetch_by(run, deadline, strategy.coordinator, worker=i)
-                return
-            except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
-                # A channel backing off; another error (a handle from before TF's own
-                # reconnection for a worker) fails the attempt, which goes back again.
-                internals.wait_for_closures(strategy.coordinator, 5.0)
-                if time.monotonic() > deadline:
-                    raise
-                connect.pause(PROBE_RETRY_S)
 
 
 class WorkerShadows:
@@ -512,6 +511,39 @@ class WorkerShadows:
             connect.pause(PROBE_RETRY_S)  # idempotent: every worker copies again
 
 
+def _reach_workers(strategy, deadline):
+    """Waits until every worker reads the PS again: right after a reconnection the
+    workers' own channels to a restarted PS back off for seconds."""
+    version = strategy.counters.version
+    probe = tf.function(lambda: version.read_value() + 0, autograph=False)
+    while True:
+        revived = internals.revive_orphaned_workers(strategy.coordinator)
+        if revived:
+            log.warning(
+                "Worker(s) %s, which TF's coordinator still marked failed after a "
+                "reconnection that failed on a lost PS, run closures again.",
+                revived,
+            )
+        if time.monotonic() > deadline:  # spent waiting for the closures in flight
+            raise tf.errors.UnavailableError(
+                None, None, "connect_timeout passed before every worker read the PS again"
+            )
+        try:
+            runs = internals.on_every_worker(strategy.coordinator, probe)
+            # A probe just queued is given a moment even at the deadline's edge.
+            by = max(deadline, time.monotonic() + PROBE_GRACE_S)
+            for i, run in enumerate(runs):
+                _fetch_by(run, by, strategy.coordinator, worker=i)
+            return
+        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
+            # A channel backing off; another error (a handle from before TF's own
+            # reconnection for a worker) fails the attempt, which goes back again.
+            internals.wait_for_closures(strategy.coordinator, 5.0)
+            if time.monotonic() > deadline:
+                raise
+            connect.pause(PROBE_RETRY_S)
+
+
 def _why_not_again(cause):
     """Why a failed recovery is not tried again (`PSRecovery.recover`)."""
     if isinstance(cause, tf.errors.OpError):
@@ -521,6 +553,17 @@ def _why_not_again(cause):
 
 class _NotRecovered(Exception):
     """Going back to the snapshot failed (its cause is the error that stopped it)."""
+
+
+_CANCELLED = "windows that TF's coordinator cancelled, queued behind one that failed"
+
+
+def _cancelled_by_coordinator(error):
+    """Whether `error` is TF's coordinator cancelling a closure it had not run, or had to
+    put back, because another closure failed (`Closure.mark_cancelled`, and a resource
+    of a worker marked failed): nothing of the cluster is lost, and TF asks for it to be
+    scheduled again."""
+    return isinstance(error, tf.errors.CancelledError) and "Please reschedule" in str(error)
 
 
 def _may_be_ps_loss(error):

@@ -550,8 +550,9 @@ class _PushPlan:
         for i, (shard, _) in enumerate(self.shards):
             self.by_device.setdefault(shard.device, []).append(i)
 
-    def writes(self, device, scale, ticket, tau, held=()):
-        """The outer optimizer's writes to the shards on `device` (after `held`)."""
+    def writes(self, device, scale, ticket, tau, held=(), before_commit=()):
+        """The outer optimizer's writes to the shards on `device` (after `held`); this
+        PS's commit count advances after them and after `before_commit`."""
         ops, held = [], list(held)
         if device != self.cdev:  # a test may hold the push here (off in production)
             with tf.device(device):
@@ -581,7 +582,7 @@ class _PushPlan:
                     ops.append(shard.assign_add(update, read_value=False))
         commits = self.central.commits
         if commits is not None:  # after this PS's own writes (`commits`)
-            with tf.device(device), tf.control_dependencies([tau, *ops]):
+            with tf.device(device), tf.control_dependencies([tau, *ops, *before_commit]):
                 ops.append(commits.by_device[device].assign_add(self.counted, read_value=False))
         return ops
 
@@ -607,7 +608,9 @@ class _PushPlan:
             with tf.control_dependencies([tau]):
                 ops += list(extra_writes(tau, push)) if extra_writes else []
             held = fault_points.hold("after_ticket", ticket, [tau, *ops])  # (tests only)
-            ops += self.writes(self.cdev, scale, ticket, tau, held)
+            # The commit count waits for the ring, the step counts and the rest too: a push
+            # cut between them is found cut, not taken for whole with its id unmarked.
+            ops += self.writes(self.cdev, scale, ticket, tau, held, before_commit=list(ops))
             with tf.control_dependencies(ops):
                 return tf.identity(tau), tf.identity(scale), tf.identity(ticket)
 
