@@ -152,6 +152,25 @@ def replay(directory, initial, dtypes, version, outer, rule, max_staleness, num_
     return values, missing
 
 
+def _why_missing(directory, tickets):
+    """`{ticket: what is missing}`: the PS's record of the ticket, or the worker's record of
+    the window it names (by its id and pulled version)."""
+    why = {}
+    for ticket in tickets:
+        path = os.path.join(directory, f"t-{ticket}")
+        if not os.path.exists(path):
+            why[ticket] = "no ticket record"
+            continue
+        with open(path) as f:
+            window, pulled = f.read().split()
+        recorded = sorted(
+            int(os.path.basename(u).split("-")[2])
+            for u in glob.glob(os.path.join(directory, f"u-{window}-*"))
+        )
+        why[ticket] = f"no update of window {window} pulled at {pulled} (recorded: {recorded})"
+    return why
+
+
 def initial_values(model):
     """The central variables' values before `model`'s first push, in the order the push
     carries them (trainable, then non-trainable): `replay_violations`'s `initial`."""
@@ -186,7 +205,7 @@ def replay_violations(strategy, model, directory, initial, atol=1e-5):
         strategy.max_staleness,
         strategy.num_workers,
     )
-    found = [f"tickets without a record: {missing}"] if missing else []
+    found = [f"tickets without a record: {_why_missing(directory, missing)}"] if missing else []
     momenta = trainer.moving_average_momenta
     for i, expected in zip(floats, values):
         if momenta[i] is not None:  # a moving average's push has its own rule
