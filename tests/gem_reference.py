@@ -5,7 +5,7 @@ import keras
 import numpy as np
 
 import tf_asgd
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import gem_rule, staleness
 
 LR, MU, KAPPA, N_SYNC = 0.1, 0.9, 2.0, 3
 
@@ -50,9 +50,9 @@ class ReferenceGEM:
         )
         for i, c in enumerate(pulled):
             dc = c - state["prev"][i] if state["prev"] is not None else np.zeros_like(c)
-            pushed, state["m"][i], _ = update_rules.gem_step(g[i], state["m"][i], dc, MU, KAPPA)
+            pushed, state["m"][i], _ = gem_rule.gem_step(g[i], state["m"][i], dc, MU, KAPPA)
             # tau = 0: one window at a time; the PS's outer optimizer (default: add).
-            self.central[i], self.outer_state[i] = update_rules.ps_push(
+            self.central[i], self.outer_state[i] = staleness.ps_push(
                 self.central[i],
                 pushed,
                 0,

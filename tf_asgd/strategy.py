@@ -23,8 +23,9 @@ from tf_asgd.cluster import local_cluster as cluster_lib
 from tf_asgd.keras_glue import keras_hook
 from tf_asgd.keras_glue.evaluation import validate_evaluation
 from tf_asgd.keras_glue.model_state import ModelStates, TrainingData
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers, worker_rate
 from tf_asgd.rules.compression import as_compression, as_pull_compression
+from tf_asgd.rules.staleness import validate_staleness
 from tf_asgd.runtime import input_sharding, optimizer_options, ps_recovery, python_inputs, rounds
 from tf_asgd.runtime.counters import PushCounters
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
@@ -172,7 +173,7 @@ def _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling, epoch_barrier, s
             "per_worker_dataset_fn must be a function (dataset, worker_index) -> "
             f"dataset or None, got {per_worker_dataset_fn!r}."
         )
-    update_rules.validate_worker_rate(lr_scaling)
+    worker_rate.validate_worker_rate(lr_scaling)
 
 
 class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
@@ -188,7 +189,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     `tau` counts the pushes committed between this window's pull and its push.
 
     Defaults: each push counts the average `1/N`
-    (`update_rules.default_outer_optimizer(N)`, no staleness scaling), and the
+    (`outer_optimizers.default_outer_optimizer(N)`, no staleness scaling), and the
     workers' local steps run at a multiple of the compiled optimizer's rate
     (`lr_scaling`: N falling toward 1 with Adam and its kin, `sqrt(N)` with
     SGD), so that N averaged windows move about as far as a batch N times
@@ -231,8 +232,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             `tf_asgd.OuterSGD(learning_rate, momentum, nesterov)` (DiLoCo's is
             `OuterSGD(0.7, momentum=0.9, nesterov=True)`) or
             `tf_asgd.DelayedNesterov(learning_rate, momentum, delay)`. `None`:
-            `update_rules.default_outer_optimizer(num_workers, ...)` (the
-            rate `update_rules.default_outer_learning_rate(num_workers)`, on
+            `outer_optimizers.default_outer_optimizer(num_workers, ...)` (the
+            rate `outer_optimizers.default_outer_learning_rate(num_workers)`, on
             3 and 4 workers at the user's rate or `sqrt(N)` times it after a
             schedule over the first pushes that starts from the average
             `1 / num_workers`), or `OuterSGD()` (add as is) for GEM.
@@ -285,7 +286,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             staleness 0: their mean with `OuterSGD(1 / N)`, one Nesterov step
             on it with `DelayedNesterov` (DiLoCo). The default
             `outer_optimizer` is then
-            `update_rules.default_synchronous_outer_optimizer(num_workers)`
+            `outer_optimizers.default_synchronous_outer_optimizer(num_workers)`
             (gain N). A lost worker's window runs again, exactly once; an
             epoch's last round splits the steps left over its windows; a
             NaN/Inf update stops `fit` with a `FloatingPointError`. Refused
@@ -429,10 +430,10 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
     ):
         # Validate everything before connecting, so bad input changes nothing.
         _validate_inputs(n_sync, per_worker_dataset_fn, lr_scaling, epoch_barrier, synchronous)
-        update_rules.validate_staleness(staleness, max_staleness)
+        validate_staleness(staleness, max_staleness)
         if outer_optimizer is not None:
-            update_rules.validate_outer_optimizer(outer_optimizer)
-        update_rules.validate_worker_state(worker_state)
+            outer_optimizers.validate_outer_optimizer(outer_optimizer)
+        outer_optimizers.validate_worker_state(worker_state)
         validate_windows_per_closure(windows_per_closure)
         validate_evaluation(evaluation)
         compression = as_compression(compression)
@@ -704,12 +705,12 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         Raises:
             ValueError: `lr_scaling` names a rule or a factor for GEM.
         """
-        return update_rules.worker_rate_scale(self.num_workers, self._worker_rate(optimizer))
+        return worker_rate.worker_rate_scale(self.num_workers, self._worker_rate(optimizer))
 
     def worker_rate_peak(self, optimizer):
         """The factor on the workers' learning rate at the end of the warm-up (N under
         `"anneal"`, which then falls to `worker_rate_scale`; that factor otherwise)."""
-        return update_rules.worker_rate_peak(self.num_workers, self._worker_rate(optimizer))
+        return worker_rate.worker_rate_peak(self.num_workers, self._worker_rate(optimizer))
 
     def _worker_rate(self, optimizer):
         """The `lr_scaling` rule for `optimizer`: `"auto"` resolved, `"none"` for GEM."""
@@ -722,7 +723,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             return "none"
         if self.lr_scaling != "auto":
             return self.lr_scaling
-        return update_rules.auto_worker_rate(
+        return worker_rate.auto_worker_rate(
             self.synchronous,
             outer_given=self.outer_optimizer is not None,
             adaptive=optimizer_options.is_adaptive(optimizer),
@@ -737,9 +738,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         if self.outer_optimizer is not None:
             return self.outer_optimizer
         if push_rule is not None:
-            return update_rules.OuterSGD()  # GEM: the paper's PS adds pushes as is
+            return outer_optimizers.OuterSGD()  # GEM: the paper's PS adds pushes as is
         if self.synchronous:
-            return update_rules.default_synchronous_outer_optimizer(self.num_workers)
-        return update_rules.default_outer_optimizer(
+            return outer_optimizers.default_synchronous_outer_optimizer(self.num_workers)
+        return outer_optimizers.default_outer_optimizer(
             self.num_workers, self.worker_rate_peak(optimizer)
         )

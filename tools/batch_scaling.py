@@ -30,7 +30,7 @@ OUTER_HELP = (
     "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
     "synchronous or asynchronous), "
     "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, "
-    "gain:F (update_rules.nesterov_with_gain(F x N), in either mode), or "
+    "gain:F (outer_optimizers.nesterov_with_gain(F x N), in either mode), or "
     "adaptive (synchronous: each round's gain from the rounds' noise scale, "
     "noise_scale.round_gain); each with +sqrt, +linear, +anneal, +none or +F for the "
     "workers' rate, +anneal:F (N falling toward F) or +fits:K:F:MODE (the "
@@ -46,14 +46,14 @@ def worker_rate(name, workers, synchronous, optimizer):
     run's end on, under the outer rule `name`: its `+RULE` suffix, else the strategy's
     `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1;
     `(peak, final, K, mode)` for `+fits:K:F:MODE` (`workers_optimizer`)."""
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import worker_rate
     from tf_asgd.runtime import optimizer_options
 
     base, _, rule = name.partition("+")
     if rule in ("", "auto"):
         adaptive = optimizer_options.is_adaptive(harness.make_optimizer(optimizer))
         rule = (
-            update_rules.auto_worker_rate(synchronous, adaptive=adaptive)
+            worker_rate.auto_worker_rate(synchronous, adaptive=adaptive)
             if base == "default"
             else "none"
         )
@@ -62,34 +62,34 @@ def worker_rate(name, workers, synchronous, optimizer):
         return float(workers), float(final), int(k), mode
     if rule.startswith("anneal:"):
         return float(workers), float(rule.split(":")[1])
-    if rule not in update_rules.WORKER_RATE_RULES:
+    if rule not in worker_rate.WORKER_RATE_RULES:
         rule = float(rule)
-    peak = update_rules.worker_rate_peak(workers, rule)
-    return peak, update_rules.worker_rate_scale(workers, rule)
+    peak = worker_rate.worker_rate_peak(workers, rule)
+    return peak, worker_rate.worker_rate_scale(workers, rule)
 
 
 def outer_rule(name, workers, synchronous, worker_peak=1.0):
     """The outer optimizer `name` (see `OUTER_HELP`) for `workers` workers whose rate
     peaks at `worker_peak` times the setup's (the strategy's default depends on it)."""
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import outer_optimizers
 
     name = name.partition("+")[0]
 
     if name == "default" and synchronous:
-        return update_rules.default_synchronous_outer_optimizer(workers)
+        return outer_optimizers.default_synchronous_outer_optimizer(workers)
     if name == "default":
-        return update_rules.default_outer_optimizer(workers, worker_peak)
+        return outer_optimizers.default_outer_optimizer(workers, worker_peak)
     if name == "average":
-        return update_rules.OuterSGD(1.0 / workers)
+        return outer_optimizers.OuterSGD(1.0 / workers)
     if name == "diloco":
-        return update_rules.DelayedNesterov(0.7, 0.9)
+        return outer_optimizers.DelayedNesterov(0.7, 0.9)
     if name.startswith("dn:"):
         lr, momentum = (float(v) for v in name.split(":")[1:])
-        return update_rules.DelayedNesterov(lr, momentum)
+        return outer_optimizers.DelayedNesterov(lr, momentum)
     if name == "adaptive":  # outer_rounds sets the gain per round from the noise scale
         return name
     if name.startswith("gain:"):
-        return update_rules.nesterov_with_gain(float(name[5:]) * workers, None)
+        return outer_optimizers.nesterov_with_gain(float(name[5:]) * workers, None)
     raise ValueError(f"Unknown outer rule {name!r}; {OUTER_HELP}.")
 
 
@@ -121,12 +121,12 @@ def scaled_optimizer(name, scale):
 def workers_optimizer(name, scale, warmup_steps, anneal_steps):
     """The setup's optimizer at its own rate times the factor `scale` = `(peak, final)`:
     from 1 to `peak` over the first `warmup_steps`, then falling toward `final`
-    (`update_rules.annealed_rate_scale`, as the strategy does); `(peak, final, K, mode)`:
+    (`worker_rate.annealed_rate_scale`, as the strategy does); `(peak, final, K, mode)`:
     the run of `anneal_steps` as K fits (`worker_rate`)."""
     import keras
     import tensorflow.experimental.numpy as tnp
 
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import worker_rate
 
     class WorkersRate(keras.optimizers.schedules.LearningRateSchedule):
         def __init__(self, rate):
@@ -135,18 +135,18 @@ def workers_optimizer(name, scale, warmup_steps, anneal_steps):
         def __call__(self, step):
             if len(scale) == 4:
                 return self.rate * _fits_factor(step)
-            factor = update_rules.annealed_rate_scale(*scale, step, warmup_steps, tnp)
+            factor = worker_rate.annealed_rate_scale(*scale, step, warmup_steps, tnp)
             return self.rate * factor
 
     def _fits_factor(step):
         peak, final, k, mode = scale
         period = max(1, anneal_steps // k)
         t = tnp.asarray(step, dtype=tnp.float32)
-        first = update_rules.annealed_rate_scale(peak, final, t, warmup_steps, tnp)
+        first = worker_rate.annealed_rate_scale(peak, final, t, warmup_steps, tnp)
         if mode == "first":
             return first
         local = tnp.mod(t, float(period))
-        again = update_rules.annealed_rate_scale(
+        again = worker_rate.annealed_rate_scale(
             peak, final, local, warmup_steps if mode == "eachw" else 1, tnp
         )
         return tnp.where(t < period, first, again)
@@ -256,7 +256,7 @@ def outer_rounds(
     """Held-out points of `workers` copies whose windows an outer rule applies.
 
     Each window is `n_sync` steps of the user's optimizer on one copy; its push (the
-    displacement) goes through `update_rules.outer_step`, the rule the PS runs.
+    displacement) goes through `outer_optimizers.outer_step`, the rule the PS runs.
     Synchronous: every copy starts a round from the same central weights. Asynchronous:
     windows end in round-robin order and each copy pulls right after its push, so every
     push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's
@@ -273,17 +273,17 @@ def outer_rounds(
     """
     import keras
 
-    from tf_asgd.rules import noise_scale, update_rules
+    from tf_asgd.rules import noise_scale, outer_optimizers, worker_rate
     from tf_asgd.runtime import optimizer_options
 
     batch = harness.SETUPS[setup][3]
     keras.utils.set_random_seed(seed)
     opt = harness.SETUPS[setup][2]
     # In each copy's steps: the strategy's warm-up counts every worker's.
-    cap = update_rules.untuned_warmup_steps(
+    cap = worker_rate.untuned_warmup_steps(
         optimizer_options.second_moment_beta(harness.make_optimizer(opt))
     )
-    warmup = update_rules.worker_rate_warmup_steps(
+    warmup = worker_rate.worker_rate_warmup_steps(
         *worker_scale[:2], steps, None if cap is None else max(1, cap // workers)
     )
     copies = [
@@ -308,7 +308,9 @@ def outer_rounds(
             if sums:
                 ema = 0.9 * ema + np.asarray(sums[-1])
             scale = noise_scale.from_sums(*ema, workers) if sums else math.nan
-            outer = update_rules.nesterov_with_gain(noise_scale.round_gain(scale, workers), workers)
+            outer = outer_optimizers.nesterov_with_gain(
+                noise_scale.round_gain(scale, workers), workers
+            )
         copies[i].set_weights(starts[i])
         copies[i].train_function(feeds[i])
         pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]
@@ -322,7 +324,7 @@ def outer_rounds(
                 sums[-1][1] = float(round_sum @ round_sum)
         center = list(center)
         for j, g in enumerate(pushed):
-            center[j], state[j] = update_rules.outer_step(
+            center[j], state[j] = outer_optimizers.outer_step(
                 outer, center[j], g, state[j], ticket, workers
             )
         if asynchronous:

@@ -72,19 +72,23 @@ def make_optimizer(name, gem=False):
 
 def strategy_kwargs(setup, workers):
     """The strategy arguments of a setup, beyond `n_sync`."""
-    from tf_asgd.rules import update_rules as rules
+    from tf_asgd.rules import outer_optimizers
 
     return {
         "default": {},
         "gem": {},
-        "average": dict(outer_optimizer=rules.OuterSGD(1.0 / workers)),
+        "average": dict(outer_optimizer=outer_optimizers.OuterSGD(1.0 / workers)),
         "capped": dict(outer_optimizer=harness.capped_outer_optimizer(workers)),
-        "sqrt": dict(outer_optimizer=rules.OuterSGD(harness.sqrt_outer_learning_rate(workers))),
+        "sqrt": dict(
+            outer_optimizer=outer_optimizers.OuterSGD(harness.sqrt_outer_learning_rate(workers))
+        ),
         "reset": dict(worker_state="reset"),
-        "dynsgd": dict(staleness="dynsgd", outer_optimizer=rules.OuterSGD()),
-        "none": dict(staleness="none", outer_optimizer=rules.OuterSGD()),
-        "diloco": dict(outer_optimizer=rules.OuterSGD(0.7 / workers, 0.9, nesterov=True)),
-        "delayed_nesterov": dict(outer_optimizer=rules.DelayedNesterov(0.7, 0.9)),
+        "dynsgd": dict(staleness="dynsgd", outer_optimizer=outer_optimizers.OuterSGD()),
+        "none": dict(staleness="none", outer_optimizer=outer_optimizers.OuterSGD()),
+        "diloco": dict(
+            outer_optimizer=outer_optimizers.OuterSGD(0.7 / workers, 0.9, nesterov=True)
+        ),
+        "delayed_nesterov": dict(outer_optimizer=outer_optimizers.DelayedNesterov(0.7, 0.9)),
     }[setup]
 
 

@@ -124,13 +124,13 @@ def capped_outer_optimizer(workers):
     """A baseline for side-by-side runs: the capped square-root rate
     `max(1/N, min(1/4, 1/sqrt(2N)))`, warmed up from `1 / N` over `4 N` pushes where it
     is above the average. From 8 workers on it is above the stability limit
-    (`update_rules.stability_limit`)."""
-    from tf_asgd.rules import update_rules as rules
+    (`outer_optimizers.stability_limit`)."""
+    from tf_asgd.rules import outer_optimizers
 
     lr = max(1.0 / workers, min(0.25, (2.0 * workers) ** -0.5))
     if lr > 1.0 / workers:
-        return rules.OuterSGD(lr, schedule=((4 * workers, 1.0 / workers),))
-    return rules.OuterSGD(lr)
+        return outer_optimizers.OuterSGD(lr, schedule=((4 * workers, 1.0 / workers),))
+    return outer_optimizers.OuterSGD(lr)
 
 
 def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):

@@ -250,12 +250,16 @@ def _staleness_distributions(args, x, y):
 
 def outer_setups(workers):
     """Outer optimizer setups of the outer study: name -> (staleness rule, outer, worker state)."""
-    from tf_asgd.rules import update_rules as rules
+    from tf_asgd.rules import outer_optimizers
 
     return {
-        "dynsgd, every push added": ("dynsgd", rules.OuterSGD(), "keep"),
-        "average": ("none", rules.OuterSGD(1.0 / workers), "keep"),
-        "sqrt": ("none", rules.OuterSGD(harness.sqrt_outer_learning_rate(workers)), "keep"),
+        "dynsgd, every push added": ("dynsgd", outer_optimizers.OuterSGD(), "keep"),
+        "average": ("none", outer_optimizers.OuterSGD(1.0 / workers), "keep"),
+        "sqrt": (
+            "none",
+            outer_optimizers.OuterSGD(harness.sqrt_outer_learning_rate(workers)),
+            "keep",
+        ),
         "capped square-root rate, warm-up": (
             "none",
             harness.capped_outer_optimizer(workers),
@@ -263,11 +267,11 @@ def outer_setups(workers):
         ),
         "default (rise and fall, warm-up)": (
             "none",
-            rules.default_outer_optimizer(workers),
+            outer_optimizers.default_outer_optimizer(workers),
             "keep",
         ),
-        "average, reset": ("none", rules.OuterSGD(1.0 / workers), "reset"),
-        "delayed Nesterov 0.7/0.9": ("none", rules.DelayedNesterov(0.7, 0.9), "keep"),
+        "average, reset": ("none", outer_optimizers.OuterSGD(1.0 / workers), "reset"),
+        "delayed Nesterov 0.7/0.9": ("none", outer_optimizers.DelayedNesterov(0.7, 0.9), "keep"),
     }
 
 

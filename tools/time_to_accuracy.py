@@ -204,12 +204,12 @@ def parse_outer(spec):
 
 def outer_sgd(spec, workers):
     """`OuterSGD` at a constant rate: `"0.5"`, or `"0.667*limit"` (that fraction of
-    `update_rules.stability_limit(workers)`)."""
+    `outer_optimizers.stability_limit(workers)`)."""
     import tf_asgd
 
     rate, of_limit = parse_outer(spec)
     if of_limit:
-        rate *= tf_asgd.rules.update_rules.stability_limit(workers)
+        rate *= tf_asgd.rules.outer_optimizers.stability_limit(workers)
     return tf_asgd.OuterSGD(rate)
 
 
@@ -238,7 +238,7 @@ def variant(row):
 def _outer_options(outer, workers, optimizer):
     """The strategy's keyword arguments for an `--outer-rates` value (`optimizer`: the
     setup's, whose kind sets the workers' rate under `rise`)."""
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import outer_optimizers, worker_rate
     from tf_asgd.runtime import optimizer_options
 
     if outer == "default":
@@ -248,8 +248,8 @@ def _outer_options(outer, workers, optimizer):
     if outer == "rise":  # the first-round rise on 3 and 4 workers, whatever the workers' rate
         adaptive = optimizer_options.is_adaptive(harness.make_optimizer(optimizer))
         return {
-            "outer_optimizer": update_rules.default_outer_optimizer(workers),
-            "lr_scaling": update_rules.auto_worker_rate(adaptive=adaptive),
+            "outer_optimizer": outer_optimizers.default_outer_optimizer(workers),
+            "lr_scaling": worker_rate.auto_worker_rate(adaptive=adaptive),
         }
     return {"outer_optimizer": outer_sgd(outer, workers)}
 

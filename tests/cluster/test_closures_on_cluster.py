@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tf_asgd
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers
 from tf_asgd.runtime import scheduling
 
 from helpers import compile_digits, worker_killed_mid_closure
@@ -38,7 +38,7 @@ def test_each_window_of_a_closure_has_its_own_ticket_staleness_and_record(cluste
     assert len(log) == windows and len({r.window_id for r in log}) == windows
     assert stats.windows == windows == sum(r.pushed for r in log) == history.history["windows"][-1]
     # The effective rate's scaling is stated: the default's gain over plain averaging.
-    gain = update_rules.outer_gain(update_rules.default_outer_optimizer(2), 2)
+    gain = outer_optimizers.outer_gain(outer_optimizers.default_outer_optimizer(2), 2)
     assert stats.outer_gain == pytest.approx(gain) and "outer gain" in repr(stats)
     # Exact epochs: every step counted once (the last window of each epoch is 1 step).
     assert int(model.optimizer.iterations.numpy()) == epochs * steps
@@ -72,7 +72,7 @@ def test_windows_per_closure_is_automatic_by_default(cluster, digits):
 
 @pytest.mark.parametrize(
     "outer",
-    [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
+    [None, outer_optimizers.OuterSGD(0.5, momentum=0.9, nesterov=True)],
     ids=["add", "outer_nesterov"],
 )
 def test_gem_is_exact_with_several_windows_per_closure(local_cluster, outer):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd.rules import compression, update_rules
+from tf_asgd.rules import compression, gem_rule, outer_optimizers, staleness
 from tf_asgd.runtime.push import raw, shard_variables
 
 from gem_reference import (
@@ -61,7 +61,7 @@ class ReferenceCompressed:
             u = updates[i]
             if self.gem:
                 dc = c - self.prev[i] if self.prev is not None else np.zeros_like(c)
-                u, self.m[i], _ = update_rules.gem_step(u, self.m[i], dc, MU, KAPPA)
+                u, self.m[i], _ = gem_rule.gem_step(u, self.m[i], dc, MU, KAPPA)
             u = u.astype(np.float32)
             cuts = np.cumsum(self.shard_rows[i])[:-1]
             pieces = [
@@ -72,7 +72,7 @@ class ReferenceCompressed:
             self.residual[i] = np.concatenate([r for _, r in pieces])
             self.sent_total[i] += sent
             self.update_total[i] += u
-            self.central[i], self.states[i] = update_rules.ps_push(
+            self.central[i], self.states[i] = staleness.ps_push(
                 self.central[i],
                 sent.astype("float64"),
                 0,
@@ -96,7 +96,7 @@ CASES = {
     "topk": (TOPK_THIRD, False, None, 1),
     "int8_two_ps_shards": (INT8_SMALL_BLOCKS, False, None, 2),
     "int8_gem": (INT8_SMALL_BLOCKS, True, None, 1),
-    "topk_outer_momentum": (TOPK_THIRD, False, update_rules.OuterSGD(0.5, momentum=0.9), 1),
+    "topk_outer_momentum": (TOPK_THIRD, False, outer_optimizers.OuterSGD(0.5, momentum=0.9), 1),
     "bf16_pulls": (compression.Compression(), False, None, 1, BF16),
     "int8_bf16_pulls_two_ps_shards": (INT8_SMALL_BLOCKS, False, None, 2, BF16),
     "int8_bf16_pulls_gem": (INT8_SMALL_BLOCKS, True, None, 1, BF16),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tf_asgd
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers
 
 from gem_reference import (
     N_SYNC,
@@ -24,8 +24,8 @@ from gem_reference import (
     [
         (1, None),
         (3, None),
-        (3, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)),
-        (3, update_rules.DelayedNesterov(0.7, 0.9, delay=2)),
+        (3, outer_optimizers.OuterSGD(0.5, momentum=0.9, nesterov=True)),
+        (3, outer_optimizers.DelayedNesterov(0.7, 0.9, delay=2)),
     ],
 )
 def test_gem_matches_numpy_reference(local_cluster, workers, outer):

@@ -1,5 +1,5 @@
 """BatchNormalization's moving statistics under windows: they move as far as in plain
-Keras over the same global steps (`update_rules.moving_average_push` on the PS), in
+Keras over the same global steps (`outer_optimizers.moving_average_push` on the PS), in
 asynchronous and synchronous mode, and a stale push leaves a variance above 0, on a real
 loopback cluster."""
 
@@ -46,7 +46,7 @@ def test_moving_mean_moves_as_far_as_in_plain_keras(cluster, synchronous):
 def test_a_falling_variance_stays_above_zero_under_stale_pushes(local_cluster):
     """Features of variance 1e-4 pull the moving variance down from 1 at momentum 0.5; 4
     workers push windows pulled before the others' pushes landed. Each push is applied
-    from where the variance stands (`update_rules.moving_average_push`): it never goes
+    from where the variance stands (`outer_optimizers.moving_average_push`): it never goes
     below 0, and ends where plain Keras's does. Added as they were, such pushes took it
     below 0, and the held-out loss was NaN."""
     x = (np.random.default_rng(1).normal(size=(STEPS * 32, 4)) * 0.01).astype("float32")

@@ -4,20 +4,20 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_asgd.rules import outer, update_rules
+from tf_asgd.rules import outer, outer_optimizers, staleness
 
 OPTIMIZERS = [
-    update_rules.OuterSGD(),
-    update_rules.OuterSGD(0.5),
-    update_rules.OuterSGD(0.7, momentum=0.9),
-    update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True),
-    update_rules.OuterSGD(0.5, schedule=((6, 0.25),)),
-    update_rules.OuterSGD(0.5, momentum=0.5, schedule=((4, 0.1),)),
-    update_rules.OuterSGD(0.25, schedule=((2, 0.25), (5, 0.5))),
-    update_rules.default_outer_optimizer(4),
-    update_rules.default_outer_optimizer(8),  # a warm-up from 1/N below 2/3 of the limit
-    update_rules.DelayedNesterov(0.7, 0.9),
-    update_rules.DelayedNesterov(1.0, 0.5, delay=3),
+    outer_optimizers.OuterSGD(),
+    outer_optimizers.OuterSGD(0.5),
+    outer_optimizers.OuterSGD(0.7, momentum=0.9),
+    outer_optimizers.OuterSGD(0.7, momentum=0.9, nesterov=True),
+    outer_optimizers.OuterSGD(0.5, schedule=((6, 0.25),)),
+    outer_optimizers.OuterSGD(0.5, momentum=0.5, schedule=((4, 0.1),)),
+    outer_optimizers.OuterSGD(0.25, schedule=((2, 0.25), (5, 0.5))),
+    outer_optimizers.default_outer_optimizer(4),
+    outer_optimizers.default_outer_optimizer(8),  # a warm-up from 1/N below 2/3 of the limit
+    outer_optimizers.DelayedNesterov(0.7, 0.9),
+    outer_optimizers.DelayedNesterov(1.0, 0.5, delay=3),
 ]
 
 
@@ -31,7 +31,7 @@ def sharded_cluster(local_cluster):
 def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, opt):
     """Known updates pushed through `push.CentralVariables.push` onto a variable split
     over 2 PS (and an unsplit one): central variables and outer state follow
-    `update_rules.ps_push`, and the step counter the tickets."""
+    `staleness.ps_push`, and the step counter the tickets."""
     import tf_asgd
     from tf_asgd.runtime import push
 
@@ -65,7 +65,7 @@ def test_pushes_on_sharded_ps_variables_follow_the_numpy_rule(sharded_cluster, o
         strategy.coordinator.join()  # one push at a time: a fixed ticket order
         assert int(tau.fetch()) == ticket - p
         for i in range(2):
-            central[i], state[i] = update_rules.ps_push(
+            central[i], state[i] = staleness.ps_push(
                 central[i],
                 updates[i],
                 ticket - p,
@@ -93,7 +93,7 @@ def test_outer_state_round_trips_through_a_checkpoint(sharded_cluster, tmp_path)
     import tf_asgd
 
     (x, y), _ = tf_asgd.data.load_digits()
-    opt = update_rules.OuterSGD(0.7, momentum=0.9, nesterov=True)
+    opt = outer_optimizers.OuterSGD(0.7, momentum=0.9, nesterov=True)
 
     def build():
         strategy = tf_asgd.AsyncParameterServerStrategy(

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers, staleness
 from tf_asgd.runtime import scheduling
 
 from helpers import compile_digits
@@ -23,7 +23,7 @@ def _strategy(cluster, **kwargs):
 @pytest.mark.parametrize("rule,max_staleness", [("dynsgd", None), ("none", None), ("dynsgd", 1)])
 def test_ps_rule_is_exact(cluster, rule, max_staleness):
     """Known updates pushed with known pulled versions: the central variables
-    and counters follow update_rules.apply_push to float tolerance."""
+    and counters follow staleness.apply_push to float tolerance."""
     strategy = _strategy(cluster, n_sync=1, staleness=rule, max_staleness=max_staleness)
     init = np.arange(6, dtype="float32").reshape(2, 3)
     with strategy.scope():
@@ -44,7 +44,7 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
         tau = strategy.coordinator.schedule(push, args=(tf.constant(u), tf.constant(p, tf.int64)))
         strategy.coordinator.join()  # one push at a time: a fixed ticket order
         assert int(tau.fetch()) == i - p
-        expected = update_rules.apply_push(
+        expected = staleness.apply_push(
             expected, u, tau=i - p, rule=rule, max_staleness=max_staleness
         )
     np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6, atol=1e-6)
@@ -54,7 +54,7 @@ def test_ps_rule_is_exact(cluster, rule, max_staleness):
     assert stats.windows == 5
     assert stats.mean_staleness == pytest.approx(np.mean(taus))
     assert stats.max_staleness == max(taus)
-    assert stats.dropped_stale == sum(update_rules.is_dropped(t, max_staleness) for t in taus)
+    assert stats.dropped_stale == sum(staleness.is_dropped(t, max_staleness) for t in taus)
 
 
 @pytest.mark.parametrize("partitioned", [False, True])
@@ -89,7 +89,7 @@ def test_variables_sharded_over_two_ps(local_cluster, digits, partitioned):
 @pytest.mark.usefixtures("hang_guard")  # a hang fails the test, not the suite (conftest.py)
 @pytest.mark.parametrize(
     "outer_opt",
-    [None, update_rules.OuterSGD(0.5, momentum=0.9, nesterov=True)],
+    [None, outer_optimizers.OuterSGD(0.5, momentum=0.9, nesterov=True)],
     ids=["add", "outer_nesterov"],
 )
 def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
@@ -110,7 +110,7 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=1, staleness="none", connect_timeout=120
         )
-        opt = outer_opt or update_rules.OuterSGD()
+        opt = outer_opt or outer_optimizers.OuterSGD()
         with strategy.scope():
             a, b = tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([3]))
             slots = [[outer.create_slots(opt, a)], [outer.create_slots(opt, b)]]
@@ -142,7 +142,7 @@ def test_a_worker_killed_while_its_update_is_in_transit_leaves_the_ps_untouched(
         strategy.coordinator.join()
         assert int(result.fetch()) == 0
         # Once: the pure rule applied to one push from zero.
-        want, state = update_rules.ps_push(np.zeros(3), np.ones(3), 0, 0, {}, "none", outer=opt)
+        want, state = staleness.ps_push(np.zeros(3), np.ones(3), 0, 0, {}, "none", outer=opt)
         for v, s in zip((a, b), slots):
             np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
             for name, slot in s[0].items():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tf_asgd
-from tf_asgd.rules import noise_scale, update_rules
+from tf_asgd.rules import noise_scale, outer_optimizers
 from tf_asgd.runtime import rounds
 
 WORKERS, N_SYNC, BATCH, LR = 2, 5, 8, 0.05
@@ -48,7 +48,7 @@ def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None
     """The central weights after the rounds of `log` in NumPy: each round's
     windows from the same start, worker `i` reading its shard of the data
     set repeated (`fit` shards it by batch: batches `i, i + workers, ...`), each push
-    through `update_rules.outer_step` by its ticket. `restarted`: `(worker,
+    through `outer_optimizers.outer_step` by its ticket. `restarted`: `(worker,
     index in log)`: that worker was restarted before the record at that
     index, and its data stream starts again there. `displacements`: a list
     that gets each round's windows' displacements, flat, in round order."""
@@ -76,7 +76,7 @@ def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None
                     displacements.append([])
                 displacements[r].append(np.concatenate([u.ravel() for u in update]))
             for i in range(2):
-                theta[i], state[i] = update_rules.outer_step(
+                theta[i], state[i] = outer_optimizers.outer_step(
                     opt, theta[i], -update[i], state[i], ticket, workers
                 )
             ticket += 1
@@ -85,7 +85,7 @@ def _reference(init, log, x, y, opt, workers, restarted=None, displacements=None
 
 @pytest.mark.parametrize(
     "outer_optimizer",
-    [update_rules.OuterSGD(1.0 / WORKERS), update_rules.DelayedNesterov(0.7, 0.9)],
+    [outer_optimizers.OuterSGD(1.0 / WORKERS), outer_optimizers.DelayedNesterov(0.7, 0.9)],
     ids=repr,
 )
 def test_rounds_follow_the_numpy_mean_of_windows(cluster, outer_optimizer):
@@ -115,7 +115,7 @@ def test_rounds_follow_the_numpy_mean_of_windows(cluster, outer_optimizer):
     expected = _reference(init, log, x, y, outer_optimizer, WORKERS, displacements=windows)
     for got, want in zip(model.get_weights(), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    if isinstance(outer_optimizer, update_rules.DelayedNesterov):
+    if isinstance(outer_optimizer, outer_optimizers.DelayedNesterov):
         # The noise scale of the last epoch's 2 rounds, from the PS's sums, is the
         # NumPy one: the pushes' squared norms and their rounds' sums.
         last = np.asarray(windows[-2:])  # rounds x windows x parameters
@@ -149,7 +149,7 @@ def test_an_epoch_that_is_not_whole_rounds_ends_with_shorter_windows(cluster):
     assert strategy.model_stats(model).windows == 8
     assert all(r.staleness == 0 for r in log)
     opt = strategy.model_states.get(model).trainer.outer
-    assert opt == update_rules.default_synchronous_outer_optimizer(WORKERS)
+    assert opt == outer_optimizers.default_synchronous_outer_optimizer(WORKERS)
     expected = _reference(init, log, x, y, opt, WORKERS)
     for got, want in zip(model.get_weights(), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -208,7 +208,7 @@ def test_a_worker_killed_mid_round_leaves_every_window_applied_once(local_cluste
         assert all(r.pushed and r.staleness == 0 for r in log)
         assert stats.max_staleness == 0
         # The window lost with worker 0 ran again from its round's start.
-        opt = update_rules.default_synchronous_outer_optimizer(WORKERS)
+        opt = outer_optimizers.default_synchronous_outer_optimizer(WORKERS)
         expected = _reference(init, log, x, y, opt, WORKERS, restarted=(0, events["killed"]))
         for got, want in zip(model.get_weights(), expected):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -227,17 +227,17 @@ def test_synchronous_refuses_what_rounds_cannot_honour():
     )
     rounds.validate_synchronous(**ok)
     rounds.validate_synchronous(**dict(ok, windows_per_closure=1))
-    rounds.validate_synchronous(**dict(ok, outer_opt=update_rules.OuterSGD(0.5)))
-    rounds.validate_synchronous(**dict(ok, outer_opt=update_rules.DelayedNesterov(0.7, 0.9)))
-    rounds.validate_synchronous(**dict(ok, outer_opt=update_rules.DelayedNesterov(delay=2)))
+    rounds.validate_synchronous(**dict(ok, outer_opt=outer_optimizers.OuterSGD(0.5)))
+    rounds.validate_synchronous(**dict(ok, outer_opt=outer_optimizers.DelayedNesterov(0.7, 0.9)))
+    rounds.validate_synchronous(**dict(ok, outer_opt=outer_optimizers.DelayedNesterov(delay=2)))
     rounds.validate_synchronous(**dict(ok, synchronous=False, staleness="dynsgd", n=3))
     refused = {
         "staleness='dynsgd'": dict(staleness="dynsgd"),
         "max_staleness=3": dict(max_staleness=3),
         "windows_per_closure=4": dict(windows_per_closure=4),
-        "momentum": dict(outer_opt=update_rules.OuterSGD(0.7, momentum=0.9)),
-        "schedule": dict(outer_opt=update_rules.OuterSGD(0.5, schedule=((4, 0.25),))),
-        "delay None or 2": dict(outer_opt=update_rules.DelayedNesterov(delay=3)),
+        "momentum": dict(outer_opt=outer_optimizers.OuterSGD(0.7, momentum=0.9)),
+        "schedule": dict(outer_opt=outer_optimizers.OuterSGD(0.5, schedule=((4, 0.25),))),
+        "delay None or 2": dict(outer_opt=outer_optimizers.DelayedNesterov(delay=3)),
     }
     for words, change in refused.items():
         with pytest.raises(ValueError, match="synchronous=True") as info:

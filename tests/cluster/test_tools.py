@@ -653,9 +653,9 @@ def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
 
     tool = _tool("batch_scaling.py")
     setup, data = "digits_adam", tool.harness.load_data("digits")
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import outer_optimizers
 
-    average = update_rules.OuterSGD(0.5)
+    average = outer_optimizers.OuterSGD(0.5)
     rounds, noise = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=False)
     local = tool.local_sgd(setup, data, 2, 5, 0, 40, 10)
     assert [s for s, _ in rounds] == [s for s, _ in local] == [10, 20, 30, 40]
@@ -664,10 +664,10 @@ def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     stale, none = tool.outer_rounds(setup, data, 2, 5, 0, 40, 10, average, asynchronous=True)
     assert [s for s, _ in stale] == [10, 20, 30, 40] and stale != rounds
     assert all(np.isnan(none))  # asynchronous pushes: not measured
-    synchronous = update_rules.default_synchronous_outer_optimizer(4)
+    synchronous = outer_optimizers.default_synchronous_outer_optimizer(4)
     assert tool.outer_rule("default", 4, True) == synchronous
-    assert tool.outer_rule("dn:0.5:0.8", 4, False) == update_rules.DelayedNesterov(0.5, 0.8)
-    assert tool.outer_rule("gain:0.5", 4, False) == update_rules.nesterov_with_gain(2.0, None)
+    assert tool.outer_rule("dn:0.5:0.8", 4, False) == outer_optimizers.DelayedNesterov(0.5, 0.8)
+    assert tool.outer_rule("gain:0.5", 4, False) == outer_optimizers.nesterov_with_gain(2.0, None)
     # A copy twice as slow: asynchronously the others end two windows to its one, and a
     # synchronous round waits for it.
     ends = tool.window_ends(3, 10, 9, 2.0, asynchronous=True)

@@ -11,7 +11,7 @@ import tensorflow.experimental.numpy as tnp
 import tf_asgd
 from tf_asgd.cluster import tf_config
 from tf_asgd.optimizers import GEM
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers, worker_rate
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -36,7 +36,7 @@ class _Ramped(keras.optimizers.schedules.LearningRateSchedule):
         factor = None
         final = self.peak if self.final is None else self.final
         for first, _, warmup in self.fits:
-            this = update_rules.annealed_rate_scale(
+            this = worker_rate.annealed_rate_scale(
                 self.peak, final, tnp.asarray(step, tnp.float32) - first, warmup, tnp
             )
             factor = this if factor is None else tnp.where(tnp.asarray(step) >= first, this, factor)
@@ -83,7 +83,7 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
     equals plain Keras's Adam at the user's rate times the factor, up to 3 over the
     warm-up, then falling toward 1 as 1/t; a second fit warms up again over a quarter
     of its own steps and falls again."""
-    monkeypatch.setattr(update_rules, "worker_rate_peak", lambda n, rule: 3.0)
+    monkeypatch.setattr(worker_rate, "worker_rate_peak", lambda n, rule: 3.0)
     (x, y), _ = flat
     x, y = x[:320], y[:320]  # 10 steps an epoch, 4 epochs: warm-up 10, x1.5 by step 40
     strategy = tf_asgd.AsyncParameterServerStrategy(
@@ -134,7 +134,7 @@ def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(l
     # The PS's first-round rise stays where the workers' peak leaves room for it.
     outer_for = strategy._outer_optimizer_for  # private: the outer a model would get
     assert outer_for(adam) == tf_asgd.OuterSGD(0.25)
-    assert outer_for(sgd) == update_rules.default_outer_optimizer(4) != tf_asgd.OuterSGD(0.25)
+    assert outer_for(sgd) == outer_optimizers.default_outer_optimizer(4) != tf_asgd.OuterSGD(0.25)
     assert (
         strategy.worker_rate_scale(GEM(keras.optimizers.SGD(0.05, momentum=0.9))) == 1.0
     )  # GEM's steps stay the paper's

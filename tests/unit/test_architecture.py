@@ -157,7 +157,8 @@ def test_the_layer_checker_sees_the_core_edges():
     graph = _graph()
     assert "tf_asgd.runtime.scheduling" in graph["tf_asgd.strategy"]
     assert "tf_asgd.keras_glue.keras_hook" in graph["tf_asgd.strategy"]
-    assert "tf_asgd.rules.update_rules" in graph["tf_asgd.optimizers.gem"]
+    assert "tf_asgd.rules.gem_rule" in graph["tf_asgd.optimizers.gem"]
+    assert "tf_asgd.rules.outer_optimizers" in graph["tf_asgd.rules.staleness"]
     assert _layer("tf_asgd.runtime.window") > _layer("tf_asgd.rules.outer")
 
 

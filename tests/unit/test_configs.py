@@ -66,21 +66,22 @@ def _formula(text, n):
 
 
 def test_the_help_states_the_default_outer_rate_the_code_computes():
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import outer_optimizers
 
     formula = config_fields.OUTER_RATE_FORMULA
     help_text = config_fields.CONFIG_FIELDS["outer.name"]
     assert formula in help_text and f"{config_fields.OUTER_RATE_AT_8} at 8 workers" in help_text
     for n in range(1, 65):
         assert _formula(formula, n) == pytest.approx(
-            update_rules.default_outer_learning_rate(n), rel=1e-12
+            outer_optimizers.default_outer_learning_rate(n), rel=1e-12
         ), n
-    assert f"{update_rules.default_outer_learning_rate(8):.3f}" == config_fields.OUTER_RATE_AT_8
+    assert f"{outer_optimizers.default_outer_learning_rate(8):.3f}" == config_fields.OUTER_RATE_AT_8
     # The limit the help names is the code's, and the default is inside it.
     assert "inside the stability limit 2 sin(pi/(4N-2))" in help_text
     for n in (1, 2, 8, 64):
-        assert update_rules.default_outer_learning_rate(n) <= update_rules.stability_limit(n)
-        assert _formula("2 sin(pi/(4N-2))", n) == pytest.approx(update_rules.stability_limit(n))
+        limit = outer_optimizers.stability_limit(n)
+        assert outer_optimizers.default_outer_learning_rate(n) <= limit
+        assert _formula("2 sin(pi/(4N-2))", n) == pytest.approx(limit)
 
 
 def test_the_help_states_both_staleness_defaults_and_why_they_differ():
@@ -155,17 +156,17 @@ def test_make_optimizer_wraps_gem_when_enabled():
 
 
 def test_outer_optimizer_fields_build_the_strategys_outer_optimizer():
-    from tf_asgd.rules import update_rules
+    from tf_asgd.rules import outer_optimizers
 
     assert run_parts.make_outer_optimizer(load("default")) is None  # the strategy's default
     c = load("default", "--config.outer.name=nesterov")
-    assert run_parts.make_outer_optimizer(c) == update_rules.OuterSGD(
+    assert run_parts.make_outer_optimizer(c) == outer_optimizers.OuterSGD(
         0.7, momentum=0.9, nesterov=True
     )
     c = load("default", "--config.outer.name=sgd", "--config.outer.momentum=0.0")
-    assert run_parts.make_outer_optimizer(c) == update_rules.OuterSGD()
+    assert run_parts.make_outer_optimizer(c) == outer_optimizers.OuterSGD()
     c = load("default", "--config.outer.name=delayed_nesterov", "--config.outer.learning_rate=0.5")
-    assert run_parts.make_outer_optimizer(c) == update_rules.DelayedNesterov(0.5, momentum=0.9)
+    assert run_parts.make_outer_optimizer(c) == outer_optimizers.DelayedNesterov(0.5, momentum=0.9)
     c = load("default", "--config.outer.name=adamw")
     with pytest.raises(
         ValueError, match="Unknown outer optimizer 'adamw'; expected one of default, sgd"

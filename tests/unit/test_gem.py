@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tf_asgd
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import gem_rule
 
 from gem_reference import KAPPA, LR, MU, _mse_grads, _tiny_model, _tiny_problem
 
@@ -24,7 +24,7 @@ def test_single_process_gem_is_the_paper_rule():
         out = []
         for i, (c, g) in enumerate([(w, -LR * gw), (b, -LR * gb)]):
             dc = c - prev[i] if prev is not None else np.zeros_like(c)
-            pushed, m[i], _ = update_rules.gem_step(g, m[i], dc, MU, KAPPA)
+            pushed, m[i], _ = gem_rule.gem_step(g, m[i], dc, MU, KAPPA)
             out.append(c + pushed)
         prev = [w, b]
         w, b = out

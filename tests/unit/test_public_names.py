@@ -7,7 +7,7 @@ import inspect
 import tf_asgd
 from tf_asgd import errors
 from tf_asgd.cluster import connect, lost_tasks
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers
 from tf_asgd.runtime import metric_states, optimizer_options, steps
 
 
@@ -35,10 +35,10 @@ def test_every_error_class_is_exported_once_from_tf_asgd_errors():
 
 
 def test_the_outer_optimizers_stand_beside_gem():
-    assert tf_asgd.optimizers.OuterSGD is tf_asgd.OuterSGD is update_rules.OuterSGD
+    assert tf_asgd.optimizers.OuterSGD is tf_asgd.OuterSGD is outer_optimizers.OuterSGD
     assert (
         tf_asgd.optimizers.DelayedNesterov
         is tf_asgd.DelayedNesterov
-        is update_rules.DelayedNesterov
+        is outer_optimizers.DelayedNesterov
     )
     assert tf_asgd.optimizers.GEM.__module__ == "tf_asgd.optimizers.gem"

@@ -4,13 +4,13 @@ gets much of it back.
 
 A noisy quadratic (linear regression with label noise, curvatures from 1 to 0.03)
 where a batch of N x B at N times the rate (the linear scaling rule) is the
-reference. Windows of plain SGD go through the PS's own rule, `update_rules.outer_step`.
+reference. Windows of plain SGD go through the PS's own rule, `outer_optimizers.outer_step`.
 """
 
 import numpy as np
 import pytest
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers, worker_rate
 
 DIM, WORKERS, BATCH, N_SYNC, RATE, STEPS = 20, 8, 4, 10, 0.01, 3000
 CURVATURES = np.logspace(0, -1.5, DIM)
@@ -41,24 +41,26 @@ def sgd_curve(batch, rate, seed=0):
     return np.array(losses)
 
 
-def window_curve(opt, synchronous, seed=0, worker_rate="none"):
+def window_curve(opt, synchronous, seed=0, lr_scaling="none"):
     """Loss of the central weights per step of each worker (a round is `N_SYNC` steps);
-    the workers' rate is `RATE` times `worker_rate`'s factor, warmed up (and annealed)
-    as the strategy does (`update_rules.worker_rate_warmup_steps`)."""
+    the workers' rate is `RATE` times `lr_scaling`'s factor, warmed up (and annealed)
+    as the strategy does (`worker_rate.worker_rate_warmup_steps`)."""
     problem, center, state, losses = NoisyQuadratic(seed), np.zeros(DIM), {}, []
     starts = [center] * WORKERS
-    peak = update_rules.worker_rate_peak(WORKERS, worker_rate)
-    final = update_rules.worker_rate_scale(WORKERS, worker_rate)
-    warmup = update_rules.worker_rate_warmup_steps(peak, final, STEPS * WORKERS)
+    peak = worker_rate.worker_rate_peak(WORKERS, lr_scaling)
+    final = worker_rate.worker_rate_scale(WORKERS, lr_scaling)
+    warmup = worker_rate.worker_rate_warmup_steps(peak, final, STEPS * WORKERS)
     for ticket in range(STEPS * WORKERS // N_SYNC):
         i = ticket % WORKERS
         w = starts[i]
         for k in range(N_SYNC):
             step = ticket * N_SYNC + k
-            factor = update_rules.annealed_rate_scale(peak, final, step, warmup)
+            factor = worker_rate.annealed_rate_scale(peak, final, step, warmup)
             rate = RATE * factor
             w = w - rate * problem.gradient(w, BATCH)
-        center, state = update_rules.outer_step(opt, center, starts[i] - w, state, ticket, WORKERS)
+        center, state = outer_optimizers.outer_step(
+            opt, center, starts[i] - w, state, ticket, WORKERS
+        )
         if not synchronous:
             starts[i] = center  # round-robin: every push is WORKERS - 1 pushes stale
         elif i == WORKERS - 1:
@@ -84,16 +86,16 @@ def reference():
 
 def test_the_synchronous_default_comes_close_to_the_large_batch(reference):
     target, large = reference
-    opt = update_rules.default_synchronous_outer_optimizer(WORKERS)
-    assert update_rules.outer_gain(opt, WORKERS) == pytest.approx(WORKERS)
+    opt = outer_optimizers.default_synchronous_outer_optimizer(WORKERS)
+    assert outer_optimizers.outer_gain(opt, WORKERS) == pytest.approx(WORKERS)
     assert steps_to(window_curve(opt, synchronous=True), target) <= 2 * large
 
 
 def test_averaging_falls_far_short_of_the_large_batch(reference):
     target, large = reference
-    asynchronous = update_rules.default_outer_optimizer(WORKERS)
+    asynchronous = outer_optimizers.default_outer_optimizer(WORKERS)
     assert steps_to(window_curve(asynchronous, synchronous=False), target) >= 5 * large
-    average = update_rules.OuterSGD(1.0 / WORKERS)
+    average = outer_optimizers.OuterSGD(1.0 / WORKERS)
     assert steps_to(window_curve(average, synchronous=True), target) >= 5 * large
 
 
@@ -103,11 +105,11 @@ def test_the_workers_rate_gets_averaging_much_of_the_large_batch_back(reference)
     batch 262); N (`"linear"`, the large batch's own rule for SGD) within 1.5 times
     the large batch's steps, its warm-up included (331)."""
     target, large = reference
-    asynchronous = update_rules.default_outer_optimizer(WORKERS)
-    assert update_rules.auto_worker_rate() == "sqrt"
+    asynchronous = outer_optimizers.default_outer_optimizer(WORKERS)
+    assert worker_rate.auto_worker_rate() == "sqrt"
     user = steps_to(window_curve(asynchronous, synchronous=False), target)
-    sqrt = steps_to(window_curve(asynchronous, False, worker_rate="sqrt"), target)
-    linear = steps_to(window_curve(asynchronous, False, worker_rate="linear"), target)
+    sqrt = steps_to(window_curve(asynchronous, False, lr_scaling="sqrt"), target)
+    linear = steps_to(window_curve(asynchronous, False, lr_scaling="linear"), target)
     print(f"steps: large batch {large}, user's rate {user}, x sqrt(N) {sqrt}, x N {linear}")
     assert sqrt * 2 <= user and linear <= 1.5 * large
 
@@ -120,9 +122,9 @@ def test_annealing_the_workers_rate_is_sooner_than_sqrt_and_ends_below_its_floor
     windows divides their noise variance by N, so at the user's rate the averaged noise is
     below one worker's."""
     target, _ = reference
-    asynchronous = update_rules.default_outer_optimizer(WORKERS)
+    asynchronous = outer_optimizers.default_outer_optimizer(WORKERS)
     curves = {
-        rule: window_curve(asynchronous, False, worker_rate=rule)
+        rule: window_curve(asynchronous, False, lr_scaling=rule)
         for rule in ("sqrt", "linear", "anneal")
     }
     steps = {rule: steps_to(curve, target) for rule, curve in curves.items()}
@@ -134,8 +136,8 @@ def test_annealing_the_workers_rate_is_sooner_than_sqrt_and_ends_below_its_floor
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 8, 10, 16, 64])
 def test_synchronous_default_gain_is_n_with_a_stable_rate(workers):
-    opt = update_rules.default_synchronous_outer_optimizer(workers)
-    assert update_rules.outer_gain(opt, workers) == pytest.approx(workers)
+    opt = outer_optimizers.default_synchronous_outer_optimizer(workers)
+    assert outer_optimizers.outer_gain(opt, workers) == pytest.approx(workers)
     if workers > 1:
         # A round's rate stays below Nesterov's limit where windows converge: 2 (1 + m) / (1 + 2 m).
         assert opt.learning_rate <= 1.0 < 2 * (1 + opt.momentum) / (1 + 2 * opt.momentum)

@@ -5,7 +5,7 @@ measured on digits."""
 import numpy as np
 import pytest
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import gem_rule, staleness
 from tf_asgd.sim import simulator
 
 
@@ -79,9 +79,10 @@ def test_explicit_delay_distributions(digits, delay, check):
 def test_uses_the_cluster_update_rules(digits, monkeypatch):
     (x, y), _ = digits
     calls = {"gem_step": 0, "ps_push": 0}
+    modules = {"gem_step": gem_rule, "ps_push": staleness}
 
     def spy(name):
-        real = getattr(update_rules, name)
+        real = getattr(modules[name], name)
 
         def wrapped(*a, **k):
             calls[name] += 1
@@ -90,7 +91,7 @@ def test_uses_the_cluster_update_rules(digits, monkeypatch):
         return wrapped
 
     for name in calls:
-        monkeypatch.setattr(update_rules, name, spy(name))
+        monkeypatch.setattr(modules[name], name, spy(name))
     run = simulator.simulate(x, y, method="gem", workers=4, pushes=10, hidden=0, eval_every=5)
     assert calls == {"gem_step": 20, "ps_push": 20}  # 10 pushes x 2 tensors
     assert [sorted(k for k in r if k != "push") for r in run.pi][0] == sorted(

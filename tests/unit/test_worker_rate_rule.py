@@ -6,17 +6,17 @@ import keras
 import numpy as np
 import pytest
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import worker_rate
 from tf_asgd.runtime import optimizer_options
 
 
 def _factors(fit_steps, optimizer, workers=8):
-    peak = update_rules.worker_rate_peak(workers, "anneal")
-    final = update_rules.worker_rate_scale(workers, "anneal")
-    cap = update_rules.untuned_warmup_steps(optimizer_options.second_moment_beta(optimizer))
-    warmup = update_rules.worker_rate_warmup_steps(peak, final, fit_steps, cap)
+    peak = worker_rate.worker_rate_peak(workers, "anneal")
+    final = worker_rate.worker_rate_scale(workers, "anneal")
+    cap = worker_rate.untuned_warmup_steps(optimizer_options.second_moment_beta(optimizer))
+    warmup = worker_rate.worker_rate_warmup_steps(peak, final, fit_steps, cap)
     steps = np.arange(fit_steps)
-    return warmup, update_rules.annealed_rate_scale(peak, final, steps, warmup)
+    return warmup, worker_rate.annealed_rate_scale(peak, final, steps, warmup)
 
 
 @pytest.mark.parametrize("optimizer", [keras.optimizers.Adam, keras.optimizers.AdamW])
@@ -41,10 +41,10 @@ def test_without_a_second_moment_the_warm_up_is_a_quarter_of_any_fit():
         assert _factors(16000, optimizer)[0] == 4000
     scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3, beta_2=0.99))
     assert optimizer_options.second_moment_beta(scaled) == pytest.approx(0.99)
-    assert update_rules.untuned_warmup_steps(0.99) == 200
+    assert worker_rate.untuned_warmup_steps(0.99) == 200
 
 
 def test_a_constant_factor_warms_up_over_five_percent_and_stays():
-    factors = update_rules.annealed_rate_scale(2.0, 2.0, np.arange(100), 5)
+    factors = worker_rate.annealed_rate_scale(2.0, 2.0, np.arange(100), 5)
     np.testing.assert_allclose(factors[:5], 1 + np.arange(1, 6) / 5)
     np.testing.assert_allclose(factors[5:], 2.0)

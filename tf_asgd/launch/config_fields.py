@@ -16,7 +16,7 @@ MODELS = (
 )
 # The defaults the help states that the code computes; tests/unit/test_configs.py checks
 # each against the code (this module cannot import it: it loads NumPy and TensorFlow).
-# `update_rules.default_outer_learning_rate(N)`, written as its docstring writes it:
+# `outer_optimizers.default_outer_learning_rate(N)`, written as its docstring writes it:
 OUTER_RATE_FORMULA = "1/N"
 OUTER_RATE_AT_8 = "0.125"  # the formula at N = 8
 STRATEGY_STALENESS = "none"  # `AsyncParameterServerStrategy(staleness=...)`'s default

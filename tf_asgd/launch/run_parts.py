@@ -27,7 +27,7 @@ from absl import logging
 
 from tf_asgd import internals, models, optimizers
 from tf_asgd.launch.config_fields import MODELS
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers
 
 DONE_FILE = "DONE"
 
@@ -83,11 +83,11 @@ def make_outer_optimizer(config):
     if o.name == "default":
         return None
     if o.name == "sgd":
-        return update_rules.OuterSGD(o.learning_rate or 1.0, momentum=o.momentum)
+        return outer_optimizers.OuterSGD(o.learning_rate or 1.0, momentum=o.momentum)
     if o.name == "nesterov":
-        return update_rules.OuterSGD(o.learning_rate or 0.7, momentum=o.momentum, nesterov=True)
+        return outer_optimizers.OuterSGD(o.learning_rate or 0.7, momentum=o.momentum, nesterov=True)
     if o.name == "delayed_nesterov":
-        return update_rules.DelayedNesterov(o.learning_rate or 0.7, momentum=o.momentum)
+        return outer_optimizers.DelayedNesterov(o.learning_rate or 0.7, momentum=o.momentum)
     raise ValueError(
         f"Unknown outer optimizer {o.name!r}; expected one of {', '.join(OUTER_OPTIMIZERS)}."
     )

@@ -5,7 +5,7 @@ energy stays at or below that of a momentum-SGD proxy (learning rate `eta` and m
 `mu` of the wrapped optimizer). Per push, with the worker's update `g = -eta * grad`:
 `m <- mu * m + g`; `dc = central_now - central_at_previous_pull`;
 `pi = clip((kappa * |m| - |dc|) / (|g| + eps), 0, pi_max)`; push `pi * g`
-(`update_rules.gem_step`). Windows of `n_sync` steps: docs/architecture.md.
+(`gem_rule.gem_step`). Windows of `n_sync` steps: docs/architecture.md.
 
 Example:
     >>> import keras, tf_asgd
@@ -23,7 +23,7 @@ import tensorflow.experimental.numpy as tnp
 from keras import ops
 
 from tf_asgd import internals
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import gem_rule
 
 
 @keras.saving.register_keras_serializable(package="tf_asgd")
@@ -67,8 +67,8 @@ class GEM(keras.optimizers.Optimizer):
         self,
         optimizer,
         kappa=1.0,
-        pi_max=update_rules.GEM_PI_MAX,
-        epsilon=update_rules.GEM_EPSILON,
+        pi_max=gem_rule.GEM_PI_MAX,
+        epsilon=gem_rule.GEM_EPSILON,
         name="gem",
         **kwargs,
     ):
@@ -128,7 +128,7 @@ class GEM(keras.optimizers.Optimizer):
         lr = ops.cast(learning_rate, variable.dtype)
         g = -lr * ops.cast(gradient, variable.dtype)
         dc = ops.where(self.iterations > 0, variable - prev, ops.zeros_like(variable))
-        pushed, new_m, _ = update_rules.gem_step(
+        pushed, new_m, _ = gem_rule.gem_step(
             g, m, dc, self.momentum, self.kappa, self.pi_max, self.epsilon, xp=tnp
         )
         self.assign(prev, variable)
@@ -213,7 +213,7 @@ class GEMPushRule:
         for g, c, m_var, p_var in zip(updates, pulled, self.momentums, self.previous):
             prev = p_var.read_value()
             dc = tf.where(started, c - prev, tf.zeros_like(c))
-            out, new_m, pi = update_rules.gem_step(
+            out, new_m, pi = gem_rule.gem_step(
                 g, m_var.read_value(), dc, g_.momentum, g_.kappa, g_.pi_max, g_.epsilon, xp=tnp
             )
             pushed.append(out)

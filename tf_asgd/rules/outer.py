@@ -1,4 +1,4 @@
-"""The outer optimizer on the PS: TF ops that compute `update_rules.ps_push`.
+"""The outer optimizer on the PS: TF ops that compute `staleness.ps_push`.
 
 A push's pseudo-gradient is `g = -scale(tau) * update`. Each piece of it is
 applied on the PS that holds its variable (or shard), next to the outer
@@ -11,7 +11,7 @@ either an add (adds commute) or TF's locked `ResourceApplyKerasMomentum`
 
 import tensorflow as tf
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers
 
 NOISE_SUMS = ("noise_push_sq", "noise_round_sq")  # scalar slots: `noise_scale.from_sums`
 
@@ -22,7 +22,7 @@ def create_slots(opt, shard, noise_sums=False):
     Call under the strategy's scope; the slots are colocated with `shard`.
 
     Args:
-        opt: `update_rules.OuterSGD` or `update_rules.DelayedNesterov`.
+        opt: `outer_optimizers.OuterSGD` or `outer_optimizers.DelayedNesterov`.
         shard: the PS variable (or shard of one).
         noise_sums: synchronous rounds, with a `DelayedNesterov`: the chief takes each
             round's momentum step (`close_round`), and two float64 scalars
@@ -38,7 +38,7 @@ def create_slots(opt, shard, noise_sums=False):
             slots[name] = tf.Variable(
                 tf.zeros(shard.shape, shard.dtype), trainable=False, name=f"{prefix}/outer_{name}"
             )
-        if noise_sums and isinstance(opt, update_rules.DelayedNesterov):
+        if noise_sums and isinstance(opt, outer_optimizers.DelayedNesterov):
             for name in NOISE_SUMS:
                 slots[name] = tf.Variable(
                     tf.zeros([], tf.float64), trainable=False, name=f"{prefix}/{name}"
@@ -49,15 +49,15 @@ def create_slots(opt, shard, noise_sums=False):
 def effective_learning_rate(opt, num_workers, ticket):
     """The factor the push with version ticket `ticket` is applied with,
     momentum aside (a tensor while `OuterSGD` warms up)."""
-    if isinstance(opt, update_rules.DelayedNesterov):
+    if isinstance(opt, outer_optimizers.DelayedNesterov):
         return opt.learning_rate / (opt.delay or num_workers)
-    return update_rules.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy)
+    return outer_optimizers.outer_learning_rate(opt, ticket, xp=tf.experimental.numpy)
 
 
 def apply_moving_average(shard, piece, scale, momentum, steps):
     """The op that applies a push of a moving average (`piece`: the window's
-    `update_rules.moving_average_sent`) where `shard` stands now:
-    `shard + scale * (piece - (1 - m^k) shard)` (`update_rules.moving_average_push`).
+    `outer_optimizers.moving_average_sent`) where `shard` stands now:
+    `shard + scale * (piece - (1 - m^k) shard)` (`outer_optimizers.moving_average_push`).
 
     It is one locked op, TF's proximal gradient step: with `alpha = 1`, `l1 = 0` it sets
     `var = (var - delta) / (1 + l2)`, which is the push for `l2 = g / (1 - g)` and
@@ -81,7 +81,7 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
     """Ops that apply `opt` to pseudo-gradient `-scale * piece` on `shard`.
 
     Args:
-        opt: `update_rules.OuterSGD` or `update_rules.DelayedNesterov`.
+        opt: `outer_optimizers.OuterSGD` or `outer_optimizers.DelayedNesterov`.
         shard: the PS variable (or shard of one).
         piece: this shard's part of the worker's update, already on the PS.
         slots: `create_slots(opt, shard)`, or `{}` for variables that get no
@@ -100,7 +100,7 @@ def apply(opt, shard, piece, slots, scale, ticket, num_workers):
         return [shard.assign_add(-lr * g, read_value=False)]
     mu = tf.constant(opt.momentum, dtype)
     velocity = slots["velocity"]
-    if isinstance(opt, update_rules.OuterSGD):
+    if isinstance(opt, outer_optimizers.OuterSGD):
         # velocity = mu * velocity - lr * g; shard += velocity
         # (Nesterov: shard += mu * velocity - lr * g), atomically.
         return [
@@ -158,7 +158,7 @@ def close_round(opt, shard, slots, num_workers):
     earlier ticket's does, which would leave that window out of the round's step.
 
     Args:
-        opt: the `update_rules.DelayedNesterov`.
+        opt: the `outer_optimizers.DelayedNesterov`.
         shard: the PS variable (or shard of one).
         slots: its `create_slots(opt, shard, noise_sums=True)`.
         num_workers: the cluster's worker count (the default delay).

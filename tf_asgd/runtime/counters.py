@@ -43,7 +43,7 @@ class AsyncStats:
             samples a window of the model trained on (0 if unknown).
         bytes_pushed_per_sample: likewise for the push.
         outer_gain: how many windows' worth a round of N pushes moves the
-            central weights where they agree (`update_rules.outer_gain` of the
+            central weights where they agree (`outer_optimizers.outer_gain` of the
             model's outer optimizer): the factor by which the strategy scales
             the effective learning rate over plain averaging (1.0). N under the
             synchronous default, about 1 under the asynchronous one
@@ -247,7 +247,7 @@ class PushCounters(tf.Module):
             bytes_per_push: bytes one window's push sends (0 if unknown).
             samples_per_window: the mean samples a window trains on (0 if
                 unknown: the per-sample bytes are then 0).
-            outer_gain: the model's `update_rules.outer_gain` (1.0 if unknown).
+            outer_gain: the model's `outer_optimizers.outer_gain` (1.0 if unknown).
 
         Returns:
             An `AsyncStats`.

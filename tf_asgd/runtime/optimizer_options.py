@@ -38,7 +38,7 @@ def is_adaptive(optimizer):
     """Whether `optimizer` (a loss-scaling wrapper unwrapped) is, or subclasses, one of
     Keras's adaptive optimizers (Adam, AdamW, Adamax, Nadam, Lamb, Lion, RMSprop,
     Adagrad, Adadelta, Adafactor): under `lr_scaling="auto"` their workers' rate anneals
-    from N (`update_rules.auto_worker_rate`). Any other optimizer is not.
+    from N (`worker_rate.auto_worker_rate`). Any other optimizer is not.
 
     Example:
         >>> is_adaptive(keras.optimizers.Adam()), is_adaptive(keras.optimizers.SGD())
@@ -55,7 +55,7 @@ _SECOND_MOMENT = ("Adam", "Adamax", "Nadam", "Lamb")  # AdamW subclasses Adam
 def second_moment_beta(optimizer):
     """`beta_2` of `optimizer` (a loss-scaling wrapper unwrapped) where it is Adam or one
     of its kin with a second-moment estimate (AdamW, Adamax, Nadam, Lamb), else None: the
-    workers' warm-up is capped at `update_rules.untuned_warmup_steps` of it.
+    workers' warm-up is capped at `worker_rate.untuned_warmup_steps` of it.
 
     Example:
         >>> second_moment_beta(keras.optimizers.Adam()), second_moment_beta(keras.optimizers.Lion())

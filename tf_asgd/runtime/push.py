@@ -3,7 +3,7 @@
 `CentralVariables` is where every update reaches the central variables (`push` from a
 worker's tensors, `apply` once they have arrived): it is staged on every PS first, then
 the version ticket is taken and the outer optimizer applies
-`update_rules.staleness_scale(tau) * update` where each variable (or shard) lives.
+`staleness.staleness_scale(tau) * update` where each variable (or shard) lives.
 """
 
 import contextlib
@@ -17,7 +17,7 @@ from keras import Variable
 
 from tf_asgd import internals
 from tf_asgd.rules import compression as codecs
-from tf_asgd.rules import outer, update_rules
+from tf_asgd.rules import outer, outer_optimizers, staleness
 from tf_asgd.runtime import fault_points
 from tf_asgd.runtime.records import PullMeta
 
@@ -379,7 +379,7 @@ class PushGate:
             (e.g. the step count), made under its ticket. `push` is None when they run
             only for a push, else `ok`: they must then change nothing where it is false.
         steps: int64 scalar on the counters' PS, the window's local steps (a moving
-            average's push needs them: `update_rules.moving_average_push`); None: none.
+            average's push needs them: `outer_optimizers.moving_average_push`); None: none.
     """
 
     ok: tf.Tensor
@@ -402,9 +402,9 @@ class CentralVariables:
     Attributes:
         variables: the central variables (Keras or TF, possibly sharded).
         counters: the strategy's `counters.PushCounters`.
-        rule: the staleness rule (`update_rules.STALENESS_RULES`).
+        rule: the staleness rule (`staleness.STALENESS_RULES`).
         max_staleness: drop pushes staler than this; None keeps all.
-        outer_optimizer: `update_rules.OuterSGD` or `DelayedNesterov`; None: `OuterSGD()`.
+        outer_optimizer: `outer_optimizers.OuterSGD` or `DelayedNesterov`; None: `OuterSGD()`.
         slots: per variable, per shard, the outer state (`outer.create_slots`), `{}` for
             none; None: none anywhere.
         num_workers: the cluster's worker count (`DelayedNesterov`'s default delay).
@@ -530,7 +530,7 @@ class _PushPlan:
 
     def __init__(self, central, arrived, steps=None):
         self.central, self.arrived, self.steps = central, arrived, steps
-        self.outer = central.outer_optimizer or update_rules.OuterSGD()
+        self.outer = central.outer_optimizer or outer_optimizers.OuterSGD()
         slots, momenta = central.slots, central.moving_average_momenta
         self.shards = [
             (s, slots[i][j] if slots else {})
@@ -598,9 +598,9 @@ class _PushPlan:
             with tf.control_dependencies(list(landed) + begun):
                 tau, ticket = c.counters.take_ticket(pulled_version, push, c.round_size)
             scale = tf.cast(
-                update_rules.staleness_scale(tau, c.rule, c.max_staleness, xp=tnp), tf.float64
+                staleness.staleness_scale(tau, c.rule, c.max_staleness, xp=tnp), tf.float64
             )
-            dropped = tf.cast(update_rules.is_dropped(tau, c.max_staleness), tf.int64)
+            dropped = tf.cast(staleness.is_dropped(tau, c.max_staleness), tf.int64)
             if push is not None:
                 scale = tf.where(push, scale, tf.zeros_like(scale))
                 dropped = dropped * tf.cast(push, tf.int64)

@@ -9,7 +9,7 @@ Off in production: with nothing recorded, no op is added to the trace. A test re
   that ticket applied (a ticket used again after a rollback is written again).
 
 `replay` applies tickets 0 to `version - 1` in ticket order with the pure rule
-(`update_rules.ps_push`) from the weights before the `fit`: where the outer optimizer's
+(`staleness.ps_push`) from the weights before the `fit`: where the outer optimizer's
 writes commute (asynchronous pushes, no momentum on the PS), the central weights must
 equal it (`replay_violations`).
 """
@@ -21,7 +21,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import staleness
 from tf_asgd.runtime import push
 
 _directory = []  # the directory being recorded to, if any
@@ -112,7 +112,7 @@ def replay(directory, initial, dtypes, version, outer, rule, max_staleness, num_
         dtypes: their dtypes.
         version: the PS's version counter after the `fit`.
         outer, rule, max_staleness, num_workers: the push's outer optimizer, staleness
-            rule, staleness bound and worker count (`update_rules.ps_push`).
+            rule, staleness bound and worker count (`staleness.ps_push`).
 
     Returns:
         `(values, missing)`: the replayed values, and the tickets without a record (the
@@ -138,7 +138,7 @@ def replay(directory, initial, dtypes, version, outer, rule, max_staleness, num_
         pieces = np.split(flat, np.cumsum(sizes)[:-1])
         for i, piece in enumerate(pieces):
             update = piece.reshape(values[i].shape).astype(values[i].dtype)
-            values[i], states[i] = update_rules.ps_push(
+            values[i], states[i] = staleness.ps_push(
                 values[i],
                 update,
                 ticket - pulled,

@@ -9,7 +9,7 @@ work: docs/architecture.md.
 
 import tensorflow as tf
 
-from tf_asgd.rules import noise_scale, outer, update_rules
+from tf_asgd.rules import noise_scale, outer, outer_optimizers
 from tf_asgd.runtime import python_inputs
 from tf_asgd.runtime.push import raw, shard_variables
 
@@ -46,13 +46,15 @@ def validate_synchronous(synchronous, staleness, max_staleness, windows_per_clos
             f"windows_per_closure={windows_per_closure!r} (each window of a round is a "
             "closure of its own, pulled after the previous round)"
         )
-    if isinstance(outer_opt, update_rules.OuterSGD) and (outer_opt.momentum or outer_opt.schedule):
+    if isinstance(outer_opt, outer_optimizers.OuterSGD) and (
+        outer_opt.momentum or outer_opt.schedule
+    ):
         refused.append(
             f"{outer_opt!r} (momentum or a schedule would weigh a round's pushes unequally: "
             "use OuterSGD(lr) without either, or DelayedNesterov(lr, momentum) for one "
             "Nesterov step per round)"
         )
-    if isinstance(outer_opt, update_rules.DelayedNesterov) and outer_opt.delay not in (None, n):
+    if isinstance(outer_opt, outer_optimizers.DelayedNesterov) and outer_opt.delay not in (None, n):
         refused.append(
             f"{outer_opt!r} (its momentum steps must close a round: delay None or {n}, the "
             "number of workers)"
@@ -251,7 +253,7 @@ class RoundClose:
     Args:
         shards: `(shard, its outer slots)` pairs, the slots from
             `outer.create_slots(..., noise_sums=True)`.
-        opt: the `update_rules.DelayedNesterov`.
+        opt: the `outer_optimizers.DelayedNesterov`.
         num_workers: N.
     """
 

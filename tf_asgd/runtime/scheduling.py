@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_asgd import internals
-from tf_asgd.rules import outer, update_rules
+from tf_asgd.rules import outer, outer_optimizers, worker_rate
 from tf_asgd.runtime import epochs, optimizer_options, python_inputs
 from tf_asgd.runtime.closure_sizes import (
     MAX_WINDOWS_PER_CLOSURE,
@@ -91,7 +91,7 @@ class WindowTrainer:
         )
         self.outer = outer_optimizer
         # The workers' rate factor: `lr_scale_peak` after the warm-up, falling toward
-        # `lr_scale` (`update_rules.annealed_rate_scale`).
+        # `lr_scale` (`worker_rate.annealed_rate_scale`).
         self.lr_scale = strategy.worker_rate_scale(opt)
         self.lr_scale_peak = strategy.worker_rate_peak(opt)
         synchronous = getattr(strategy, "synchronous", False)
@@ -147,7 +147,7 @@ class WindowTrainer:
     def lr_warmup_steps(self):
         """Steps over which the workers' rate rises to `lr_scale_peak` at the start
         of each `fit`: a share of the running (or last) fit's steps, at most Adam's
-        untuned warm-up (`update_rules.worker_rate_warmup_steps`)."""
+        untuned warm-up (`worker_rate.worker_rate_warmup_steps`)."""
         return _warmup_steps(self, self._fit_state)
 
     @property
@@ -158,7 +158,7 @@ class WindowTrainer:
 
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
-        gain = update_rules.outer_gain(self.outer, self.strategy.num_workers)
+        gain = outer_optimizers.outer_gain(self.outer, self.strategy.num_workers)
         stats = self.strategy.counters.stats(
             self.bytes_per_pull, self.bytes_per_push, self.log.samples_per_window, gain
         )
@@ -502,11 +502,11 @@ def _warmup_steps(trainer, state):
     """`WindowTrainer.lr_warmup_steps`, with `state` its fit state (a `ModelState`): a
     share of the fit's steps, at most Adam's untuned warm-up for Adam's kin."""
     beta_2 = optimizer_options.second_moment_beta(trainer.optimizer)
-    return update_rules.worker_rate_warmup_steps(
+    return worker_rate.worker_rate_warmup_steps(
         trainer.lr_scale_peak,
         trainer.lr_scale,
         state.fit_span[1],
-        update_rules.untuned_warmup_steps(beta_2),
+        worker_rate.untuned_warmup_steps(beta_2),
     )
 
 
@@ -548,7 +548,7 @@ def _say_workers_rate(trainer, start, steps):
 def _factor(trainer, step):
     """The workers' factor at `step` of the running (or last) fit."""
     return float(
-        update_rules.annealed_rate_scale(
+        worker_rate.annealed_rate_scale(
             trainer.lr_scale_peak, trainer.lr_scale, step, trainer.lr_warmup_steps
         )
     )
@@ -638,7 +638,7 @@ def _create_outer_slots(model, strategy, opt, synchronous):
 
 def _moving_average_momenta(model):
     """Per variable of `WindowTrainer.variables`, the momentum of the BatchNormalization
-    moving average it is (its push: `update_rules.moving_average_push`), else None."""
+    moving average it is (its push: `outer_optimizers.moving_average_push`), else None."""
     momenta = {}
     for layer in internals.all_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization):

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 
 from tf_asgd import internals
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import outer_optimizers, worker_rate
 from tf_asgd.runtime import metric_states, steps
 from tf_asgd.runtime.push import Pull
 from tf_asgd.runtime.records import PushMeta
@@ -303,7 +303,7 @@ class WindowFunction:
         (the worker's own count, which its moments' bias correction sees, plus
         `_step_offset`). Each fit warms the factor up from 1 to `lr_scale_peak`
         over its first `lr_warmup_steps` steps, then lowers it toward `lr_scale`
-        (`update_rules.annealed_rate_scale`; the fit's first step and the warm-up
+        (`worker_rate.annealed_rate_scale`; the fit's first step and the warm-up
         are the closure's `limits`)."""
         t = self._trainer
         peak, final = t.lr_scale_peak, t.lr_scale
@@ -312,7 +312,7 @@ class WindowFunction:
         first, warmup = (tf.cast(v, tf.float32) for v in self._fit_span)
         return internals.scaled_learning_rate(
             self.local_optimizer,
-            lambda step: update_rules.annealed_rate_scale(
+            lambda step: worker_rate.annealed_rate_scale(
                 peak, final, tf.cast(step, tf.float32) - first, warmup, tnp
             ),
             step_offset=self._step_offset,
@@ -330,7 +330,7 @@ class WindowFunction:
     def _outgoing(self, pulled, weights, opt_values, num_steps):
         """The update to push (`weights - pulled`, the trainable part passed
         through the push rule, e.g. GEM's `pi * g`; a moving average's
-        `update_rules.moving_average_sent` after the window's `num_steps`) and the
+        `outer_optimizers.moving_average_sent` after the window's `num_steps`) and the
         worker state to keep if it is pushed. Returns an `Outgoing`."""
         n_train = len(self._trainer.model.trainable_variables)
         k = tf.cast(num_steps, tf.float64)
@@ -339,7 +339,7 @@ class WindowFunction:
             if momentum is None:
                 return end - start
             wide = [tf.cast(t, tf.float64) for t in (end, start)]
-            return tf.cast(update_rules.moving_average_sent(*wide, momentum, k, tnp), end.dtype)
+            return tf.cast(outer_optimizers.moving_average_sent(*wide, momentum, k, tnp), end.dtype)
 
         momenta = self._trainer.moving_average_momenta
         update = [sent(w, s, m) for w, s, m in zip(weights, pulled.weights, momenta)]

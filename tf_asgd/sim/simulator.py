@@ -1,7 +1,7 @@
 """A many-worker asynchronous SGD simulator in one process (NumPy).
 
 Hundreds of simulated workers train a small NumPy model against one central parameter
-vector with the cluster's own rules (`update_rules.ps_push`, `update_rules.gem_step`).
+vector with the cluster's own rules (`staleness.ps_push`, `gem_rule.gem_step`).
 Staleness comes from random window durations (`timing=...`) or is drawn directly
 (`delay=...`): docs/architecture.md.
 
@@ -20,7 +20,7 @@ import types
 
 import numpy as np
 
-from tf_asgd.rules import update_rules
+from tf_asgd.rules import gem_rule, outer_optimizers, staleness
 
 METHODS = {
     # method: (PS staleness rule, GEM on the workers)
@@ -217,7 +217,7 @@ def simulate(
             (Keras's SGD, momentum `inner_momentum`) or `"adam"` (Keras's
             Adam defaults, learning rate `eta`; its step count is global, read
             at each pull as on the cluster). GEM needs plain `"sgd"`.
-        outer: the PS's outer optimizer (`update_rules.OuterSGD` or
+        outer: the PS's outer optimizer (`outer_optimizers.OuterSGD` or
             `DelayedNesterov`); default `OuterSGD()`, adding each push as is.
         worker_state: `"keep"` the inner optimizer's state across windows,
             or `"reset"` it at every pull.
@@ -227,8 +227,8 @@ def simulate(
             below 1, or GEM with an inner optimizer other than plain SGD.
     """
     _validate(method, workers, pushes, n_sync, delay, timing, inner, inner_momentum)
-    outer = update_rules.validate_outer_optimizer(outer or update_rules.OuterSGD())
-    update_rules.validate_worker_state(worker_state)
+    outer = outer_optimizers.validate_outer_optimizer(outer or outer_optimizers.OuterSGD())
+    outer_optimizers.validate_worker_state(worker_state)
     config = dict(
         inner=inner,
         inner_momentum=inner_momentum,
@@ -379,7 +379,7 @@ class _Simulation:
         previous pull; the worker pushes pi * g."""
         pushed = []
         for i, (g, c, s) in enumerate(zip(update, self.central, start)):
-            out, self.momentum[w][i], pi = update_rules.gem_step(
+            out, self.momentum[w][i], pi = gem_rule.gem_step(
                 g, self.momentum[w][i], c - s, self.c.mu, self.c.kappa, xp=np
             )
             pushed.append(out)
@@ -390,7 +390,7 @@ class _Simulation:
         """The PS applies one push of staleness `tau` to every tensor."""
         central = self.central
         for i, (c, u) in enumerate(zip(central, update)):
-            central[i], self.outer_state[i] = update_rules.ps_push(
+            central[i], self.outer_state[i] = staleness.ps_push(
                 c,
                 u.astype(c.dtype),
                 tau,
