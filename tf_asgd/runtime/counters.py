@@ -201,8 +201,7 @@ class PushCounters(tf.Module):
         Args:
             pulled_version: int64 scalar, the version read at pull time.
             push: None, or a bool scalar: where false, no ticket is taken and
-                nothing is recorded (branch-free; the tau returned is then
-                meaningless).
+                nothing is recorded (the tau returned is then meaningless).
             round_size: pushes per synchronous round (1: asynchronous). The
                 pushes of a round start from one pull and make one step
                 together: `tau` counts only whole rounds between the pull and
@@ -213,7 +212,10 @@ class PushCounters(tf.Module):
             ticket, int64 scalars.
         """
         count = tf.constant(1, tf.int64) if push is None else tf.cast(push, tf.int64)
-        ticket = self.version.assign_add(count, read_value=True) - count
+        if push is None:
+            ticket = self._next_ticket()
+        else:  # where not pushed, the version is read, not advanced
+            ticket = tf.cond(push, self._next_ticket, self.version.read_value)
         tau = ticket - pulled_version
         if round_size > 1:
             tau = tau // round_size * round_size
@@ -229,6 +231,15 @@ class PushCounters(tf.Module):
         ]
         with tf.control_dependencies(record):
             return tf.identity(tau), tf.identity(ticket)
+
+    def _next_ticket(self):
+        """The version before adding 1 to it, under the variable's lock. (An
+        `assign_add(read_value=True)` reads after its add, outside the lock: two
+        pushes at once can read the same value, and so take one ticket and leave
+        one unused; tests/unit/test_tickets.py.)"""
+        return tf.raw_ops.ResourceCountUpTo(
+            resource=self.version.handle, limit=np.iinfo(np.int64).max, T=tf.int64
+        )
 
     @tf.function
     def _read_all(self):
