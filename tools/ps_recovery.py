@@ -522,12 +522,13 @@ CHAOS_CONFIGS = (
 
 def run_chaos_seeds(args):
     """`--runs` fits, each with 20 seeded faults (`tf_asgd.cluster.chaos.Chaos`: a task
-    killed and restarted, a PS paused, a PS and then a worker killed; the seed is the
+    killed and restarted, a PS paused, a PS and then a worker killed, every worker killed
+    while a push is held at a point of `fault_points.POINTS`; the seed is the
     run's index) on a configuration of `CHAOS_CONFIGS` in turn, as
     tests/cluster/test_chaos_on_cluster.py runs one: per run the faults by kind, the
     recoveries and the invariant's violations."""
     import tf_asgd
-    from tf_asgd.cluster import chaos
+    from tf_asgd.cluster import chaos, fault_points
     from tf_asgd.runtime import push_journal
 
     data, rows = harness.load_data("digits"), []
@@ -571,6 +572,7 @@ def run_chaos_seeds(args):
             "seed": seed, "ps": ps, "workers": workers, "synchronous": synchronous,
             "seconds": time.perf_counter() - t0, "faults": len(done),
             **{k: sum(kind == k for kind, _ in done) for k in chaos.KINDS},
+            **{p: faults.points.count(p) if faults else 0 for p in fault_points.POINTS},
             "ps_faults": sum(t.startswith("ps:") for _, ts in done for t in ts),
             "worker_faults": sum(t.startswith("worker:") for _, ts in done for t in ts),
             "recoveries": len(strategy.recoveries), "completed": not error,
@@ -585,6 +587,7 @@ def run_chaos_seeds(args):
     lines = _table(rows)
     total = sum(r["faults"] for r in rows)
     by_kind = ", ".join(f"{k} {sum(r[k] for r in rows)}" for k in chaos.KINDS)
+    by_kind += " (" + ", ".join(f"{p} {sum(r[p] for r in rows)}" for p in fault_points.POINTS) + ")"
     lines += [
         "",
         f"{total} faults ({by_kind}) over {len(rows)} runs: "

@@ -1,7 +1,8 @@
 """A seeded sample of chaos (`tf_asgd.cluster.chaos`): 20 faults in one `fit` of 2 workers
 and 2 PS with a variable split over both, fed a user's `tf.data` pipeline. PS and workers
 killed and restarted, a PS paused, a PS killed and then a worker while the chief waits for
-it; each fault after the last was recovered from. The invariant after them all: `fit`
+it, every worker killed while a push is held at a point (`cluster.fault_points`); each
+fault after the last was recovered from. The invariant after them all: `fit`
 completes, every window is applied exactly once, the central weights equal a NumPy replay
 of the applied pushes in ticket order (`runtime.push_journal`), and no process is left."""
 

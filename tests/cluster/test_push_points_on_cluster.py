@@ -1,4 +1,4 @@
-"""A push held at a named point (`runtime.fault_points`) while its worker is SIGKILLed:
+"""A push held at a named point (`cluster.fault_points`) while its worker is SIGKILLed:
 what reaches each PS. 1 worker, 2 PS with the dense kernel split over both, and one batch
 repeated and plain SGD, so that the run is deterministic and a fault-free run is its reference."""
 
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_asgd
-from tf_asgd.runtime import fault_points
+from tf_asgd.cluster import fault_points
 
 from helpers import dense_digits_model
 

@@ -6,6 +6,7 @@ an invariant checked over them all. Results: results/ps_recovery.
 """
 
 import collections
+import contextlib
 import os
 import random
 import signal
@@ -14,10 +15,15 @@ import threading
 import time
 
 import keras
+import tensorflow as tf
+
+from tf_asgd.cluster import fault_points
 
 # A fault, as drawn: "kill" a task and restart it on its port; "pause" a PS (SIGSTOP, then
-# SIGCONT); "ps_then_worker": a PS killed, then a worker while the chief waits for the PS.
-KINDS = ("kill", "pause", "ps_then_worker")
+# SIGCONT); "ps_then_worker": a PS killed, then a worker while the chief waits for the PS;
+# "point": a push held at a point of `fault_points.POINTS` while every worker is killed.
+KINDS = ("kill", "pause", "ps_then_worker", "point")
+HOLD_S = 3.0  # how long a "point" fault holds its push; the workers die within 1 s of it
 
 
 class Chaos(keras.callbacks.Callback):
@@ -38,6 +44,7 @@ class Chaos(keras.callbacks.Callback):
 
     Attributes:
         done: `(kind, tasks)` of each fault injected, in order.
+        points: the point of each "point" fault, in order.
         stalled: whether training stopped moving on for `patience` seconds.
         error: what stopped the thread (a restart that failed), else None.
 
@@ -56,6 +63,21 @@ class Chaos(keras.callbacks.Callback):
         self.rng, self.kinds = random.Random(seed), kinds
         self.spacing, self.patience = spacing, patience
         self.done, self.stalled, self.error, self.thread = [], False, None, None
+        self.points, self._held, self._arms = [], {}, contextlib.ExitStack()
+        if "point" in kinds:  # made before `fit`: its first snapshot then holds them
+            anchor = strategy.counters.version
+            with strategy.scope(), strategy.extended.colocate_vars_with(anchor):
+                self._held = {
+                    p: tf.Variable(tf.constant(-1, tf.int64), trainable=False, name="held_ticket")
+                    for p in fault_points.POINTS
+                }
+
+    def on_train_begin(self, logs=None):
+        for point, ticket in self._held.items():  # armed before the window is traced
+            self._arms.enter_context(fault_points.armed(point, HOLD_S, ticket))
+
+    def on_train_end(self, logs=None):
+        self._arms.close()
 
     def on_epoch_end(self, epoch, logs=None):
         if self.thread is None:
@@ -108,6 +130,31 @@ class Chaos(keras.callbacks.Callback):
         finally:
             os.kill(pid, signal.SIGCONT)
         return [task]
+
+    def _point(self):
+        point = self.rng.choice(fault_points.POINTS)
+        version, held = self.strategy.counters.version, self._held[point]
+        deadline = time.monotonic() + self.patience
+        ticket = -1
+        while int(version.numpy()) <= ticket or ticket < 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"No push took ticket {ticket} in {self.patience:.0f} s.")
+            if ticket < 0:  # a ticket not yet taken once the push reads it (else again)
+                ticket = int(version.numpy()) + 2
+                held.assign(ticket)
+                ticket = ticket if int(version.numpy()) <= ticket else -1
+            time.sleep(0.02)
+        # Taken: the push is held at the point (or on its way there) for `HOLD_S`.
+        time.sleep(self.rng.uniform(0.2, 1.0))
+        workers = [t for t in self.cluster.tasks() if t.startswith("worker:")]
+        for task in workers:
+            self.cluster.kill_task(task)
+        held.assign(-1)
+        time.sleep(self.rng.uniform(1.0, 2.0))
+        for task in workers:
+            self.cluster.restart_task(task)
+        self.points.append(point)
+        return workers
 
     def _ps_then_worker(self):
         tasks = self.cluster.tasks()

@@ -16,9 +16,9 @@ import tensorflow.experimental.numpy as tnp
 from keras import Variable
 
 from tf_asgd import internals
+from tf_asgd.cluster import fault_points
 from tf_asgd.rules import compression as codecs
 from tf_asgd.rules import outer, outer_optimizers, staleness
-from tf_asgd.runtime import fault_points
 from tf_asgd.runtime.records import PullMeta
 
 

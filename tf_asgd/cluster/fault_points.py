@@ -26,7 +26,9 @@ def armed(point, seconds, ticket):
     Args:
         point: one of `POINTS`.
         seconds: how long the push waits there.
-        ticket: the 0-based version ticket of the push to hold; the others pass.
+        ticket: the 0-based version ticket of the push to hold; the others pass. An int,
+            or an int64 `tf.Variable` on a PS that each push reads (a test then picks the
+            ticket while `fit` runs; -1 holds none).
 
     Example:
 
@@ -37,7 +39,7 @@ def armed(point, seconds, ticket):
     """
     if point not in POINTS:
         raise ValueError(f"Unknown fault point {point!r}; the points are {POINTS}.")
-    _armed[point] = (float(seconds), int(ticket))
+    _armed[point] = (float(seconds), ticket if isinstance(ticket, tf.Variable) else int(ticket))
     try:
         yield
     finally:
@@ -53,6 +55,7 @@ def hold(point, ticket, after):
     seconds, which = _armed[point]
     with tf.control_dependencies(after):
         start = tf.timestamp()
+        which = tf.cast(which, tf.int64)  # (a variable is read as the push gets here)
     wait = tf.where(tf.equal(tf.cast(ticket, tf.int64), which), seconds, 0.0)
     wait = tf.cast(wait, tf.float64)
     (done,) = tf.while_loop(lambda t: t - start < wait, lambda t: [tf.timestamp()], [start])
