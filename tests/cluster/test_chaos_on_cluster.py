@@ -79,9 +79,11 @@ def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(
         kinds = {kind for kind, _ in faults.done}
         assert kinds == set(chaos.KINDS), faults.done
         assert len(faults.points) == sum(kind == "point" for kind, _ in faults.done)
-        # A PS lost and back before anything read it is found lost with the next one.
+        # A PS lost and back before anything read it is found lost with the next one; a
+        # push held at a point while its worker dies is cut (found, then undone) at most once.
         ps_kills = sum(t.startswith("ps:") for k, ts in faults.done if k != "pause" for t in ts)
-        assert 0 < len(strategy.recoveries) <= ps_kills, (faults.done, strategy.recoveries)
+        cuts = len(faults.points)
+        assert 0 < len(strategy.recoveries) <= ps_kills + cuts, (faults.done, strategy.recoveries)
         windows = chaos.windows_run(strategy, model)
         assert windows == len(history.history["loss"]) * STEPS // N_SYNC  # each Keras asked for
         assert chaos.violations(strategy, model, windows) == []
