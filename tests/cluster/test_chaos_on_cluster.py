@@ -89,6 +89,7 @@ def test_twenty_seeded_faults_leave_every_window_applied_exactly_once(
         assert chaos.violations(strategy, model, windows) == []
         replay = push_journal.replay_violations(strategy, model, tmp_path, initial)
         assert model.evaluate(xt, yt, verbose=0)[1] > 0.85
-        assert seconds < 240, seconds
+        # 20 faults took 143 to 158 s alone and 271 s beside the rest of the suite on 2 cores.
+        assert seconds < 360, seconds
     assert not [p for p in pids.values() if alive(p)]
     assert replay == []
