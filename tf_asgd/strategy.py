@@ -27,7 +27,9 @@ from tf_asgd.rules import outer_optimizers, worker_rate
 from tf_asgd.rules.compression import as_compression, as_pull_compression
 from tf_asgd.rules.staleness import validate_staleness
 from tf_asgd.runtime import input_sharding, optimizer_options, ps_recovery, python_inputs, rounds
+from tf_asgd.runtime.async_scheduler import AsyncScheduler
 from tf_asgd.runtime.counters import PushCounters
+from tf_asgd.runtime.round_scheduler import RoundScheduler
 from tf_asgd.runtime.scheduling import validate_windows_per_closure
 
 # The strategies of this process whose coordinator runs. TF's eager context holds one
@@ -531,6 +533,12 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         self.ps_recovery.snapshot_every = value
 
     @property
+    def scheduler_type(self):
+        """The `scheduler.WindowScheduler` class a model's trainer groups its windows with:
+        `RoundScheduler` with `synchronous=True`, else `AsyncScheduler`."""
+        return RoundScheduler if self.synchronous else AsyncScheduler
+
+    @property
     def recoveries(self):
         """A `ps_recovery.Recovery` per parameter server recovered during `fit`."""
         return list(self.ps_recovery.recoveries)
@@ -733,14 +741,11 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
         """The outer optimizer the pushes of a model compiled with `optimizer` get (see
         `outer_optimizer`); refuses GEM in synchronous mode."""
         push_rule = getattr(optimizer, "asgd_push_rule", None)
-        if self.synchronous:
-            rounds.refuse_push_rule(push_rule)
+        self.scheduler_type.check_push_rule(push_rule)
         if self.outer_optimizer is not None:
             return self.outer_optimizer
         if push_rule is not None:
             return outer_optimizers.OuterSGD()  # GEM: the paper's PS adds pushes as is
-        if self.synchronous:
-            return outer_optimizers.default_synchronous_outer_optimizer(self.num_workers)
-        return outer_optimizers.default_outer_optimizer(
+        return self.scheduler_type.default_outer_optimizer(
             self.num_workers, self.worker_rate_peak(optimizer)
         )

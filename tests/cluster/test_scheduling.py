@@ -49,7 +49,7 @@ def test_a_result_lost_with_its_worker_runs_again_as_a_replay(cluster, digits, c
 
     rv.fetch = lost
     with caplog.at_level("WARNING", logger="tf_asgd"):
-        trainer._drain(block=True)
+        trainer.drain(block=True)
     assert "result was lost with its worker" in caplog.text
     assert len(trainer.window_log) == seen + 1
     record = trainer.window_log[-1]

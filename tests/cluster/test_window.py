@@ -44,7 +44,7 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     trainer.next_window_id = 2  # an id that pushed during fit: a re-run
     trainer.train_function(iterator)
     strategy.coordinator.join()
-    trainer._drain(block=True)
+    trainer.drain(block=True)
     replay = trainer.window_log[-1]
     assert replay.replayed and replay.pushed
     assert strategy.stats().windows == version  # no ticket, no push
@@ -55,7 +55,7 @@ def test_a_rerun_window_is_never_applied_twice(cluster, digits):
     trainer.next_window_id = next_id  # a new window pushes as usual
     trainer.train_function(iterator)
     strategy.coordinator.join()
-    trainer._drain(block=True)
+    trainer.drain(block=True)
     assert not trainer.window_log[-1].replayed and trainer.window_log[-1].pushed
     assert strategy.stats().windows == version + 1
 

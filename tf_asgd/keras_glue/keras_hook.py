@@ -574,7 +574,7 @@ def _make_train_function(original, model, force=False):
     trainer = _window_trainer(model)
     recovery = _strategy_of(model).ps_recovery
     model.train_function = ps_recovery.train_function(trainer, recovery)
-    if _fitting_state(model) is not None and not trainer.strategy.synchronous:
+    if _fitting_state(model) is not None:
         ps_recovery.snapshot_at_start(trainer, recovery)  # before on_train_begin
     return model.train_function
 
@@ -583,7 +583,7 @@ def _get_metrics_result_or_logs(original, model, logs):
     if _fitting_state(model) is not None:
         trainer = _window_trainer(model)
         logs = ps_recovery.finish(trainer, _strategy_of(model).ps_recovery)
-        if trainer.strategy.synchronous or trainer.strategy.epoch_barrier:  # nothing in flight
+        if trainer.scheduler.quiet_at_epoch_end():
             constraints.apply(trainer)
         python_inputs.end_epoch(model)  # a PyDataset's on_epoch_end, where Keras calls it
         return logs

@@ -379,13 +379,13 @@ class PSRecovery:
         windows cannot train again outside their round."""
         strategy = self._strategy()
         cancelled = _cancelled_by_coordinator(error)
-        if strategy.synchronous and cancelled:  # the rounds since the snapshot run again
+        if trainer.scheduler.rolls_back_rounds():  # the rounds since the snapshot run again
+            if not cancelled:
+                raise error
             try:
                 return self._go_back(trainer, [_CANCELLED], ("Found", "from"), reconnect=False)
             except _NotRecovered as e:
                 raise error from e.__cause__
-        if strategy.synchronous:
-            raise error
         log.warning(
             "%s: nothing is rolled back, and the windows in flight train again. "
             "(TensorFlow said: %s)",
@@ -656,7 +656,7 @@ def train_function(trainer, recovery, attempts=10):
             try:
                 if trainer.windows_taken != taken:
                     return trainer.logs_so_far()
-                _snapshot_if_due(trainer, recovery)
+                trainer.scheduler.snapshot_if_due(recovery)
                 return trainer.train_function(iterator)
             except tf.errors.OpError as e:
                 if attempt == attempts - 1:
@@ -667,27 +667,15 @@ def train_function(trainer, recovery, attempts=10):
 
 
 def snapshot_at_start(trainer, recovery):
-    """Asynchronous: the `fit`'s first snapshot, taken before Keras calls the callbacks'
-    `on_train_begin`, so that a PS lost from the `fit`'s first callback on is recovered.
-    A PS lost during it goes back to the last `fit`'s end where there is one; else it
-    raises (nothing else holds the central variables as they were)."""
+    """The `fit`'s first snapshot where windows are asynchronous (rounds take theirs at a
+    round's barrier), taken before Keras calls the callbacks' `on_train_begin`, so that
+    a PS lost from the `fit`'s first callback on is recovered. A PS lost during it goes
+    back to the last `fit`'s end where there is one; else it raises (nothing else holds
+    the central variables as they were)."""
     try:
-        _snapshot_if_due(trainer, recovery)
+        trainer.scheduler.snapshot_if_due(recovery)
     except tf.errors.OpError as e:
         recovery.recover(e, trainer)
-
-
-def _snapshot_if_due(trainer, recovery):
-    """Asynchronous, once every scheduled window has finished: a push cut between two PS
-    tasks' writes undone (`PSRecovery.repair_if_cut`, looked for after a replay), else a
-    snapshot, when due."""
-    if trainer.strategy.synchronous:
-        return
-    if recovery.due() or recovery.replayed_since_look(trainer):
-        start = time.perf_counter()
-        trainer.quiesce()
-        if not recovery.repair_if_cut(trainer) and recovery.due():
-            recovery.take(trainer, waited=time.perf_counter() - start)
 
 
 def finish(trainer, recovery, attempts=10):
@@ -696,7 +684,7 @@ def finish(trainer, recovery, attempts=10):
     for attempt in range(attempts):
         try:
             logs = trainer.finish()
-            _snapshot_if_due(trainer, recovery)
+            trainer.scheduler.snapshot_if_due(recovery)
             return logs
         except tf.errors.OpError as e:
             if attempt == attempts - 1:

@@ -86,9 +86,9 @@ def end_fit(model, trainer):
     if feed is None:
         return
     feed.close()
-    if trainer is not None and trainer._queue:  # (only after an error)
-        trainer._queue = [w for w in trainer._queue if not feed.holds(w[1])]
-        feed.release([w[1] for w in trainer._queue])
+    if trainer is not None:  # (windows stay queued only after an error)
+        dropped = trainer.scheduler.drop_queued(lambda w: feed.holds(w[1]))
+        feed.release([w[1] for w in dropped])
 
 
 class ChiefFeed:

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tf_asgd import internals
 from tf_asgd.rules import outer, outer_optimizers, worker_rate
-from tf_asgd.runtime import epochs, optimizer_options, python_inputs
+from tf_asgd.runtime import optimizer_options, python_inputs
 from tf_asgd.runtime.closure_sizes import (
     MAX_WINDOWS_PER_CLOSURE,
     TARGET_CLOSURE_S,
@@ -37,7 +37,7 @@ from tf_asgd.runtime.push import (
     shard_variables,
 )
 from tf_asgd.runtime.records import WindowRecord
-from tf_asgd.runtime.rounds import NoiseSums, RoundClose, Rounds
+from tf_asgd.runtime.rounds import NoiseSums
 from tf_asgd.runtime.window import APPLIED_RING, WindowFunction
 from tf_asgd.runtime.window_log import WindowLog
 
@@ -63,9 +63,10 @@ class WindowTrainer:
     Keras hook makes the train function of a model whose strategy is an
     `AsyncParameterServerStrategy`; users do not create it. It holds its
     model by weak reference: the strategy keeps trainers by model, and a
-    model that is gone takes its trainer with it. It schedules the windows
-    (queue, pace, budget, schedule, drain); its `log` (a `WindowLog`)
-    records their results, metrics and logs.
+    model that is gone takes its trainer with it. It runs the windows
+    (pace, budget, schedule, drain) as its `scheduler` (the strategy's
+    `scheduler_type`: asynchronous windows or synchronous rounds) groups
+    them; its `log` (a `WindowLog`) records their results, metrics and logs.
 
     Args:
         model: the Keras model, built and compiled under `strategy.scope()`.
@@ -81,7 +82,7 @@ class WindowTrainer:
     def __init__(self, model, strategy, outer_optimizer, fit_state):
         self._model = weakref.ref(model)
         self.strategy = strategy
-        self._fit_state = fit_state
+        self.fit_state = fit_state
         self.optimizer = model.optimizer  # a recompiled model gets a new trainer
         self.coordinator = strategy.coordinator
         opt = model.optimizer
@@ -94,27 +95,25 @@ class WindowTrainer:
         # `lr_scale` (`worker_rate.annealed_rate_scale`).
         self.lr_scale = strategy.worker_rate_scale(opt)
         self.lr_scale_peak = strategy.worker_rate_peak(opt)
-        synchronous = getattr(strategy, "synchronous", False)
-        self.outer_slots = _create_outer_slots(model, strategy, outer_optimizer, synchronous)
+        scheduler_type = strategy.scheduler_type
+        self.outer_slots = _create_outer_slots(
+            model, strategy, outer_optimizer, scheduler_type.round_buffers
+        )
         self.moving_average_momenta = _moving_average_momenta(model)
         # Tracked there, so a checkpoint of the model can hold them.
         strategy.outer_state(model).slots = self.outer_slots
         self.noise = NoiseSums(self.outer_slots, strategy.num_workers)
         self.commits = PushCommits(strategy, self.variables)
+        self.scheduler = scheduler_type(self)  # before the window, which reads it
         self.window = WindowFunction(self)  # creates the worker-side state
         self.log = WindowLog(model, has_pi=bool(self.push_rule))
         self.sizes = ClosureSizes(strategy, self.log)
         self.waits = ClosureWaits(strategy)  # bounds waits for closures that never end
-        self._queue = []  # (num_steps, window_id) asked for by Keras, not yet scheduled
-        # Synchronous: rounds of N one-window closures, each after the last (`_start_round`).
-        self.rounds = _rounds(self, outer_optimizer) if synchronous else None
         self._pending = []  # (RemoteValue, its windows, budget, when scheduled) of closures
-        self._iterator = None
+        self.iterator = None  # the training data of the running (or last) fit
         self.next_window_id = 0  # the windows given an id so far
         self.windows_taken = 0  # Keras's `train_function` calls that queued their window
         self._epoch_step = 0  # steps asked for this epoch
-        self._epochs = epochs.Epochs(strategy.n_sync)  # where rolled-back windows belong
-        self._replays = []  # rolled-back earlier epochs' windows, a list per epoch, to train again
         self._carried = None  # (metric values, logs) of the last epoch's end
         self.closure_sizes = []  # windows per scheduled closure (first attempts)
         # Per finished closure: (worker, windows asked, windows run, budget s);
@@ -148,13 +147,13 @@ class WindowTrainer:
         """Steps over which the workers' rate rises to `lr_scale_peak` at the start
         of each `fit`: a share of the running (or last) fit's steps, at most Adam's
         untuned warm-up (`worker_rate.worker_rate_warmup_steps`)."""
-        return _warmup_steps(self, self._fit_state)
+        return _warmup_steps(self, self.fit_state)
 
     @property
     def fit_step_span(self):
         """`(first, last)`: the running (or last) fit's global optimizer steps (every
         worker's); the factor warms up from `first`."""
-        return _fit_steps(self, self._fit_state)
+        return _fit_steps(self, self.fit_state)
 
     def stats(self):
         """The strategy's push counters, with this model's byte counts (an `AsyncStats`)."""
@@ -179,18 +178,17 @@ class WindowTrainer:
         for seconds, not an epoch. Outside `fit` (no epoch) the window is
         scheduled at once, alone.
         """
-        self._iterator = iterator
-        self._replay()
+        self.iterator = iterator
+        scheduler = self.scheduler
+        scheduler.before_window()
         self.windows_taken += 1  # this call's window is queued below (`ps_recovery`)
-        window_id = self.next_window_id
-        if self.rounds is None:  # synchronous windows get their ids by round (`_start_round`)
-            self.next_window_id += 1
+        window_id = scheduler.next_id()
         # An epoch is exactly its steps: its last window may be shorter.
         n_sync = self.strategy.n_sync
-        steps = self._fit_state.steps_per_epoch
+        steps = self.fit_state.steps_per_epoch
         if self._epoch_step == 0:  # before an epoch's first window is queued
             optimizer_options.check_window_steps(self.model.optimizer, n_sync, steps)
-            self._epochs.begin(window_id, steps)
+            scheduler.begin_epoch(window_id, steps)
         num_steps = n_sync if not steps else max(1, min(n_sync, steps - self._epoch_step))
         if python_inputs.is_feed(iterator):  # Python-side data: the chief reads the batches
             num_steps = iterator.read(window_id, num_steps)  # fewer where the data ends
@@ -200,23 +198,17 @@ class WindowTrainer:
                 return self._logs if self._logs is not None else {}
         self._epoch_step += num_steps
         left = -(-(steps - self._epoch_step) // n_sync) if steps else 0  # windows still to come
-        if self.rounds is not None:
-            if self.rounds.add(num_steps) or not steps or left <= 0:
-                _start_round(self)
-        else:
-            self._queue.append((num_steps, window_id))
-            full = len(self._queue) >= self.sizes.size(len(self._queue) + left)
-            if not steps or left <= 0 or full:
-                self._flush(left)
+        scheduler.add(num_steps, window_id, steps, left)
         # The epoch's last window: its logs are the epoch's, as in Keras (the
         # epoch's end waits for these windows anyway, unless `epoch_barrier=False`).
         last = bool(steps) and left <= 0
-        self._drain(block=True, keep=0 if last and _epoch_end_waits(self) else self._max_in_flight)
+        waits = last and scheduler.epoch_end_waits()
+        self.drain(block=True, keep=0 if waits else self._max_in_flight)
         # Progress for callbacks, refreshed a few times a second at most: the
         # chief's time per window bounds throughput at small n_sync.
         now = time.perf_counter()
         if self._logs is None or now - self._logs_at > 0.25 or last:
-            self._drain(block=False)
+            self.drain(block=False)
             # No window of the epoch finished: no metric yet, and no logs
             # (a progress bar shows whatever it is given, zeros included).
             self._logs = self.log.logs() if self.log.epoch_records else {}
@@ -230,46 +222,68 @@ class WindowTrainer:
         window is shorter."""
         return max(self._epoch_step, 1) - 1
 
-    def _flush(self, left=0):
-        """Schedules every queued window, in closures of `sizes.size`
-        (`left`: the epoch's windows still to come after them)."""
-        while self._queue:
-            k = self.sizes.size(len(self._queue) + left)
-            windows, self._queue = self._queue[:k], self._queue[k:]
-            self._schedule(windows)
-
-    def _schedule(self, windows, first=True):
+    def schedule(self, windows, first=True):
+        """Schedules `windows` (`[(steps, id)]`) as one closure on any worker (`first`:
+        their first attempt, counted in `closure_sizes`)."""
         # Two small tensors: each argument costs the chief a conversion.
         plan = np.zeros([2, MAX_WINDOWS_PER_CLOSURE], np.int64)  # [ids, steps]
         plan[0] = -1
         plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
         budget = self.sizes.budget(len(windows))
-        if python_inputs.is_feed(self._iterator):
-            function, args, windows = _fed_closure(self, windows, plan, budget)
+        if python_inputs.is_feed(self.iterator):
+            function, args, windows = self._fed_closure(windows, plan, budget)
             if not windows:
                 return
         else:
-            sharded = self.strategy.training_data.is_sharded(self._iterator)
+            sharded = self.strategy.training_data.is_sharded(self.iterator)
             limits = closure_limits(self, windows, budget, sharded)
-            args = (self._iterator, tf.constant(plan), limits)
-            if self._concrete is None or self._concrete[0] is not self._iterator:
-                self.window.prepare(self._iterator)  # errors before anything is traced
+            args = (self.iterator, tf.constant(plan), limits)
+            if self._concrete is None or self._concrete[0] is not self.iterator:
+                self.window.prepare(self.iterator)  # errors before anything is traced
                 self._concrete = (
-                    self._iterator,
+                    self.iterator,
                     internals.concrete_function_for(self._window, args),
                 )
             function = self._concrete[1]
         try:
             rv = self.coordinator.schedule(function, args=args)
         except Exception:  # a PS's loss, raised at the next schedule: `abandon` finds them
-            if self.rounds is None:  # (rounds run again whole: `Rounds.roll_back`)
-                self._queue = list(windows) + self._queue
+            self.scheduler.requeue(windows)
             raise
         self._pending.append((rv, windows, budget, time.monotonic()))
         if first:
             self.closure_sizes.append(len(windows))
 
-    def _drain(self, block, keep=0):
+    def _fed_closure(self, windows, plan, budget):
+        """`(concrete function, args, windows)` of a closure of `windows` on
+        batches the chief read (`python_inputs.ChiefFeed`): they travel as its
+        first argument. Windows of an earlier, failed fit (whose batches are
+        gone) are dropped from `windows`."""
+        feed = self.iterator
+        if not all(feed.holds(w) for _, w in windows):
+            windows = [(n, w) for n, w in windows if feed.holds(w)]
+            if not windows:
+                return None, None, windows
+            plan = np.zeros_like(plan)
+            plan[0] = -1
+            plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
+        args = (
+            feed.pack([w for _, w in windows]),
+            tf.constant(plan),
+            closure_limits(self, windows, budget),
+        )
+        concrete = self._fed_concrete.get(feed.key)
+        if concrete is None:
+            self.window.prepare(None, feed.element_spec)  # errors before anything is traced
+            function = python_inputs.window_on_sent_batches(self.window, feed.element_spec)
+            concrete = self._fed_concrete[feed.key] = function.get_concrete_function(
+                feed.signature,
+                tf.TensorSpec(plan.shape, tf.int64),
+                tf.TensorSpec([LIMITS], tf.float64),
+            )
+        return concrete, args, windows
+
+    def drain(self, block, keep=0):
         """Records finished closures' windows in the order they finish; with
         `block`, waits until at most `keep` closures are unfinished. Windows a
         closure did not start (its budget ran out) are scheduled again.
@@ -293,11 +307,11 @@ class WindowTrainer:
                 self.waits.finished(int(rows[0][0]))
                 for row, (steps, window_id) in zip(rows, windows):
                     self.log.record(row, window_id, steps)
-                if python_inputs.is_feed(self._iterator):
-                    self._iterator.release([w for _, w in windows[: len(rows)]])
+                if python_inputs.is_feed(self.iterator):
+                    self.iterator.release([w for _, w in windows[: len(rows)]])
                 self.closure_log.append((int(rows[0][0]), len(windows), len(rows), budget))
                 if len(rows) < len(windows):
-                    self._schedule(windows[len(rows) :], first=False)
+                    self.schedule(windows[len(rows) :], first=False)
             if not block or len(self._pending) <= keep:
                 return
             self.waits.check([(at, budget) for _, _, budget, at in self._pending])
@@ -312,7 +326,7 @@ class WindowTrainer:
             "again (those that had pushed as replays, which push nothing).",
             len(windows),
         )
-        self._schedule(windows, first=False)
+        self.schedule(windows, first=False)
 
     def logs_so_far(self):
         """The logs `train_function` last returned (`{}` before any)."""
@@ -322,13 +336,13 @@ class WindowTrainer:
         """Waits until every scheduled window has finished: no push is then half applied
         (a PS snapshot's moment, `ps_recovery`). Queued windows stay queued: they have not
         started. Asynchronous only."""
-        self._drain(block=True)
+        self.drain(block=True)
 
     def abandon(self):
         """Forgets every queued and scheduled window (a PS's loss failed them) and the
         traces that captured the old PS variables; returns the windows, `(steps, id)`."""
-        windows = [w for _, ws, *_ in self._pending for w in ws] + self._queue
-        self._pending, self._queue = [], []
+        windows = [w for _, ws, *_ in self._pending for w in ws] + self.scheduler.take_queued()
+        self._pending = []
         self._concrete, self._fed_concrete = None, {}
         return windows
 
@@ -336,51 +350,21 @@ class WindowTrainer:
         """Each worker's training iterator anew, after a PS's loss cancelled reads of it
         (`internals.rebuild_per_worker_iterator`); under `AutoShardPolicy.OFF` each worker
         skips its offset again. Batches the chief sends need nothing."""
-        if self._iterator is not None and not python_inputs.is_feed(self._iterator):
-            internals.rebuild_per_worker_iterator(self.strategy.coordinator, self._iterator)
+        if self.iterator is not None and not python_inputs.is_feed(self.iterator):
+            internals.rebuild_per_worker_iterator(self.strategy.coordinator, self.iterator)
             self.window.state.forget_data_shift()
 
     def retrain(self, windows):
         """Trains `windows` (`(steps or None, id)`: rolled back, or lost in flight) again
-        as they first ran (`epochs.Epochs.regroup`): those of earlier epochs epoch by
-        epoch, each epoch's to its end before the next starts, then the running
-        epoch's, queued before any other. Windows still waiting come too.
-        Synchronous: the snapshot was taken at a round's barrier, so the rounds
-        taken since (which hold `windows`) run again, round by round
-        (`Rounds.roll_back`)."""
-        if self.rounds is not None:
-            self.rounds.roll_back()
-            self.noise.rebase(self.rounds.count)
-            return
-        waiting = [w for ws in [self._queue, *self._replays] for w in ws]
-        self._queue, self._replays = self._epochs.regroup(waiting + list(windows))
-
-    def _replay(self):
-        """Trains the rolled-back earlier epochs' windows (`retrain`), each epoch's
-        finished before the next's start: the training the rollback undid, in the
-        shape it had."""
-        if not self._replays:
-            return
-        while self._replays:
-            self._drain(block=True)
-            self._queue, queued = list(self._replays[0]), self._queue
-            try:
-                self._flush()  # a loss here: `retrain` finds the epoch's windows again
-            finally:
-                self._queue = queued
-            self._replays.pop(0)
-        self._drain(block=True)
+        as they first ran (`scheduler.retrain`)."""
+        self.scheduler.retrain(windows)
 
     def finish_fit(self):
         """At `fit`'s end: trains what a recovery in the last epoch's callbacks queued
         again (`retrain`), then waits for every window, those an epoch's end left running
         (`epoch_barrier=False`) included."""
-        if self.rounds is None:
-            self._replay()
-            self._flush()
-        else:
-            _start_round(self)
-        self._drain(block=True)
+        self.scheduler.flush()
+        self.drain(block=True)
 
     def drop_failed(self):
         """Forgets the scheduled closures that failed (after a failed `fit`,
@@ -393,9 +377,7 @@ class WindowTrainer:
         self.log.reset_metrics()
         self._epoch_step = 0
         self._logs = None
-        if self.rounds is not None:
-            self.rounds.reset()  # steps left by a failed fit's round
-            self.noise.start_epoch(self.rounds.count)
+        self.scheduler.start_epoch()
 
     def finish(self):
         """The epoch's end: waits for every scheduled window (or, without the
@@ -405,30 +387,21 @@ class WindowTrainer:
         Raises if every window of the epoch held NaN/Inf: training cannot
         progress, and spinning on would hide it.
         """
-        waits = _epoch_end_waits(self)
-        if self.rounds is None:
-            self._replay()
-            self._flush()
-        else:  # what is gathered of a round (a stop mid-epoch; after a recovery, 2 rounds)
-            _start_round(self)
-            while self.rounds.steps:
-                _start_round(self)
-        self._drain(block=False)
+        waits = self.scheduler.epoch_end_waits()
+        self.scheduler.end_epoch()
+        self.drain(block=False)
         # No window of the epoch finished yet (`epoch_barrier=False`): its metrics are the
         # last ones finished; the fit's first epoch waits for one.
         carried = None if waits or self.log.epoch_records else self._carried
         while not waits and carried is None and not self.log.epoch_records and self._pending:
-            self._drain(block=True, keep=len(self._pending) - 1)
+            self.drain(block=True, keep=len(self._pending) - 1)
         while waits:
-            self._drain(block=True)  # bounded (`ClosureWaits`); then join has none left
+            self.drain(block=True)  # bounded (`ClosureWaits`); then join has none left
             self.coordinator.join()
-            self._drain(block=True)  # may schedule windows a closure did not run
+            self.drain(block=True)  # may schedule windows a closure did not run
             if not self._pending:
                 break
-        if self.rounds is not None:
-            self.rounds.close()
-            self.rounds.check(self.log.records)
-            self.noise.end_epoch(self.rounds.count)
+        self.scheduler.close_epoch()
         self._epoch_step = 0
         # (Unless a callback stopped training, e.g. TerminateOnNaN: Keras then
         # ends `fit` as it would.)
@@ -438,7 +411,7 @@ class WindowTrainer:
         self._carried = (values, logs)
         for var, value in zip(self.model.metrics_variables, values):
             var.assign(value)
-        self._fit_state.epochs_left -= 1
+        self.fit_state.epochs_left -= 1
         return {**logs, **self.stats().as_logs()}
 
 
@@ -454,48 +427,6 @@ def _on_the_ps(variables):
                 "the model inside `with strategy.scope():`."
             )
     return variables
-
-
-def _epoch_end_waits(trainer):
-    """Whether `trainer`'s running epoch's end waits for its windows: unless
-    `epoch_barrier=False` (asynchronous), and the fit goes on after it."""
-    if trainer.rounds is not None or getattr(trainer.strategy, "epoch_barrier", True):
-        return True
-    return trainer._fit_state.epochs_left <= 1 or bool(trainer.model.stop_training)  # private: ours
-
-
-def _start_round(trainer):
-    """Synchronous: the barrier (every window of the last round finished, so each push of
-    it is applied, and its outer step taken); the rounds a PS's recovery rolled back,
-    again, each to its barrier; a PS snapshot when due (`ps_recovery`: nothing is in
-    flight here); then the next round: its start captured on the PS
-    (`rounds.RoundStart`, which every window of the round pulls), its N windows
-    scheduled, one closure each."""
-    rounds, recovery = trainer.rounds, trainer.strategy.ps_recovery
-    trainer._drain(block=True)
-    recovery.repair_if_cut(trainer)  # after a replay: a push cut between PS tasks undone
-    rounds.close()
-    while (again := rounds.next_replay()) is not None:
-        _run_round(trainer, again)
-        trainer._drain(block=True)
-        rounds.close()
-    cycle = optimizer_options.accumulation_steps(trainer.model.optimizer)
-    windows = rounds.take(trainer._iterator, trainer.log.records, trainer.next_window_id, cycle)
-    if not windows:
-        return
-    trainer.next_window_id += len(windows)
-    trainer.window.prepare(trainer._iterator)  # errors before anything is traced
-    trainer.window.state.start_rounds()  # made before a snapshot, which then holds it
-    if recovery.due():
-        recovery.take(trainer)
-        rounds.mark()
-    _run_round(trainer, windows)
-
-
-def _run_round(trainer, windows):
-    trainer.window.state.start_rounds().capture()
-    for window in windows:
-        trainer._schedule([window])
 
 
 def _warmup_steps(trainer, state):
@@ -592,44 +523,16 @@ def closure_limits(trainer, windows, budget, sharded=False):
     return tf.constant([len(windows), budget, first, trainer.lr_warmup_steps, offset], tf.float64)
 
 
-def _fed_closure(trainer, windows, plan, budget):
-    """`(concrete function, args, windows)` of `trainer`'s closure of `windows` on
-    batches the chief read (`python_inputs.ChiefFeed`): they travel as its
-    first argument. Windows of an earlier, failed fit (whose batches are
-    gone) are dropped from `windows`."""
-    feed = trainer._iterator
-    if not all(feed.holds(w) for _, w in windows):
-        windows = [(n, w) for n, w in windows if feed.holds(w)]
-        if not windows:
-            return None, None, windows
-        plan = np.zeros_like(plan)
-        plan[0] = -1
-        plan[1, : len(windows)], plan[0, : len(windows)] = zip(*windows)
-    args = (
-        feed.pack([w for _, w in windows]),
-        tf.constant(plan),
-        closure_limits(trainer, windows, budget),
-    )
-    concrete = trainer._fed_concrete.get(feed.key)
-    if concrete is None:
-        trainer.window.prepare(None, feed.element_spec)  # errors before anything is traced
-        function = python_inputs.window_on_sent_batches(trainer.window, feed.element_spec)
-        concrete = trainer._fed_concrete[feed.key] = function.get_concrete_function(
-            feed.signature, tf.TensorSpec(plan.shape, tf.int64), tf.TensorSpec([LIMITS], tf.float64)
-        )
-    return concrete, args, windows
-
-
-def _create_outer_slots(model, strategy, opt, synchronous):
-    """The outer optimizer's state per variable and PS shard, beside it (`outer.create_slots`;
-    with the noise sums when `synchronous`); non-trainable variables (e.g. moving
-    statistics) get none."""
+def _create_outer_slots(model, strategy, opt, round_buffers):
+    """The outer optimizer's state per variable and PS shard, beside it
+    (`outer.create_slots`; with a round's buffer and noise sums where `round_buffers`);
+    non-trainable variables (e.g. moving statistics) get none."""
     n_train = len(model.trainable_variables)
     variables = list(model.trainable_variables) + list(model.non_trainable_variables)
     with strategy.scope():
         return [
             [
-                outer.create_slots(opt, shard, synchronous) if i < n_train else {}
+                outer.create_slots(opt, shard, round_buffers) if i < n_train else {}
                 for shard in shard_variables(raw(v))
             ]
             for i, v in enumerate(variables)
@@ -646,18 +549,6 @@ def _moving_average_momenta(model):
                 momenta[id(v)] = float(layer.momentum)
     variables = list(model.trainable_variables) + list(model.non_trainable_variables)
     return [momenta.get(id(v)) for v in variables]
-
-
-def _rounds(trainer, opt):
-    """The synchronous `Rounds` of `trainer`, whose outer step the chief takes at each
-    barrier (`RoundClose`) where the shards keep a round buffer."""
-    shards = [
-        pair
-        for v, slots in zip(trainer.variables, trainer.outer_slots)
-        for pair in zip(shard_variables(raw(v)), slots)
-    ]
-    close = RoundClose(shards, opt, trainer.strategy.num_workers)
-    return Rounds(trainer.strategy.num_workers, trainer.strategy.n_sync, close or None)
 
 
 def validate_windows_per_closure(value):

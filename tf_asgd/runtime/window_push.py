@@ -50,8 +50,7 @@ class PushRound:
             trainer.outer,
             trainer.outer_slots,
             strategy.num_workers,
-            # A synchronous round's pushes are not stale to one another.
-            strategy.num_workers if getattr(strategy, "synchronous", False) else 1,
+            trainer.scheduler.concurrent_pushes,
             commits=trainer.commits,
             moving_average_momenta=trainer.moving_average_momenta,
         )
