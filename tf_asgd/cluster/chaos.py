@@ -88,7 +88,7 @@ class Chaos(keras.callbacks.Callback):
 
     def _windows(self):
         # The log's length, read every 0.1 s: `window_log` would copy the whole log.
-        return len(self.strategy._trainer(self.model).window_log)  # (private: the chief's log)
+        return len(self.strategy.model_states.get(self.model).trainer.window_log)
 
     def _run(self):
         try:
@@ -172,7 +172,7 @@ class Chaos(keras.callbacks.Callback):
 
 def windows_run(strategy, model):
     """The windows the chief gave an id to in `model`'s training (ids 0 to this - 1)."""
-    return strategy._trainer(model).next_window_id  # (private: the chief's own count)
+    return strategy.model_states.get(model).trainer.next_window_id
 
 
 def violations(strategy, model, windows):

@@ -356,6 +356,15 @@ class LocalCluster:
         """
         return {t: p.pid for t, p in self._procs.items() if p.poll() is None}
 
+    def processes(self):
+        """Each task's process, running or not (`Restarter` restarts those that exited).
+
+        Returns:
+            A dict `{task name: process}` ("all" for the shared process): a
+            `subprocess.Popen` or a forked task with `poll()` and `pid`.
+        """
+        return dict(self._procs)
+
     def close(self):
         """Stops every task. Safe to call more than once; also run at interpreter exit.
 
@@ -449,7 +458,7 @@ class RestartLostTasks:
     def _run(self):
         log = logging.getLogger("tf_asgd")
         while not self._stop.wait(self.poll_secs):
-            for task, proc in list(self.cluster._procs.items()):
+            for task, proc in self.cluster.processes().items():
                 # "all": a shared process, which hosts this job's tasks too
                 if not (task == "all" or task.startswith(self.job + ":")) or proc.poll() is None:
                     continue

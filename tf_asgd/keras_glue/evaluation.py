@@ -139,7 +139,7 @@ class Evaluator:
             if y is not None or sample_weight is not None:
                 return None, "a dataset with separate y or sample_weight (Keras refuses it)"
             seen = self._dataset is not None and self._dataset[0]() is x
-            what = None if seen else keras_hook._python_ops_in(x)  # (serializes the dataset)
+            what = None if seen else keras_hook.python_ops_in(x)  # (serializes the dataset)
             if what is not None:
                 return None, f"the evaluation data is {what}"
             n = int(x.cardinality())

@@ -525,7 +525,7 @@ def _refuse_python_input_on_workers(strategy, what):
 def _python_input_kind(x, y, sample_weight):
     """What runs Python in training data `x`, in words, or None."""
     if isinstance(x, tf.data.Dataset):
-        return _python_ops_in(x)
+        return python_ops_in(x)
     if internals.is_array_input(x, y, sample_weight):
         return None
     if isinstance(x, keras.utils.PyDataset):
@@ -535,7 +535,7 @@ def _python_input_kind(x, y, sample_weight):
     return f"a {type(x).__module__}.{type(x).__name__} (Keras reads it with Python)"
 
 
-def _python_ops_in(dataset):
+def python_ops_in(dataset):
     """The Python-calling ops of a tf.data pipeline, in words, or None.
 
     Walks the dataset's graph (`tf.raw_ops.DatasetToGraphV2`, the form in
