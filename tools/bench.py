@@ -12,6 +12,11 @@ Writes `raw.csv` (every measurement), `summary.csv` and `summary.md` to `--out`.
     python tools/bench.py                       # the full default run
     python tools/bench.py --workers 1 --n-sync 1,10 --rounds 1 --seconds 0.5
     python tools/bench.py --workers 2 --processes separate --pss-spe 1,10
+    python tools/bench.py --modes asgd --trees head=.,before=/tmp/before   # two commits
+
+`--trees` runs each `asgd` configuration once per tree in every round (the tree's package
+first on `PYTHONPATH`: check it out with `git worktree add /tmp/before REV`), and reports
+each tree's samples/s over the first's, per round and as the median of those ratios.
 """
 
 import argparse
@@ -251,7 +256,7 @@ def child_asgd(args):
 # ---- parent side -----------------------------------------------------------
 
 
-def _run_child(args, mode, workers, processes="shared", spe=1):
+def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -279,9 +284,11 @@ def _run_child(args, mode, workers, processes="shared", spe=1):
         args.windows_per_closure,
     ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    if tree is not None:  # this tree's package before the installed one
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
     rows = [
-        json.loads(line[len(RESULT) :])
+        dict(json.loads(line[len(RESULT) :]), tree=tree[0] if tree else "")
         for line in proc.stdout.splitlines()
         if line.startswith(RESULT)
     ]
@@ -302,6 +309,7 @@ def summarize(raw, batch_size):
             r["workers"],
             r["n_sync"],
             str(r.get("windows_per_closure", "")),
+            r.get("tree", ""),
         )
 
     groups = {}
@@ -310,15 +318,15 @@ def summarize(raw, batch_size):
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in groups.items()}
     keras_sps = next((v for k, v in med.items() if k[0] == "keras"), None)
     # Stock PS at steps_per_execution 1 (the reference), and the faster of its runs.
-    pss = {(p, w): v for (m, p, w, n, _), v in med.items() if m == "pss" and n == 1}
+    pss = {(p, w): v for (m, p, w, n, *_), v in med.items() if m == "pss" and n == 1}
     best_pss = {}
-    for (m, p, w, _, _), v in med.items():
+    for (m, p, w, *_), v in med.items():
         if m == "pss":
             best_pss[p, w] = max(v, best_pss.get((p, w), 0.0))
     rows = []
     order = {"keras": 0, "pss": 1, "asgd": 2}
-    for key in sorted(groups, key=lambda k: (order[k[0]], k[1], k[2], k[3], k[4])):
-        mode, processes, workers, n_sync, wpc = key
+    for key in sorted(groups, key=lambda k: (order[k[0]], *k[1:])):
+        mode, processes, workers, n_sync, wpc, tree = key
         v = groups[key]
         sps = med[key]
         same = [x for (p, _), x in pss.items() if p == processes]
@@ -327,6 +335,7 @@ def summarize(raw, batch_size):
         rows.append(
             dict(
                 mode=mode,
+                tree=tree,
                 workers=workers,
                 n_sync=n_sync,
                 processes=processes,
@@ -347,12 +356,36 @@ def summarize(raw, batch_size):
     return rows
 
 
+def tree_ratios(raw, names):
+    """Lines: per `asgd` configuration, each tree's samples/s over the first tree's in each
+    round (runs of one round are minutes apart at most), and the median of those ratios."""
+    by = {}
+    for r in raw:
+        if r["mode"] == "asgd":
+            key = (r["processes"], r["workers"], r["n_sync"], str(r["windows_per_closure"]))
+            by.setdefault(key, {}).setdefault(r["round"], {})[r["tree"]] = r["samples_per_s"]
+    lines = [f"Samples/s over tree {names[0]!r}'s, per round (median first):"]
+    for (processes, workers, n_sync, wpc), rounds in sorted(by.items()):
+        for name in names[1:]:
+            ratios = [
+                got[name] / got[names[0]] for got in rounds.values() if {name, names[0]} <= set(got)
+            ]
+            if ratios:
+                each = " ".join(f"{x:.3f}" for x in ratios)
+                lines.append(
+                    f"- {name}, {processes}, {workers} worker(s), n_sync {n_sync}, K {wpc}: "
+                    f"{statistics.median(ratios):.3f} ({each})"
+                )
+    return lines
+
+
 def markdown(rows, args):
     def f(v, d=2):
         return f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
     header = [
         "mode",
+        "tree",
         "workers",
         "n_sync",
         "processes",
@@ -369,6 +402,7 @@ def markdown(rows, args):
     cells = [
         [
             r["mode"],
+            r["tree"] or "-",
             r["workers"] or "-",
             r["n_sync"] or "-",
             r["processes"],
@@ -425,6 +459,12 @@ def main(argv=None):
     p.add_argument("--inner", type=int, default=1, help="measurements per configuration per round")
     p.add_argument("--seconds", type=float, default=3.0, help="target length of one measurement")
     p.add_argument("--child-timeout", type=float, default=600)
+    p.add_argument(
+        "--trees",
+        type=harness.str_list,
+        default=[],
+        help="asgd runs once per tree, NAME=PATH each; ratios to the first tree",
+    )
     p.add_argument("--child", choices=("keras", "pss", "asgd"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -441,13 +481,15 @@ def main(argv=None):
     for processes in harness.str_list(args.processes):
         plan += [("pss", w, processes, spe) for w in pss_workers for spe in spes if "pss" in modes]
         plan += [("asgd", w, processes, 1) for w in workers if "asgd" in modes]
+    trees = [tuple(t.split("=", 1)) for t in args.trees] or [None]
     raw, failures = [], []
     t0 = time.time()
     for rnd in range(args.rounds):
         # Alternate: each round visits every configuration; odd rounds backwards.
-        for mode, w, processes, spe in plan if rnd % 2 == 0 else plan[::-1]:
+        runs = [(*c, t) for c in plan for t in (trees if c[0] == "asgd" else [None])]
+        for mode, w, processes, spe, tree in runs if rnd % 2 == 0 else runs[::-1]:
             try:
-                rows = _run_child(args, mode, w, processes, spe)
+                rows = _run_child(args, mode, w, processes, spe, tree)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 # One failed child (e.g. a server that did not come up) must not
                 # lose the other measurements: report it and go on.
@@ -475,6 +517,8 @@ def main(argv=None):
             )
             + "\n"
         )
+    if len(trees) > 1:
+        text += "\n" + "\n".join(tree_ratios(raw, [t[0] for t in trees])) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
     print(text)
