@@ -265,6 +265,7 @@ def test_push_floor_tool(tmp_path):
 
 
 def test_bench_tool(tmp_path):
+    """Every mode once; tf_asgd from two trees (this checkout twice), side by side."""
     _run(
         "bench.py",
         "--out",
@@ -283,6 +284,8 @@ def test_bench_tool(tmp_path):
         "shared",
         "--pss-spe",
         "1",
+        "--trees",
+        f"here={ROOT},again={ROOT}",
     )
     rows = _csv(
         tmp_path / "summary.csv",
@@ -299,8 +302,13 @@ def test_bench_tool(tmp_path):
             "ratio_to_best_pss",
         ],
     )
-    assert [(r["mode"], r["n_sync"]) for r in rows] == [("keras", "0"), ("pss", "1"), ("asgd", "2")]
-    assert [r["processes"] for r in rows] == ["one", "shared", "shared"]
+    assert [(r["mode"], r["n_sync"], r["tree"]) for r in rows] == [
+        ("keras", "0", ""),
+        ("pss", "1", ""),
+        ("asgd", "2", "again"),
+        ("asgd", "2", "here"),
+    ]
+    assert [r["processes"] for r in rows] == ["one", "shared", "shared", "shared"]
     _positive(rows, "samples_per_s")
     asgd = rows[2]
     # One pull and one push of the whole model per window of 2 steps of 64 samples.
@@ -308,8 +316,12 @@ def test_bench_tool(tmp_path):
         float(rows[1]["bytes_pulled_per_sample"]) / 2, rel=1e-5
     )
     assert float(rows[0]["ratio_to_keras"]) == 1.0 and float(rows[1]["ratio_to_pss"]) == 1.0
-    assert len(_csv(tmp_path / "raw.csv", ["mode", "round", "seconds"])) == 3
-    assert "| asgd | 1 | 2 |" in (tmp_path / "summary.md").read_text()
+    assert len(_csv(tmp_path / "raw.csv", ["mode", "round", "seconds", "tree"])) == 4
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| asgd | here | 1 | 2 |" in summary
+    ratio = float(summary.split("- again, shared, 1 worker(s), n_sync 2, K auto: ")[1].split()[0])
+    by_tree = {r["tree"]: float(r["samples_per_s"]) for r in rows if r["mode"] == "asgd"}
+    assert ratio == pytest.approx(by_tree["again"] / by_tree["here"], abs=1e-3)
 
 
 def test_bench_tool_fails_when_every_run_failed(tmp_path):
