@@ -135,14 +135,10 @@ class Chaos(keras.callbacks.Callback):
         point = self.rng.choice(fault_points.POINTS)
         version, held = self.strategy.counters.version, self._held[point]
         deadline = time.monotonic() + self.patience
-        ticket = -1
-        while int(version.numpy()) <= ticket or ticket < 0:
+        ticket = self._arm(held, version, deadline)
+        while int(version.numpy()) <= ticket:  # until a push takes it
             if time.monotonic() > deadline:
                 raise TimeoutError(f"No push took ticket {ticket} in {self.patience:.0f} s.")
-            if ticket < 0:  # a ticket not yet taken once the push reads it (else again)
-                ticket = int(version.numpy()) + 2
-                held.assign(ticket)
-                ticket = ticket if int(version.numpy()) <= ticket else -1
             time.sleep(0.02)
         # Taken: the push is held at the point (or on its way there) for `HOLD_S`.
         time.sleep(self.rng.uniform(0.2, 1.0))
@@ -155,6 +151,18 @@ class Chaos(keras.callbacks.Callback):
             self.cluster.restart_task(task)
         self.points.append(point)
         return workers
+
+    def _arm(self, held, version, deadline):
+        """Arms `held` at a ticket 2 ahead of the version, and returns it once the version
+        read after arming shows no push took it meanwhile (else arms again)."""
+        while True:
+            ticket = int(version.numpy()) + 2
+            held.assign(ticket)
+            if int(version.numpy()) <= ticket:
+                return ticket
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Pushes outran every ticket armed in {self.patience:.0f} s.")
+            time.sleep(0.02)
 
     def _ps_then_worker(self):
         tasks = self.cluster.tasks()
