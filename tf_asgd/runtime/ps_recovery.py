@@ -38,6 +38,7 @@ PROBE_RETRY_S = 0.5  # between probes of the workers' own channels to the PS
 PROBE_GRACE_S = 2.0  # the least a probe is waited for, once queued
 COPY_WAIT_S = 60.0  # the longest wait for the workers' half of a snapshot
 RECOVERY_ATTEMPTS = 20  # at most, going back again where another PS is lost meanwhile
+_LOST_PS = ("Lost parameter server", "parameter server")  # how the log names a lost PS
 _EARLIER_FIT = (
     ", the last fit's end (what was written to the PS between the fits, such as "
     "set_weights, is not in it)"
@@ -206,19 +207,29 @@ class PSRecovery:
             raise error
         if not lost:
             return self._go_on(error, trainer)
+        try:
+            return self._go_back_again(trainer, lost, _LOST_PS)
+        except _NotRecovered as e:
+            raise error from e.__cause__
+
+    def _go_back_again(self, trainer, lost, words, reconnect=True):
+        """`_go_back`, and again where another task is lost meanwhile (a PS, a worker
+        whose runs TF then aborts, or a channel a reconnect reset), while
+        `connect_timeout` lasts. Raises the last `_NotRecovered`."""
         deadline = time.monotonic() + self._strategy().connect_timeout
-        for _ in range(RECOVERY_ATTEMPTS):
+        attempts = 1
+        while True:
             try:
-                return self._go_back(trainer, lost, ("Lost parameter server", "parameter server"))
+                return self._go_back(trainer, lost, words, reconnect)
             except _NotRecovered as e:
-                # Another task lost while going back (a PS, or a worker whose runs TF
-                # then aborts): go back again, while `connect_timeout` lasts.
                 cause = e.__cause__
-                if not isinstance(cause, tf.errors.OpError) or time.monotonic() > deadline:
+                spent = attempts >= RECOVERY_ATTEMPTS or time.monotonic() > deadline
+                if not isinstance(cause, tf.errors.OpError) or spent:
                     log.warning("Not going back again: %s", _why_not_again(cause))
-                    raise error from cause
-                lost = self._lost(cause) or lost
-        raise error
+                    raise
+                attempts += 1
+                if lost_now := self._lost(cause):  # a PS lost meanwhile: as for one from here
+                    lost, words, reconnect = lost_now, _LOST_PS, True
 
     def repair_if_cut(self, trainer, check=False):
         """Where a push was cut after it began (its worker lost after the ticket, or
@@ -252,7 +263,7 @@ class PSRecovery:
                 "(snapshot_every=None turns them off): restore the model from a checkpoint."
             )
         try:
-            self._go_back(trainer, [what], ("Found", "from"), reconnect=False)
+            self._go_back_again(trainer, [what], ("Found", "from"), reconnect=False)
         except _NotRecovered as e:
             raise RuntimeError(f"Training stopped: {what}; {e}") from e.__cause__
         return True
@@ -383,7 +394,7 @@ class PSRecovery:
             if not cancelled:
                 raise error
             try:
-                return self._go_back(trainer, [_CANCELLED], ("Found", "from"), reconnect=False)
+                return self._go_back_again(trainer, [_CANCELLED], ("Found", "from"), False)
             except _NotRecovered as e:
                 raise error from e.__cause__
         log.warning(
