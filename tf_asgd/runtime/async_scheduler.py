@@ -81,6 +81,9 @@ class AsyncScheduler(WindowScheduler):
         waiting = [w for ws in [self.queue, *self._replays] for w in ws]
         self.queue, self._replays = self._epochs.regroup(waiting + list(windows))
 
+    def keep(self, windows):
+        self.retrain(windows)
+
     def take_queued(self):
         queued, self.queue = self.queue, []
         return queued

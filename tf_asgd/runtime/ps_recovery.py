@@ -307,8 +307,8 @@ class PSRecovery:
                 time.monotonic() - start,
                 why,
             )
-            if in_flight:  # queued again: the next attempt finds them to train again
-                trainer.retrain(in_flight)
+            if in_flight:  # the next attempt finds them to train again
+                trainer.scheduler.keep(in_flight)
             raise _NotRecovered(str(e)) from e
         mark = self.snapshot.marks.get(trainer, len(trainer.window_log))
         # A window that ran again as a replay since the snapshot had pushed (its record

@@ -79,6 +79,11 @@ class RoundScheduler(WindowScheduler):
         self.rounds.roll_back()
         self.trainer.noise.rebase(self.rounds.count)
 
+    def keep(self, windows):
+        """Nothing: the rounds since the snapshot hold `windows`, and the attempt that
+        restores it runs them again (`retrain`)."""
+        del windows
+
     def rolls_back_rounds(self):
         return True
 

@@ -79,6 +79,11 @@ class WindowScheduler:
         lost in flight) again, in the shape they first ran."""
         raise NotImplementedError
 
+    def keep(self, windows):
+        """A recovery's attempt failed after it took `windows` (`abandon`): they wait for
+        the next attempt, which trains them again. Reads nothing on the PS."""
+        raise NotImplementedError
+
     def take_queued(self):
         """Forgets the windows asked for and not scheduled, and returns them."""
         return []
