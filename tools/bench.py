@@ -1,22 +1,17 @@
 """Throughput, side by side in one run: plain Keras, stock PS training, tf_asgd.
 
-Measures samples/s in alternating rounds on one model and one synthetic data set: `keras`
-(plain single-process `fit`), `pss` (stock `ParameterServerStrategy` with `tf_keras`, at
-each `--pss-spe`) and `asgd` (`AsyncParameterServerStrategy`, at each `--n-sync` and
-`--windows-per-closure`), each PS configuration on a `LocalCluster` for each of
-`--processes`, each in a fresh child process. Reports medians over rounds, ratios to plain
-Keras and to stock PS, and bytes moved per sample. Method: docs/architecture.md (Tools).
-
-Writes `raw.csv` (every measurement), `summary.csv` and `summary.md` to `--out`.
+Samples/s in alternating rounds, one synthetic data set: `keras` (plain `fit`), `pss`
+(stock `ParameterServerStrategy` with `tf_keras`, at each `--pss-spe`) and `asgd` (at each
+`--n-sync` and `--windows-per-closure`) on a `LocalCluster` per `--processes`, each in a
+fresh child process. Medians over rounds, ratios to Keras and stock PS, bytes per sample
+(method: docs/architecture.md, Tools) in `raw.csv`, `summary.csv`, `summary.md` (`--out`).
 
     python tools/bench.py                       # the full default run
-    python tools/bench.py --workers 1 --n-sync 1,10 --rounds 1 --seconds 0.5
     python tools/bench.py --workers 2 --processes separate --pss-spe 1,10
-    python tools/bench.py --modes asgd --trees head=.,before=/tmp/before   # two commits
+    python tools/bench.py --modes asgd --trees before=/tmp/before,head=.   # two commits
 
-`--trees` runs each `asgd` configuration once per tree in every round (the tree's package
-first on `PYTHONPATH`: check it out with `git worktree add /tmp/before REV`), and reports
-each tree's samples/s over the first's, per round and as the median of those ratios.
+`--trees`: each `asgd` configuration once per tree a round (its package first on
+`PYTHONPATH`; `git worktree add /tmp/before REV`), with per-round ratios to the first tree.
 """
 
 import argparse

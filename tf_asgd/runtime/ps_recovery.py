@@ -311,17 +311,7 @@ class PSRecovery:
                 trainer.scheduler.keep(in_flight)
             raise _NotRecovered(str(e)) from e
         mark = self.snapshot.marks.get(trainer, len(trainer.window_log))
-        # A window that ran again as a replay since the snapshot had pushed (its record
-        # lost with its worker) after it, or before: it trains again too, and is a replay
-        # again where the restored ring holds its id.
-        replayed = [r.window_id for r in trainer.window_log[mark:] if r.replayed]
-        rolled = trainer.log.roll_back(mark)
-        again = [r.window_id for r in rolled]
-        taken = {w for _, w in in_flight} | set(again)
-        again += [w for w in dict.fromkeys(replayed) if w not in taken]
-        # They train again under their own ids: none is in the restored ring of applied
-        # ids; the rolled-back epochs epoch by epoch, as they first ran.
-        trainer.retrain([(None, w) for w in again] + in_flight)
+        rolled = _train_again(trainer, mark, in_flight)
         # The cluster is the snapshot again, with nothing in flight: a later loss goes
         # back to it and rolls back only what came after this recovery.
         self.snapshot.taken_at = time.monotonic()
@@ -560,6 +550,24 @@ def _why_not_again(cause):
     if isinstance(cause, tf.errors.OpError):
         return "connect_timeout has passed"
     return f"{type(cause).__name__} is no task's loss"
+
+
+def _train_again(trainer, mark, in_flight):
+    """After the snapshot is restored: rolls `trainer`'s log back to `mark` (the snapshot's
+    place in it) and has the windows it undid train again, with `in_flight`; returns the
+    records rolled back."""
+    # A window that ran again as a replay since the snapshot had pushed (its record
+    # lost with its worker) after it, or before: it trains again too, and is a replay
+    # again where the restored ring holds its id.
+    replayed = [r.window_id for r in trainer.window_log[mark:] if r.replayed]
+    rolled = trainer.log.roll_back(mark)
+    again = [r.window_id for r in rolled]
+    taken = {w for _, w in in_flight} | set(again)
+    again += [w for w in dict.fromkeys(replayed) if w not in taken]
+    # They train again under their own ids: none is in the restored ring of applied
+    # ids; the rolled-back epochs epoch by epoch, as they first ran.
+    trainer.retrain([(None, w) for w in again] + in_flight)
+    return rolled
 
 
 class _NotRecovered(Exception):
