@@ -536,7 +536,7 @@ def run_chaos_seeds(args):
         faulthandler.dump_traceback_later(args.hang_s, exit=True)  # 0 hung runs, or shown
         ps, workers, synchronous = CHAOS_CONFIGS[seed % len(CHAOS_CONFIGS)]
         with tf_asgd.LocalCluster(workers, ps, shared_process=False) as cluster:
-            pids = cluster.pids()
+            pids = set(cluster.pids().values())
             strategy = _sharded_strategy(
                 cluster, n_sync=5, snapshot_every=2.0, connect_timeout=60,
                 synchronous=synchronous,
@@ -566,7 +566,8 @@ def run_chaos_seeds(args):
                 traceback.print_exc()  # where it came from, in the run's log
             finally:
                 shutil.rmtree(journal, ignore_errors=True)
-        left = [p for p in pids.values() if _alive(p)]
+                pids |= set(cluster.pids().values())  # the tasks restarted too
+        left = _left(pids)
         done = faults.done if faults else []
         rows.append({
             "seed": seed, "ps": ps, "workers": workers, "synchronous": synchronous,
@@ -619,13 +620,29 @@ def _initial_values_callback():
 
 
 def _alive(pid):
+    """Whether process `pid` runs: a zombie (dead, not yet reaped) does not."""
     import os
 
     try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
+        with open(f"/proc/{pid}/stat") as f:  # Linux: the state follows the name
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
+    except OSError:  # no /proc: whether a signal reaches it
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def _left(pids, wait_s=10.0):
+    """The processes of `pids` still running `wait_s` after a cluster's close (a task
+    stopped by SIGTERM takes a moment to exit)."""
+    deadline = time.monotonic() + wait_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def _table(rows):
