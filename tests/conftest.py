@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
         if cluster:
             item.add_marker(pytest.mark.cluster)
         # Under `-n N` a module's cluster, or any module-scoped fixture, is made once: the
-        # tests that use it run in one process. Other tests (the launcher's, the tools')
+        # tests that use it run in one process. Other tests (the launcher's, the benchmark suites')
         # go wherever a process is free, which keeps both cores busy to the end. A group is
         # named by the module's dotted path from the rootdir (`tests.cluster.test_push`).
         if _uses_a_module_fixture(item):

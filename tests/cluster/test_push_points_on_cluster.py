@@ -2,6 +2,7 @@
 what reaches each PS. 1 worker, 2 PS with the dense kernel split over both, and one batch
 repeated and plain SGD, so that the run is deterministic and a fault-free run is its reference."""
 
+import logging
 import threading
 import time
 
@@ -88,5 +89,74 @@ def test_a_push_cut_at_each_point_is_applied_exactly_once(local_cluster, digits,
         assert sorted(set(applied) | replayed) == list(range(WINDOWS))  # none lost
         shards = {s.device for w in model.weights for s in getattr(w.value, "variables", [])}
         assert len(shards) == 2  # the kernel is on both PS
+        for got, want in zip(model.weights, reference):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+class _RestartOnGoBack(logging.Handler):
+    """SIGKILLs `task` and starts it again on its port when the chief logs that it goes
+    back to the snapshot for a cut push: inside that go-back, before its first write."""
+
+    def __init__(self, cluster, task):
+        super().__init__()
+        self.cluster, self.task, self.restarted = cluster, task, False
+
+    def emit(self, record):
+        text = record.getMessage()
+        if not self.restarted and "a push cut" in text and "going back to the snap" in text:
+            self.restarted = True
+            self.cluster.kill_task(self.task)
+            self.cluster.restart_task(self.task)
+
+
+def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, caplog):
+    """The push cut between the PS tasks' writes, as above; then, as the chief goes back
+    to the snapshot to repair it, ps:1 is SIGKILLed and restarted on its port. That
+    go-back's writes to ps:1 fail: its new server knows nothing of this chief's context.
+    The chief goes back again (`PSRecovery._go_back_again`), now for ps:1 lost, so it
+    reconnects first; the windows in flight at the failed attempt are kept for it. The
+    fit completes, each push applied once: the central weights equal a fault-free run's.
+    (A repair that tried once stopped `fit` with "Training stopped: a push cut ...")."""
+    with local_cluster(1, 2, own=True, shared_process=False) as cluster:
+        strategy = tf_asgd.AsyncParameterServerStrategy(
+            cluster.resolver,
+            n_sync=N_SYNC,
+            variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
+                max_shard_bytes=1024
+            ),
+            connect_timeout=120,
+        )
+        reference = [w.numpy() for w in _fit(strategy, digits).weights]
+        held = int(strategy.counters.version.numpy()) + 3
+
+        def kill_in_the_hold():
+            while int(strategy.counters.version.numpy()) <= held:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            cluster.kill_task("worker:0")
+            time.sleep(1.0)
+            cluster.restart_task("worker:0")
+
+        restart = _RestartOnGoBack(cluster, "ps:1")
+        logging.getLogger("tf_asgd").addHandler(restart)
+        thread = threading.Thread(target=kill_in_the_hold, daemon=True)
+        try:
+            with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+                with fault_points.armed("between_ps_writes", 6.0, ticket=held):
+                    thread.start()
+                    model = _fit(strategy, digits)
+        finally:
+            logging.getLogger("tf_asgd").removeHandler(restart)
+        thread.join()
+        assert restart.restarted
+        assert "Could not go back to the snapshot" in caplog.text  # the first attempt
+        assert any("ps:1" in task for task in strategy.recoveries[-1].lost)  # the second
+        assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
+        log = [r for r in strategy.window_log(model) if not r.rolled_back]
+        applied = [r.window_id for r in log if r.pushed and not r.replayed]
+        assert len(applied) == len(set(applied))  # none twice
+        assert sorted(set(applied) | {r.window_id for r in log if r.replayed}) == list(
+            range(WINDOWS)
+        )
         for got, want in zip(model.weights, reference):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)

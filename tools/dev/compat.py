@@ -5,7 +5,7 @@ of `--keras` is installed in turn with this checkout's requirements; each pair r
 `import tf_asgd`, the fast test tier and, unless `--no-smoke`, one cluster test
 (`--smoke`). `--unsupported-keras` records that an out-of-range Keras is refused. Venvs go
 under `--venv-dir` and are deleted after their TF version unless `--keep-venvs`. Method:
-docs/architecture.md (Tools).
+docs/benchmarks.md (How each suite measures).
 
 Writes `compat.csv` and `compat.md` to `--out` after every pair, and, with `--docs`,
 rewrites the table in that file between its `<!-- compat-table -->` markers. Run it niced:
@@ -24,11 +24,10 @@ import sys
 import tempfile
 import time
 
-TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOT = os.path.dirname(TOOLS)
-sys.path.insert(0, TOOLS)  # tools/harness.py, as the benchmarks import it
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # benchmarks/harness.py
 
-import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 SMOKE = "tests/cluster/test_strategy.py::test_digits_convnet_fit_evaluate_predict_save"
 FAST = ["tests", "-q", "-m", "not cluster", "-p", "no:cacheprovider"]

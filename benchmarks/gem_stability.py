@@ -4,18 +4,20 @@ At eta = 0.1, mu = 0.9, many workers and n_sync = 1, the paper expects plain Dow
 diverge or stall while GEM trains, and GEM to generalise at least as well as its
 single-worker momentum-SGD proxy. On the offline digits data and one local cluster it runs
 `proxy`, `downpour`, `dynsgd` and `gem` (kappa 1 and 2) for the same number of epochs
-(docs/architecture.md, Tools), and writes `results.csv`, `results.md` and `curves.png` to
+(docs/benchmarks.md), and writes `results.csv`, `results.md` and `curves.png` to
 `--out` (default `results/gem_stability`).
 
-    python tools/gem_stability.py            # 8 workers, 20 epochs
-    python tools/gem_stability.py --workers 4 --epochs 5 --out /tmp/gem
+    python -m benchmarks.run gem_stability            # 8 workers, 20 epochs
+    python -m benchmarks.run gem_stability --workers 4 --epochs 5 --out /tmp/gem
 """
 
 import os
 import sys
 import time
 
-import harness
+from benchmarks import harness
+
+OUT = "results/gem_stability"  # the default --out
 
 
 def run_method(method, cluster, data, args):
@@ -93,7 +95,7 @@ def write_results(rows, histories, args):
     harness.write_lines(
         os.path.join(out, "results.md"),
         [
-            f"Command: `python tools/gem_stability.py {' '.join(sys.argv[1:])}`",
+            f"Command: `python -m benchmarks.run gem_stability {' '.join(sys.argv[1:])}`",
             "",
             *harness.markdown_table(fields, [[r.get(k, "") for k in fields] for r in rows]),
         ],
@@ -121,7 +123,7 @@ def write_results(rows, histories, args):
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out="results/gem_stability", workers=[8], n_sync=[1], seeds=[0])
+    p = harness.parser(__doc__, out=OUT, workers=[8], n_sync=[1], seeds=[0])
     p.add_argument(
         "--epochs",
         type=int,
@@ -162,7 +164,3 @@ def main(argv=None):
     write_results(rows, histories, args)
     print(f"wrote {args.out}/results.csv, results.md, curves.png")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,17 @@
-"""The benchmark harness: what every tool in tools/ shares.
+"""The benchmark harness: what every suite shares, apart from its metrics (`metrics.py`).
 
-Each tool builds its flags with `parser(__doc__, out=..., workers=..., ...)`: the
+Each suite builds its flags with `parser(__doc__, out=..., workers=..., ...)`: the
 output folder (`--out`) and the sweep flags (`SWEEP_FLAGS`: `--workers`, `--n-sync`,
-`--seeds`, `--device-ms`) are defined here once, with one type each; a tool picks
+`--seeds`, `--device-ms`) are defined here once, with one type each; a suite picks
 their defaults. Also: `local_cluster`, `compile_classifier`, `write_csv`,
-`markdown_table`, `plot_panels`, and the accuracy studies' `SETUPS` and `HeldOut`.
-TensorFlow, Keras, tf_asgd and matplotlib load inside the helpers: bench.py's
-stock-PS child sets `TF_USE_LEGACY_KERAS` first, and `--help` needs none of them.
+`markdown_table` and `plot_panels`. The accuracy studies' setups are in `setups.py`.
+TensorFlow, Keras, tf_asgd and matplotlib load inside the helpers: the throughput
+suite's stock-PS child sets `TF_USE_LEGACY_KERAS` first, and `--help` needs none of them.
 
 Example:
->>> import harness
->>> harness.sliding_mean([1, 1, 0, 0], window=2).tolist()
-[1.0, 1.0, 0.5, 0.0]
+>>> from benchmarks import harness
+>>> harness.int_list("1,2,4")
+[1, 2, 4]
 """
 
 import argparse
@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 # TensorFlow's C++ INFO lines (each freed function's "Ignoring error status ...") are not
-# the tools' output; warnings and errors still show. Set before any tool imports TF.
+# the suites' output; warnings and errors still show. Set before any suite imports TF.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
@@ -42,7 +42,7 @@ def float_list(text):
     return [float(v) for v in text.split(",") if v]
 
 
-# The sweep flags every tool shares: (type, metavar, help). A tool that takes one
+# The sweep flags every suite shares: (type, metavar, help). A suite that takes one
 # value of a flag reads it with `single`.
 SWEEP_FLAGS = {
     "workers": (int_list, "N,...", "worker counts, e.g. 1,2,4"),
@@ -57,16 +57,16 @@ SWEEP_FLAGS = {
 
 
 def parser(doc, out, **defaults):
-    """The argparse parser of a tool, with the shared flags.
+    """The argparse parser of a suite, with the shared flags.
 
     Args:
-        doc: the help text (the tool's module docstring).
+        doc: the help text (the suite's module docstring).
         out: the default output folder (`--out`).
-        **defaults: a default for each sweep flag the tool takes, by its name
+        **defaults: a default for each sweep flag the suite takes, by its name
             in `SWEEP_FLAGS` (`workers=[1, 2]`, `device_ms=None`, ...).
 
     Returns:
-        An `argparse.ArgumentParser` the tool adds its own flags to.
+        An `argparse.ArgumentParser` the suite adds its own flags to.
     """
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -104,7 +104,7 @@ def _shown(default):
 
 
 def single(p, args, name):
-    """The one value of sweep flag `name` (`None` if unset), for a tool that
+    """The one value of sweep flag `name` (`None` if unset), for a suite that
     takes one: a list of another length is a usage error of parser `p`."""
     values = getattr(args, name)
     if values is None:
@@ -149,7 +149,7 @@ def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
 
 
 def throughput_model(name):
-    """A model of the throughput tools: `gem_convnet` (`models.gem_mnist_convnet`, 164k
+    """A model of the throughput suites: `gem_convnet` (`models.gem_mnist_convnet`, 164k
     parameters) or `mlp` (784-2048-1024-10, 3.7M parameters: bandwidth-bound)."""
     import keras
 
@@ -179,7 +179,7 @@ def synthetic_images(batch=64):
 
 def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_per_execution=1):
     """Compiles `model` (logits out) with `optimizer` and sparse categorical
-    cross-entropy, the loss of every tool. Call it under `strategy.scope()`
+    cross-entropy, the loss of every suite. Call it under `strategy.scope()`
     when the model is built there, with the optimizer created there too.
 
     Args:
@@ -270,28 +270,6 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def sliding_mean(values, window, weights=None):
-    """Mean over the last `window` points (fewer at the start), optionally weighted.
-
-    With `weights`, point i stands for `weights[i]` minibatches and the mean
-    covers the last `window` minibatches (the A-SGD paper smooths training
-    error over 400 minibatches).
-    """
-    values = np.asarray(values, np.float64)
-    if weights is None:
-        weights = np.ones_like(values)
-    weights = np.asarray(weights, np.float64)
-    cw = np.concatenate([[0.0], np.cumsum(weights)])
-    cv = np.concatenate([[0.0], np.cumsum(values * weights)])
-    out = np.empty_like(values)
-    for i in range(len(values)):
-        # Earliest start j with cw[i+1] - cw[j] <= window, at least the point itself.
-        j = int(np.searchsorted(cw, cw[i + 1] - window, side="left"))
-        j = min(j, i)
-        out[i] = (cv[i + 1] - cv[j]) / (cw[i + 1] - cw[j])
-    return out
-
-
 def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
     """Saves a grid of line or bar panels as a PNG.
 
@@ -352,118 +330,3 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
 
 # The setups of time_to_accuracy.py and batch_scaling.py: data, model, optimizer.
 # name: (data, model, optimizer, batch size, plain steps, default device ms)
-SETUPS = {
-    "mnist1d_adam": ("mnist1d", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
-    "mnist1d_sgd": ("mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", 100, 3000, 50.0),
-    "mnist1d16k_adam": ("mnist1d16k", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
-    # Large enough that batches of N x 32 keep paying (nothing memorised); Adam's rate is
-    # the best final of a grid at batch 32 (docs/defaults.md).
-    "mnist1d64k_adam": ("mnist1d64k", "mnist1d_cnn", "adam_4e-3", 32, 8000, 20.0),
-    # Another model family (attention, LayerNorm) at Keras's default Adam rate.
-    "mnist1d_transformer_adam": ("mnist1d", "mnist1d_transformer", "adam_1e-3", 32, 1500, 20.0),
-    "digits_sgd": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
-    "digits_adam": ("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
-    "resnet_sgd": ("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),
-    # Adam's kin other than Adam, at Keras's default rates (Lion's: 3x below AdamW's,
-    # as its paper advises): the rules' checks beyond the recipes they were chosen on.
-    "digits_adamw": ("digits", "digits_convnet", "adamw_1e-3", 32, 900, 50.0),
-    "digits_rmsprop": ("digits", "digits_convnet", "rmsprop_1e-3", 32, 900, 50.0),
-    "digits_lion": ("digits", "digits_convnet", "lion_3e-4", 32, 900, 50.0),
-    "digits_nadam": ("digits", "digits_convnet", "nadam_1e-3", 32, 900, 50.0),
-    # Rates well above Keras's default, where N times them may pass the edge.
-    "digits_adam_hot": ("digits", "digits_convnet", "adam_1e-2", 32, 900, 50.0),
-    "mnist1d_transformer_adam_hot": ("mnist1d", "mnist1d_transformer", "adam_3e-3", 32, 1500, 20.0),
-}
-
-
-def load_data(name):
-    """`((x, y), (x_test, y_test))` of a setup's data set."""
-    import tf_asgd
-
-    if name == "mnist1d":
-        return tf_asgd.data.load_mnist1d()
-    if name == "mnist1d16k":
-        return tf_asgd.data.load_mnist1d(num_train=16000)
-    if name == "mnist1d64k":
-        return tf_asgd.data.load_mnist1d(num_train=64000, num_test=2000)
-    if name == "digits":
-        return tf_asgd.data.load_digits()
-    if name == "digits32":
-        return tf_asgd.data.load_digits_images(32)
-    raise ValueError(f"Unknown data set {name!r}.")
-
-
-def make_optimizer(name):
-    """A fresh Keras optimizer of a setup."""
-    import keras
-
-    if name == "adam_1e-2":
-        return keras.optimizers.Adam(1e-2)
-    if name == "adam_4e-3":
-        return keras.optimizers.Adam(4e-3)
-    if name == "adam_1e-3":
-        return keras.optimizers.Adam(1e-3)
-    if name == "sgd_0.05_m0.9":
-        return keras.optimizers.SGD(0.05, momentum=0.9)
-    if name == "sgd_resnet":
-        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
-        # rate for batch 32, without its step decay.
-        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    kind, _, rate = name.partition("_")
-    kinds = {
-        "adam": "Adam",
-        "adamw": "AdamW",
-        "rmsprop": "RMSprop",
-        "lion": "Lion",
-        "nadam": "Nadam",
-    }
-    if kind in kinds and rate:
-        return getattr(keras.optimizers, kinds[kind])(float(rate))
-    raise ValueError(f"Unknown optimizer {name!r}.")
-
-
-def build_model(name, data):
-    """A fresh `tf_asgd.models` model for the data's input shape."""
-    import inspect
-
-    import tf_asgd
-
-    builder = getattr(tf_asgd.models, name)
-    if "input_shape" in inspect.signature(builder).parameters:
-        return builder(input_shape=data[0][0].shape[1:])
-    return builder()
-
-
-def train_dataset(data, batch_size, seed):
-    """The shuffled training batches (reshuffled every pass, the same order
-    on every worker, so that `shard` gives them disjoint batches)."""
-    import tensorflow as tf
-
-    (x, y), _ = data
-    return (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(len(x), seed=seed)
-        .batch(batch_size, drop_remainder=True)
-    )
-
-
-class HeldOut:
-    """Held-out accuracy and loss of a model's weights, on a plain Keras twin
-    of the model on the chief (one forward pass over the whole set)."""
-
-    def __init__(self, model_name, data):
-        import tensorflow as tf
-
-        _, (x_test, y_test) = data
-        self.twin = build_model(model_name, data)
-        self.x = tf.constant(x_test)
-        self.y = np.asarray(y_test)
-        self._forward = tf.function(lambda x: self.twin(x, training=False))
-
-    def __call__(self, weights):
-        self.twin.set_weights(weights)
-        logits = self._forward(self.x).numpy().astype(np.float64)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        loss = -log_p[np.arange(len(self.y)), self.y].mean()
-        return float((logits.argmax(axis=1) == self.y).mean()), float(loss)

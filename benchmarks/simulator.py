@@ -11,25 +11,23 @@ method x worker count x learning rate, and writes to `--out`:
 
 Example (a few seconds):
 
-    python tools/simulate.py --workers 16,100 --etas 0.1 --pushes 500
+    python -m benchmarks.run simulator --workers 16,100 --etas 0.1 --pushes 500
 """
 
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
+from benchmarks import harness
 from tf_asgd.sim import simulator
 
-import harness
+OUT = "results/simulator"  # the default --out
 
 
 def main(argv=None):
-    p = harness.parser(
-        __doc__, out="results/simulator", workers=[16, 32, 100], n_sync=[1], seeds=None
-    )
+    p = harness.parser(__doc__, out=OUT, workers=[16, 32, 100], n_sync=[1], seeds=None)
     p.add_argument("--methods", default="downpour,dynsgd,gem")
     p.add_argument("--etas", type=harness.float_list, default=[0.05, 0.1, 0.3, 1.0])
     p.add_argument("--pushes", type=int, default=3000)
@@ -398,7 +396,3 @@ def outer_study(args, train, held_out):
         f"wrote {args.out}/outer.csv, outer.md, outer.png in {time.time() - t0:.1f} s", flush=True
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

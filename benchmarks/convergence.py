@@ -4,14 +4,14 @@ Every run trains an unmodified Keras model with an unmodified optimizer on the d
 side by side with plain Keras `fit` given the same samples and seed, for each model,
 optimizer, worker count, `n_sync`, setup (a strategy configuration: `default`, `average`,
 `capped`, `sqrt`, `dynsgd`, `none`, `diloco`, `delayed_nesterov`, `reset`, `gem`) and
-seed. Setups and the divergence rule: docs/architecture.md (Tools).
+seed. Setups and the divergence rule: docs/benchmarks.md (How each suite measures).
 
 Writes to `--out`: `curves.csv` (every epoch of every run), `summary.csv` (one row a run),
 `summary.md` (min/max over seeds) and `curves_<model>_<optimizer>.png`.
 
 Example (a few minutes):
-
-    python tools/convergence.py --models mlp --optimizers sgd --workers 4 --n-sync 10 --seeds 0,1
+    python -m benchmarks.run convergence --models mlp --optimizers sgd --workers 4 \
+        --n-sync 10 --seeds 0,1
 """
 
 import collections
@@ -20,7 +20,9 @@ import time
 
 import numpy as np
 
-import harness
+from benchmarks import harness, metrics
+
+OUT = "results/convergence"  # the default --out
 
 SETUPS = (
     "default",
@@ -154,14 +156,6 @@ def train(
     ]
 
 
-def samples_to(rows, target):
-    """Samples seen at the first epoch whose held-out accuracy reaches `target`."""
-    for r in rows:
-        if r["val_accuracy"] >= target:
-            return r["samples"]
-    return float("inf")
-
-
 def summarize(rows, plain):
     """One summary row of a run against its plain-Keras twin (same seed, same samples)."""
     first = rows[0]["val_loss"]
@@ -174,7 +168,8 @@ def summarize(rows, plain):
         diverged=int(
             any(r["val_loss"] > 2 * first or not np.isfinite(r["val_loss"]) for r in rows)
         ),
-        samples_ratio=samples_to(rows, target) / samples_to(plain, target),
+        samples_ratio=metrics.first_reaching(rows, target, "samples", "val_accuracy")
+        / metrics.first_reaching(plain, target, "samples", "val_accuracy"),
     )
 
 
@@ -285,7 +280,7 @@ def _band(label, rows, metric):
 
 
 def merge(dirs, out):
-    """Combines the CSVs of several runs of this tool; rewrites the table and plots."""
+    """Combines the CSVs of several runs of this suite; rewrites the table and plots."""
     numeric = ("n_sync", "workers", "seed", "steps_per_epoch", "epoch", "samples", "diverged")
     tables = {"curves.csv": [], "summary.csv": []}
     for d in dirs:
@@ -331,7 +326,7 @@ def _unique(rows, key):
 def main(argv=None):
     p = harness.parser(
         __doc__,
-        out="results/convergence",
+        out=OUT,
         workers=[2, 4, 8],
         n_sync=[10, 100],
         seeds=[0, 1, 2, 3, 4],
@@ -438,7 +433,3 @@ def main(argv=None):
         f"wrote {args.out}/summary.md, summary.csv, curves.csv and plots "
         f"in {time.time() - t0:.0f} s"
     )
-
-
-if __name__ == "__main__":
-    main()

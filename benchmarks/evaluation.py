@@ -4,19 +4,20 @@ For each worker count of `--workers`, one `LocalCluster` and one seeded digits c
 whose forward pass costs `--device-ms` of emulated device time per batch wherever it runs;
 `model.evaluate` on `--examples` images runs with `evaluation="chief"` and `"workers"` in
 alternating rounds. Reports the median wall seconds of each, the speed-up and the largest
-difference between the two modes' metrics. Method: docs/architecture.md (Tools).
+difference between the two modes' metrics. Method: docs/benchmarks.md (How each suite measures).
 
 Writes `evaluation.csv` (one row per timed call) and `evaluation.md` to `--out`.
 
-    python tools/evaluation.py                        # the default run
-    python tools/evaluation.py --workers 1,2 --device-ms 20 --examples 200 --rounds 1
+    python -m benchmarks.run evaluation                        # the default run
+    python -m benchmarks.run evaluation --workers 1,2 --device-ms 20 --examples 200 --rounds 1
 """
 
 import os
-import statistics
 import time
 
-import harness
+from benchmarks import harness, metrics
+
+OUT = "results/evaluation"  # the default --out
 
 MODES = ("chief", "workers")
 
@@ -68,34 +69,29 @@ def run_workers(workers, data, args):
                     x, y, batch_size=args.batch_size, verbose=0, return_dict=True
                 )
             diff = max(abs(results["chief"][k] - results["workers"][k]) for k in results["chief"])
-            for k in range(args.rounds):
-                for mode in MODES if k % 2 == 0 else MODES[::-1]:
-                    strategy.evaluation = mode
-                    t0 = time.perf_counter()
-                    out = model.evaluate(
-                        x, y, batch_size=args.batch_size, verbose=0, return_dict=True
-                    )
-                    seconds = time.perf_counter() - t0
-                    row = dict(
-                        workers=workers,
-                        step_ms=step_ms,
-                        mode=mode,
-                        round=k,
-                        seconds=seconds,
-                        batches=-(-len(x) // args.batch_size),
-                        loss=out["loss"],
-                        accuracy=out["accuracy"],
-                        max_metric_diff=diff,
-                    )
-                    print(row, flush=True)
-                    rows.append(row)
+            for k, mode in metrics.alternating(MODES, args.rounds):
+                strategy.evaluation = mode
+                t0 = time.perf_counter()
+                out = model.evaluate(x, y, batch_size=args.batch_size, verbose=0, return_dict=True)
+                seconds = time.perf_counter() - t0
+                row = dict(
+                    workers=workers,
+                    step_ms=step_ms,
+                    mode=mode,
+                    round=k,
+                    seconds=seconds,
+                    batches=-(-len(x) // args.batch_size),
+                    loss=out["loss"],
+                    accuracy=out["accuracy"],
+                    max_metric_diff=diff,
+                )
+                print(row, flush=True)
+                rows.append(row)
     return rows
 
 
 def main(argv=None):
-    p = harness.parser(
-        __doc__, out="results/evaluation", workers=[1, 2, 4], device_ms=[0.0, 20.0], seeds=[0]
-    )
+    p = harness.parser(__doc__, out=OUT, workers=[1, 2, 4], device_ms=[0.0, 20.0], seeds=[0])
     p.add_argument("--examples", type=int, default=1797)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
@@ -117,11 +113,7 @@ def main(argv=None):
     harness.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
 
     def median(workers, step_ms, mode):
-        return statistics.median(
-            r["seconds"]
-            for r in rows
-            if r["workers"] == workers and r["step_ms"] == step_ms and r["mode"] == mode
-        )
+        return metrics.median_of(rows, "seconds", workers=workers, step_ms=step_ms, mode=mode)
 
     batches = rows[0]["batches"]
     table = []
@@ -149,7 +141,7 @@ def main(argv=None):
     lines = [
         "# Evaluation on the workers vs on the chief",
         "",
-        f"`python tools/evaluation.py --workers {','.join(map(str, args.workers))} "
+        f"`python -m benchmarks.run evaluation --workers {','.join(map(str, args.workers))} "
         f"--device-ms {','.join(f'{v:g}' for v in args.device_ms)} --examples {args.examples} "
         f"--batch-size {args.batch_size} --rounds {args.rounds}`: {batches} batches of the "
         "digits convnet, each costing `step ms` of emulated device time in the model's forward "
@@ -173,7 +165,3 @@ def main(argv=None):
     )
     harness.write_lines(os.path.join(args.out, "evaluation.md"), lines)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

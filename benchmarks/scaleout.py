@@ -6,18 +6,19 @@ under `tf_asgd.AsyncParameterServerStrategy`, all tasks in one child process. Fo
 worker count and `n_sync` it reports samples/s, the speed-up over 1 worker at the same
 `n_sync`, the ideal, and the coordinator's and the task host's CPU time per push.
 `--ceiling` also measures the maximal push rate with no device time. Method:
-docs/architecture.md (Tools).
+docs/benchmarks.md (How each suite measures).
 
 Writes `scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
 
-    python tools/scaleout.py --workers 1,2 --n-sync 10 --device-ms 5 --seconds 1
+    python -m benchmarks.run scaleout --workers 1,2 --n-sync 10 --device-ms 5 --seconds 1
 """
 
 import os
-import sys
 import time
 
-import harness
+from benchmarks import harness
+
+OUT = "results/scaleout"  # the default --out
 
 
 def emulated_dataset(input_shape, batch_size, step_ms, num_classes=10, seed=0):
@@ -127,7 +128,7 @@ def measure(workers, n_syncs, args):
 def main(argv=None):
     p = harness.parser(
         __doc__,
-        out="results/scaleout",
+        out=OUT,
         workers=[1, 2, 4, 8, 16, 32],
         n_sync=[1, 10, 100],
         device_ms=[20.0],
@@ -249,7 +250,3 @@ def main(argv=None):
     print("\n".join(lines))
     print(f"scaleout took {time.time() - t0:.0f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,19 +9,18 @@ point and smoothed over the last 400 minibatches (as the GPU A-SGD paper smooths
   the ceiling's (each batch size at its best rate; Shallue et al. 2019, arXiv:1811.03600);
 - *strict*: the ceiling's steps over the rule's steps, both to the ceiling's target.
 
-    python tools/ceiling_share.py --ceiling results/synchronous_rounds/ceiling/ceiling.csv \
+    python -m benchmarks.run ceiling_share \
+        --ceiling results/synchronous_rounds/ceiling/ceiling.csv \
         --curves results/workers_rate/anneal_to_one/mnist1d64k_2_4/curves.csv
 """
 
 import csv
 import math
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+from benchmarks import harness
 
 
 def read(paths):
@@ -139,7 +138,3 @@ def main(argv=None):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         harness.write_lines(os.path.join(args.out, "shares.md"), lines)
-
-
-if __name__ == "__main__":
-    main()

@@ -6,21 +6,22 @@ smoothed over the last 400 minibatches, against wall time and samples seen. Swee
 (`--sweeps`): `nsync` (`--n-sync` at `--nsync-workers`), `workers` (`--workers` at
 `--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--device-ms` adds
 emulated device time per minibatch; `--data mnist1d` separates the curves. Method:
-docs/architecture.md (Tools).
+docs/benchmarks.md (How each suite measures).
 
 Writes `windows.csv` (one row per window), `summary.csv`, and
 `<sweep>_curves.png`, `<sweep>_staleness.png` to `--out`.
 
-    python tools/experiments.py --sweeps nsync --n-sync 1,10 --steps 200
+    python -m benchmarks.run experiments --sweeps nsync --n-sync 1,10 --steps 200
 """
 
 import os
-import sys
 import time
 
 import numpy as np
 
-import harness
+from benchmarks import harness, metrics
+
+OUT = "results/experiments"  # the default --out
 
 
 def load_data(name):
@@ -137,7 +138,7 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
 
 
 def _smoothed(rows, args):
-    return harness.sliding_mean(
+    return metrics.sliding_mean(
         [r["error"] for r in rows], args.smooth, weights=[r["minibatches"] for r in rows]
     )
 
@@ -145,7 +146,7 @@ def _smoothed(rows, args):
 def main(argv=None):
     p = harness.parser(
         __doc__,
-        out="results/experiments",
+        out=OUT,
         workers=[1, 2, 4, 8],
         n_sync=[1, 10, 100, 900],
         seeds=[0],
@@ -277,7 +278,3 @@ def main(argv=None):
     harness.write_csv(os.path.join(args.out, "staleness.csv"), stale_rows)
     print(f"experiments took {time.time() - t0:.0f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,30 +1,25 @@
-"""Every tool in tools/ takes the shared flags of tools/harness.py, with one type each.
+"""Every benchmark suite takes the shared flags of benchmarks/harness.py, with one type each.
 
-Each tool's `main` is run only up to its `parse_args`: the parser it built is caught
-there, so no tool trains, and no TensorFlow starts for it.
+Each suite's `main` is run only up to its `parse_args`: the parser it built is caught
+there, so no suite trains, and no TensorFlow starts for it.
 """
 
 import argparse
-import glob
-import importlib
-import os
-import sys
 
 import pytest
 
-from helpers import ROOT
+from benchmarks import harness
+from benchmarks import run as runner
 
-TOOLS = os.path.join(ROOT, "tools")
-sys.path.insert(0, TOOLS)
-
-import harness  # noqa: E402 (tools/ goes on sys.path first)
-
-SCRIPTS = sorted(
-    os.path.basename(p)[: -len(".py")]
-    for p in glob.glob(os.path.join(TOOLS, "*.py"))
-    if os.path.basename(p) != "harness.py"
-)
-BENCHMARKS = ["bench", "scaleout", "compression", "time_to_accuracy", "straggler", "evaluation"]
+SUITES = sorted(runner.SUITES)
+BENCHMARKS = [
+    "throughput",
+    "scaleout",
+    "compression",
+    "time_to_accuracy",
+    "straggler",
+    "evaluation",
+]
 
 
 class _Parsed(Exception):
@@ -34,14 +29,14 @@ class _Parsed(Exception):
 
 
 def _parser(name, monkeypatch):
-    """The argparse parser `tools/NAME.py`'s `main` builds, caught at its `parse_args`."""
+    """The argparse parser suite `name`'s `main` builds, caught at its `parse_args`."""
 
     def caught(self, args=None, namespace=None):
         raise _Parsed(self)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
     with pytest.raises(_Parsed) as parsed:
-        importlib.import_module(name).main([])
+        runner.suite_module(name).main([])
     return parsed.value.parser
 
 
@@ -49,12 +44,14 @@ def _options(parser):
     return {s: a for a in parser._actions for s in a.option_strings}
 
 
-def test_the_benchmarks_are_scripts_on_the_harness():
-    assert set(BENCHMARKS) <= set(SCRIPTS)
+def test_every_suite_is_a_module_of_the_runner():
+    assert set(BENCHMARKS) <= set(SUITES)
+    for name in SUITES:
+        assert callable(runner.suite_module(name).main), name
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_every_tool_takes_the_shared_flags_with_one_type(name, monkeypatch):
+@pytest.mark.parametrize("name", SUITES)
+def test_every_suite_takes_the_shared_flags_with_one_type(name, monkeypatch):
     options = _options(_parser(name, monkeypatch))
     assert options["--out"].type is None  # a folder, as given
     for flag, (kind, metavar, _) in harness.SWEEP_FLAGS.items():
@@ -70,6 +67,7 @@ def test_every_tool_takes_the_shared_flags_with_one_type(name, monkeypatch):
 def test_every_benchmark_sweeps_workers_and_names_its_output(name, monkeypatch):
     options = _options(_parser(name, monkeypatch))
     assert options["--workers"].type is harness.int_list
+    assert options["--out"].default == runner.suite_module(name).OUT
     assert options["--out"].default.startswith("results/")
 
 
@@ -82,3 +80,18 @@ def test_shared_flag_types():
     assert harness.single(p, args, "workers") == 4
     with pytest.raises(SystemExit):
         harness.single(p, args, "seeds")  # two seeds where one is taken: a usage error
+
+
+def test_the_runner_lists_the_suites_and_refuses_an_unknown_one(capsys):
+    assert runner.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in runner.SUITES)
+    assert runner.main(["no_such_suite"]) == 2
+    assert "unknown suite 'no_such_suite'" in capsys.readouterr().err
+
+
+def test_the_runner_finds_a_suites_output_folder():
+    module = runner.suite_module("straggler")
+    assert runner.out_folder(module, []) == "results/straggler"
+    assert runner.out_folder(module, ["--workers", "4", "--out", "/tmp/x"]) == "/tmp/x"
+    assert runner.out_folder(module, ["--out=/tmp/y"]) == "/tmp/y"

@@ -1,6 +1,6 @@
 """The synchronous ceiling: how many steps N workers' samples save, with no staleness at all.
 
-Per setup (`harness.SETUPS`), seed and worker count N, against plain Keras at batch B:
+Per setup (`setups.SETUPS`), seed and worker count N, against plain Keras at batch B:
 `large_batch` (batch N x B at the rate x1, x sqrt(N) or x N), `local_sgd` (N copies
 averaged every `--n-sync` steps), `lr_only` (batch B at the scaled rate: a control), and
 `sync_outer` / `async_outer` (N copies whose windows go through the PS's own rule,
@@ -9,8 +9,8 @@ Speed-up: steps to plain's final held-out accuracy minus 1 point, plain's over t
 variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`, `curves.csv`,
 `summary.md` and `accuracy_vs_steps.png` to `--out`.
 
-    python tools/batch_scaling.py --quick
-    python tools/batch_scaling.py --setups mnist1d64k_adam --methods sync_outer,async_outer \
+    python -m benchmarks.run ceiling --quick
+    python -m benchmarks.run ceiling --setups mnist1d64k_adam --methods sync_outer,async_outer \
         --outers default,diloco --workers 2,4,8 --n-sync 10 --outer-steps 1 --evals 160
 """
 
@@ -18,11 +18,12 @@ import functools
 import heapq
 import math
 import os
-import sys
 
 import numpy as np
 
-import harness
+from benchmarks import harness, metrics, setups
+
+OUT = "results/batch_scaling"  # the default --out
 
 SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
 METHODS = ("large_batch", "local_sgd", "lr_only", "sync_outer", "async_outer")
@@ -51,7 +52,7 @@ def worker_rate(name, workers, synchronous, optimizer):
 
     base, _, rule = name.partition("+")
     if rule in ("", "auto"):
-        adaptive = optimizer_options.is_adaptive(harness.make_optimizer(optimizer))
+        adaptive = optimizer_options.is_adaptive(setups.make_optimizer(optimizer))
         rule = (
             worker_rate.auto_worker_rate(synchronous, adaptive=adaptive)
             if base == "default"
@@ -107,7 +108,7 @@ QUICK = dict(
 
 def _with_learning_rate(name, rate_of):
     """The setup's optimizer with learning rate `rate_of(its own rate)`."""
-    opt = harness.make_optimizer(name)
+    opt = setups.make_optimizer(name)
     config = opt.get_config()
     config["learning_rate"] = rate_of(float(config["learning_rate"]))
     return opt.__class__.from_config(config)
@@ -168,8 +169,8 @@ def warmed_up_optimizer(name, rate, warmup_steps):
 
 
 def _model(setup, data, scale, steps_per_execution, optimizer=None):
-    _, model_name, opt, _, _, _ = harness.SETUPS[setup]
-    model = harness.build_model(model_name, data)
+    model_name, opt = setups.SETUPS[setup].model, setups.SETUPS[setup].optimizer
+    model = setups.build_model(model_name, data)
     # One call of `train_function` runs `steps_per_execution` steps, in one tf.function.
     harness.compile_classifier(
         model, optimizer or scaled_optimizer(opt, scale), steps_per_execution=steps_per_execution
@@ -183,11 +184,11 @@ def large_batch(setup, data, multiple, scale, seed, steps, eval_every, optimizer
     (or with `optimizer`, built after seeding)."""
     import keras
 
-    batch = harness.SETUPS[setup][3] * multiple
+    batch = setups.SETUPS[setup].batch * multiple
     keras.utils.set_random_seed(seed)
     model = _model(setup, data, scale, eval_every, optimizer and optimizer())
-    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
-    batches = iter(harness.train_dataset(data, batch, seed).repeat())
+    held_out = setups.HeldOut(setups.SETUPS[setup].model, data)
+    batches = iter(setups.train_dataset(data, batch, seed).repeat())
     points = []
     for step in range(eval_every, steps + 1, eval_every):
         model.train_function(batches)
@@ -199,14 +200,14 @@ def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
     """Held-out points of `workers` copies averaged every `n_sync` steps."""
     import keras
 
-    batch = harness.SETUPS[setup][3]
+    batch = setups.SETUPS[setup].batch
     keras.utils.set_random_seed(seed)
     copies = [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
     center = copies[0].get_weights()
-    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
+    held_out = setups.HeldOut(setups.SETUPS[setup].model, data)
     # Each copy draws its own shuffle of the whole set, as independent workers would.
     feeds = [
-        iter(harness.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
+        iter(setups.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
     ]
     points, next_eval = [], eval_every
     for step in range(n_sync, steps + 1, n_sync):
@@ -276,12 +277,12 @@ def outer_rounds(
     from tf_asgd.rules import noise_scale, outer_optimizers, worker_rate
     from tf_asgd.runtime import optimizer_options
 
-    batch = harness.SETUPS[setup][3]
+    batch = setups.SETUPS[setup].batch
     keras.utils.set_random_seed(seed)
-    opt = harness.SETUPS[setup][2]
+    opt = setups.SETUPS[setup].optimizer
     # In each copy's steps: the strategy's warm-up counts every worker's.
     cap = worker_rate.untuned_warmup_steps(
-        optimizer_options.second_moment_beta(harness.make_optimizer(opt))
+        optimizer_options.second_moment_beta(setups.make_optimizer(opt))
     )
     warmup = worker_rate.worker_rate_warmup_steps(
         *worker_scale[:2], steps, None if cap is None else max(1, cap // workers)
@@ -295,9 +296,9 @@ def outer_rounds(
     center = copies[0].get_weights()
     state = [{} for _ in center]
     starts = [center] * workers
-    held_out = harness.HeldOut(harness.SETUPS[setup][1], data)
+    held_out = setups.HeldOut(setups.SETUPS[setup].model, data)
     feeds = [
-        iter(harness.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
+        iter(setups.train_dataset(data, batch, seed * 1000 + i).repeat()) for i in range(workers)
     ]
     points, next_eval = [], eval_every
     sums, round_sum = [], 0.0  # per round: (pushes' squared norms, their sum's squared norm)
@@ -352,8 +353,8 @@ def ceiling(setup, data, seed, args):
     The target is the best batch-B final minus 1 point; a batch size's steps are its
     fastest rate's to it. Batch N x B runs `2 / N` of batch B's steps.
     """
-    steps = args.steps or harness.SETUPS[setup][4]
-    name, runs = harness.SETUPS[setup][2], []
+    steps = args.steps or setups.SETUPS[setup].steps
+    name, runs = setups.SETUPS[setup].optimizer, []
     for n in [1] + list(args.workers):
         length = steps if n == 1 else int(steps * 2 / n)
         every = max(1, min(length // 20, steps // args.evals))
@@ -371,7 +372,7 @@ def ceiling(setup, data, seed, args):
                 {k: r[k] for k in ("setup", "seed", "workers", "rate")},
                 final_accuracy=r["points"][-1][1],
                 target=target,
-                steps_to_target=steps_to(r["points"], target),
+                steps_to_target=metrics.first_reaching(r["points"], target, key=0, accuracy=1),
             )
         )
     base_steps = min(row["steps_to_target"] for row in rows if row["workers"] == 1)
@@ -412,14 +413,9 @@ def _groups(rows, keys):
     return out
 
 
-def steps_to(points, target):
-    """The first step whose accuracy is at least `target`; inf if none."""
-    return next((s for s, a in points if a >= target), math.inf)
-
-
 def run_setup(setup, data, seed, args):
     """Rows and curves of one setup and seed: batch B, then every variant."""
-    steps = args.steps or harness.SETUPS[setup][4]
+    steps = args.steps or setups.SETUPS[setup].steps
     every = max(1, steps // args.evals)
     steps = every * (steps // every)
     variants = [("plain", 1, 0, "x1")]
@@ -441,7 +437,7 @@ def run_setup(setup, data, seed, args):
             # In steps per worker: N workers need about 1/N of plain's steps at best.
             per_worker = every * max(1, round(steps * args.outer_steps / n / every))
             asynchronous = method == "async_outer"
-            scale = worker_rate(scaling, n, not asynchronous, harness.SETUPS[setup][2])
+            scale = worker_rate(scaling, n, not asynchronous, setups.SETUPS[setup].optimizer)
             opt = outer_rule(scaling, n, not asynchronous, worker_peak=scale[0])
             points, noise = outer_rounds(
                 setup,
@@ -461,8 +457,8 @@ def run_setup(setup, data, seed, args):
             points = large_batch(setup, data, multiple, SCALINGS[scaling](n), seed, steps, every)
         if target is None:
             target = points[-1][1] - 0.01
-            base_steps = steps_to(points, target)
-        reached = steps_to(points, target)
+            base_steps = metrics.first_reaching(points, target, key=0, accuracy=1)
+        reached = metrics.first_reaching(points, target, key=0, accuracy=1)
         row = dict(
             setup=setup,
             seed=seed,
@@ -617,9 +613,7 @@ def plot(path, curves):
 
 
 def main(argv=None):
-    p = harness.parser(
-        __doc__, out="results/batch_scaling", workers=[2, 4, 8], n_sync=[10, 100], seeds=[0]
-    )
+    p = harness.parser(__doc__, out=OUT, workers=[2, 4, 8], n_sync=[10, 100], seeds=[0])
     p.add_argument("--setups", type=harness.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
     p.add_argument(
         "--scalings", type=harness.str_list, default=list(SCALINGS), help="x1, sqrt, linear"
@@ -663,8 +657,8 @@ def main(argv=None):
     if args.quick:
         harness.apply_quick(args, argv, QUICK)
     for s in args.setups:
-        if s not in harness.SETUPS:
-            p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")
+        if s not in setups.SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(setups.SETUPS)}")
     for m in args.methods:
         if m not in METHODS:
             p.error(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")
@@ -680,7 +674,7 @@ def main(argv=None):
         return run_ceiling(args)
     rows, curves = [], []
     for setup in args.setups:
-        data = harness.load_data(harness.SETUPS[setup][0])
+        data = setups.load_data(setups.SETUPS[setup].data)
         for seed in args.seeds:
             r, c = run_setup(setup, data, seed, args)
             rows += r
@@ -697,7 +691,7 @@ def main(argv=None):
 def run_ceiling(args):
     rows = []
     for setup in args.setups:
-        data = harness.load_data(harness.SETUPS[setup][0])
+        data = setups.load_data(setups.SETUPS[setup].data)
         for seed in args.seeds:
             rows += ceiling(setup, data, seed, args)
     harness.write_csv(os.path.join(args.out, "ceiling.csv"), rows)
@@ -705,7 +699,3 @@ def run_ceiling(args):
     harness.write_lines(os.path.join(args.out, "ceiling.md"), lines)
     print("\n".join(lines))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,16 +10,16 @@ time: near 1, the device and not the CPU is the bottleneck) and held-out accurac
 `fit`, with the ratios without the barrier over with it. Accuracy is read after `fit` only:
 without the barrier an epoch's end comes before its windows finish.
 
-    python tools/epoch_barrier.py                      # 8 workers, n_sync 100
-    python tools/epoch_barrier.py --workers 2 --n-sync 10 --epochs 2 --rounds 1
+    python -m benchmarks.run epoch_barrier                      # 8 workers, n_sync 100
+    python -m benchmarks.run epoch_barrier --workers 2 --n-sync 10 --epochs 2 --rounds 1
 """
 
 import os
-import statistics
-import sys
 import time
 
-import harness
+from benchmarks import harness, metrics, setups
+
+OUT = "results/epoch_barrier"  # the default --out
 
 CONFIGS = ((True, 1.0), (False, 1.0), (False, None))  # (epoch_barrier, epochs: x --epochs)
 
@@ -38,11 +38,11 @@ def run_config(cluster, barrier, share, data, args):
         per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
     )
     (x, y), (x_test, y_test) = data
-    ds = harness.train_dataset(data, args.batch_size, args.seed)
+    ds = setups.train_dataset(data, args.batch_size, args.seed)
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
-        model = harness.build_model("mnist1d_cnn", data)
-        harness.compile_classifier(model, harness.make_optimizer(args.optimizer), ["accuracy"])
+        model = setups.build_model("mnist1d_cnn", data)
+        harness.compile_classifier(model, setups.make_optimizer(args.optimizer), ["accuracy"])
     model.fit(ds, steps_per_epoch=args.n_sync * args.workers, epochs=1, verbose=0)  # trace
     warm = len(strategy.window_log(model))
     t0 = time.perf_counter()
@@ -71,8 +71,7 @@ def report(rows, args):
     """The markdown lines: the medians per config, and the ratios."""
 
     def median(barrier, epochs, key):
-        mine = [r[key] for r in rows if (r["epoch_barrier"], r["epochs"]) == (barrier, epochs)]
-        return statistics.median(mine)
+        return metrics.median_of(rows, key, epoch_barrier=barrier, epochs=epochs)
 
     configs = list(dict.fromkeys((r["epoch_barrier"], r["epochs"]) for r in rows))
     keys = ("seconds", "samples_per_s", "busy_share", "device_share", "windows", "test_accuracy")
@@ -102,9 +101,7 @@ def report(rows, args):
 
 
 def main(argv=None):
-    p = harness.parser(
-        __doc__, out="results/epoch_barrier", workers=[8], n_sync=[100], seeds=[0], device_ms=[20.0]
-    )
+    p = harness.parser(__doc__, out=OUT, workers=[8], n_sync=[100], seeds=[0], device_ms=[20.0])
     p.add_argument("--data", default="mnist1d64k", help="a harness data set")
     p.add_argument("--optimizer", default="adam_4e-3")
     p.add_argument("--steps", type=int, default=400, help="steps per epoch")
@@ -116,16 +113,15 @@ def main(argv=None):
     for name in ("workers", "n_sync", "device_ms"):
         setattr(args, name, harness.single(p, args, name))
     args.seed = harness.single(p, args, "seeds")
-    data = harness.load_data(args.data)
+    data = setups.load_data(args.data)
     rows = []
     t0 = time.time()
     with harness.local_cluster(args.workers) as cluster:
-        for k in range(args.rounds):
-            for barrier, share in CONFIGS if k % 2 == 0 else CONFIGS[::-1]:  # drift hits all
-                row = run_config(cluster, barrier, share, data, args)
-                row["round"] = k
-                print(row, flush=True)
-                rows.append(row)
+        for k, (barrier, share) in metrics.alternating(CONFIGS, args.rounds):
+            row = run_config(cluster, barrier, share, data, args)
+            row["round"] = k
+            print(row, flush=True)
+            rows.append(row)
     os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "epoch_barrier.csv"), rows)
     lines = report(rows, args)
@@ -133,7 +129,3 @@ def main(argv=None):
     print("\n".join(lines))
     print(f"epoch_barrier took {time.time() - t0:.0f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

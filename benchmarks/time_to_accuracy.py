@@ -5,25 +5,26 @@ every worker. Per setup (`--setups`), worker count and `n_sync`: time and sample
 plain's final held-out accuracy minus 1 point, the speed-up, final accuracy, the `stable`
 and `final_ok` checks, and CPU use (`cpu_bound` runs measure the CPU, not the devices).
 `--compressions` adds push (`+`pull) codecs, `--outer-rates` constant outer rates beside the
-default, `--bandwidth` limits the cluster's loopback.
-`--calibrate` measures the CPU a step costs and the smallest device time that keeps the
-largest `--workers` under half the cores. Details: docs/architecture.md (Tools). Writes
-`runs.csv`, `curves.csv`, `speedups.md`, `accuracy_vs_*.png` (`calibration.csv`) to `--out`.
+default, `--bandwidth` limits the cluster's loopback. `--calibrate` measures the CPU a step
+costs and the smallest device time that keeps the largest `--workers` under half the cores
+(docs/benchmarks.md, How each suite measures). Writes `runs.csv`, `curves.csv`,
+`speedups.md`, `accuracy_vs_*.png` (`calibration.csv`) to `--out`.
 
-    python tools/time_to_accuracy.py --quick                # a smoke run
-    python tools/time_to_accuracy.py --setups mnist1d_adam --workers 4,8,16 --n-sync 10,100
+    python -m benchmarks.run time_to_accuracy --quick                # a smoke run
+    python -m benchmarks.run time_to_accuracy --setups mnist1d_adam --workers 4,8,16 --n-sync 10,100
 """
 
 import collections
 import itertools
 import math
 import os
-import sys
 import time
 
 import numpy as np
 
-import harness
+from benchmarks import harness, metrics, setups
+
+OUT = "results/time_to_accuracy"  # the default --out
 
 QUICK = dict(
     setups=["mnist1d_adam"],
@@ -35,7 +36,6 @@ QUICK = dict(
     evals=5,
     out="results/time_to_accuracy/quick",
 )
-CPU_BOUND = 0.7  # share of the cores above which a run is CPU-bound
 
 
 def curve_callback(
@@ -44,7 +44,7 @@ def curve_callback(
     """A Keras callback that evaluates the model every `eval_every` steps.
 
     Args:
-        held_out: a `harness.HeldOut`.
+        held_out: a `setups.HeldOut`.
         eval_every: steps between points (scheduled steps under tf_asgd).
         batch_size: samples per step.
         committed_steps: `fn(scheduled) -> steps in the central weights`
@@ -159,16 +159,18 @@ def run_plain(setup, seed, args):
 
     import tf_asgd
 
-    data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
+    recipe = setups.SETUPS[setup]
+    data_name, model_name = recipe.data, recipe.model
+    opt, batch = recipe.optimizer, recipe.batch
     data = _data(data_name)
     steps, device_ms = _steps(setup, args), _device_ms(setup, args)
     keras.utils.set_random_seed(seed)
-    model = harness.build_model(model_name, data)
-    harness.compile_classifier(model, harness.make_optimizer(opt))
+    model = setups.build_model(model_name, data)
+    harness.compile_classifier(model, setups.make_optimizer(opt))
     ds = tf_asgd.data.emulated_device_time(device_ms)(
-        harness.train_dataset(data, batch, seed), 0
+        setups.train_dataset(data, batch, seed), 0
     ).repeat()
-    curve = curve_callback(harness.HeldOut(model_name, data), _eval_every(setup, args), batch)
+    curve = curve_callback(setups.HeldOut(model_name, data), _eval_every(setup, args), batch)
     curve.start(model)
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve], shuffle=False)
     end = curve.clock(time.perf_counter())
@@ -246,7 +248,7 @@ def _outer_options(outer, workers, optimizer):
     if outer == "sync":  # synchronous rounds under their default outer optimizer
         return {"synchronous": True}
     if outer == "rise":  # the first-round rise on 3 and 4 workers, whatever the workers' rate
-        adaptive = optimizer_options.is_adaptive(harness.make_optimizer(optimizer))
+        adaptive = optimizer_options.is_adaptive(setups.make_optimizer(optimizer))
         return {
             "outer_optimizer": outer_optimizers.default_outer_optimizer(workers),
             "lr_scaling": worker_rate.auto_worker_rate(adaptive=adaptive),
@@ -265,7 +267,9 @@ def run_asgd(
 
     import tf_asgd
 
-    data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
+    recipe = setups.SETUPS[setup]
+    data_name, model_name = recipe.data, recipe.model
+    opt, batch = recipe.optimizer, recipe.batch
     data = _data(data_name)
     budget = args.budget[0] if budget is None else budget
     steps = int(round(budget * _steps(setup, args)))
@@ -286,14 +290,14 @@ def run_asgd(
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = harness.build_model(model_name, data)
-        harness.compile_classifier(model, harness.make_optimizer(opt))
+        model = setups.build_model(model_name, data)
+        harness.compile_classifier(model, setups.make_optimizer(opt))
 
     def committed(scheduled):
         return min(scheduled, strategy.stats().windows * n_sync)
 
     curve = curve_callback(
-        harness.HeldOut(model_name, data),
+        setups.HeldOut(model_name, data),
         _eval_every(setup, args),
         batch,
         committed,
@@ -303,7 +307,7 @@ def run_asgd(
     wall0 = time.time()
     curve.start(model)
     model.fit(
-        harness.train_dataset(data, batch, seed),
+        setups.train_dataset(data, batch, seed),
         steps_per_epoch=steps,
         epochs=1,
         verbose=0,
@@ -342,38 +346,18 @@ def run_asgd(
     return row, curve.points
 
 
-def first_reaching(points, target, key):
-    """`key` ("time_s", "wall_s" or "samples") of the first point whose accuracy is at
-    least `target`; inf if none."""
-    for p in points:
-        if p["accuracy"] >= target:
-            return p[key]
-    return math.inf
-
-
-def worst_drop(points, skip_fraction=0.25):
-    """Largest fall of accuracy below its running best, over the points after
-    the first `skip_fraction` of the run's samples (the best counts them all)."""
-    total = points[-1]["samples"]
-    best, worst = -math.inf, 0.0
-    for p in points:
-        best = max(best, p["accuracy"])
-        if p["samples"] >= skip_fraction * total:
-            worst = max(worst, best - p["accuracy"])
-    return worst
-
-
 def summarize(points, plain_points, args):
     """The time-to-accuracy figures of a run against its plain-Keras twin."""
     plain_final = plain_points[-1]["accuracy"]
     target = plain_final - 0.01
     final = points[-1]["accuracy"]
-    t, tp = first_reaching(points, target, "time_s"), first_reaching(plain_points, target, "time_s")
-    tw = first_reaching(points, target, "wall_s")
-    tpw = first_reaching(plain_points, target, "wall_s")
-    s = first_reaching(points, target, "samples")
-    sp = first_reaching(plain_points, target, "samples")
-    drop = worst_drop(points)
+    t = metrics.first_reaching(points, target, "time_s")
+    tp = metrics.first_reaching(plain_points, target, "time_s")
+    tw = metrics.first_reaching(points, target, "wall_s")
+    tpw = metrics.first_reaching(plain_points, target, "wall_s")
+    s = metrics.first_reaching(points, target, "samples")
+    sp = metrics.first_reaching(plain_points, target, "samples")
+    drop = metrics.worst_drop(points)
     stable = drop <= args.max_drop
     final_ok = final >= plain_final - args.max_final_gap
     return dict(
@@ -576,12 +560,14 @@ def calibrate(args):
     steps = args.calibration_steps
     rows = []
     for setup in args.setups:
-        data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
+        recipe = setups.SETUPS[setup]
+        data_name, model_name = recipe.data, recipe.model
+        opt, batch = recipe.optimizer, recipe.batch
         data = _data(data_name)
-        ds = harness.train_dataset(data, batch, 0)
+        ds = setups.train_dataset(data, batch, 0)
         keras.utils.set_random_seed(0)
-        model = harness.build_model(model_name, data)
-        harness.compile_classifier(model, harness.make_optimizer(opt))
+        model = setups.build_model(model_name, data)
+        harness.compile_classifier(model, setups.make_optimizer(opt))
         model.fit(ds.repeat(), steps_per_epoch=20, epochs=1, verbose=0)  # traces
         c0 = time.process_time()
         model.fit(ds.repeat(), steps_per_epoch=steps, epochs=1, verbose=0)
@@ -596,14 +582,16 @@ def calibrate(args):
     with harness.local_cluster(1) as cluster:
         pids = list(cluster.pids().values())
         for setup in args.setups:
-            data_name, model_name, opt, batch, _, _ = harness.SETUPS[setup]
+            recipe = setups.SETUPS[setup]
+            data_name, model_name = recipe.data, recipe.model
+            opt, batch = recipe.optimizer, recipe.batch
             data = _data(data_name)
-            ds = harness.train_dataset(data, batch, 0)
+            ds = setups.train_dataset(data, batch, 0)
             for n_sync in args.n_sync:
                 strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
                 with strategy.scope():
-                    model = harness.build_model(model_name, data)
-                    harness.compile_classifier(model, harness.make_optimizer(opt))
+                    model = setups.build_model(model_name, data)
+                    harness.compile_classifier(model, setups.make_optimizer(opt))
                 model.fit(ds, steps_per_epoch=2 * n_sync, epochs=1, verbose=0)  # traces
                 n = max(n_sync, steps // n_sync * n_sync)
                 c0 = _cpu(pids)
@@ -639,16 +627,16 @@ _DATA = {}
 
 def _data(name):
     if name not in _DATA:
-        _DATA[name] = harness.load_data(name)
+        _DATA[name] = setups.load_data(name)
     return _DATA[name]
 
 
 def _steps(setup, args):
-    return args.plain_steps or harness.SETUPS[setup][4]
+    return args.plain_steps or setups.SETUPS[setup].steps
 
 
 def _device_ms(setup, args):
-    return harness.SETUPS[setup][5] if args.device_ms is None else args.device_ms
+    return setups.SETUPS[setup].device_ms if args.device_ms is None else args.device_ms
 
 
 def _eval_every(setup, args):
@@ -658,7 +646,7 @@ def _eval_every(setup, args):
 def main(argv=None):
     p = harness.parser(
         __doc__,
-        out="results/time_to_accuracy",
+        out=OUT,
         workers=[1, 2, 4, 8, 16],
         n_sync=[10, 100],
         seeds=[0],
@@ -726,8 +714,8 @@ def main(argv=None):
         if not _is_outer_rate(rate):
             p.error(f"--outer-rates: {rate!r} is not 'default', 'sync', 'rise' or a number > 0")
     for s in args.setups:
-        if s not in harness.SETUPS:
-            p.error(f"unknown setup {s!r}; expected some of {', '.join(harness.SETUPS)}")
+        if s not in setups.SETUPS:
+            p.error(f"unknown setup {s!r}; expected some of {', '.join(setups.SETUPS)}")
     if args.calibrate:
         calibrate(args)
         return 0
@@ -762,7 +750,7 @@ def main(argv=None):
 
     def record(row, points):
         row.setdefault("budget", 1.0)  # plain's own samples
-        row.update(cores=args.cores, cpu_bound=int(row["cpu_util"] > CPU_BOUND))
+        row.update(cores=args.cores, cpu_bound=int(metrics.cpu_bound(row["cpu_util"])))
         runs.append(row)
         tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
         tags["compression"] = row.get("compression", "none")
@@ -811,7 +799,3 @@ def main(argv=None):
         flush=True,
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

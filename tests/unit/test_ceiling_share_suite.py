@@ -1,16 +1,13 @@
-"""tools/ceiling_share.py on the committed ceiling and runs of MNIST-1D 64k."""
+"""benchmarks/ceiling_share.py on the committed ceiling and runs of MNIST-1D 64k."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
+from benchmarks import ceiling_share
+
 from helpers import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import ceiling_share  # noqa: E402 (tools/ goes on sys.path first)
 
 CEILING = os.path.join(ROOT, "results", "synchronous_rounds", "ceiling", "ceiling.csv")
 RUNS = os.path.join(

@@ -5,18 +5,20 @@ For each workers x bandwidth x model x n_sync x codec x pull codec, the workers 
 `--windows` windows per worker after a warm-up fit, and report samples/s and the bytes
 that crossed each way per sample (`strategy.model_stats`). A bandwidth other than `none`
 limits the loopback of this run's own network namespace (`LocalCluster(bandwidth=...)`):
-the tool re-executes itself in one. Models: `gem_convnet` (`models.gem_mnist_convnet`,
+the suite re-executes itself in one. Models: `gem_convnet` (`models.gem_mnist_convnet`,
 164k parameters) and `mlp` (784-2048-1024-10, 3.7M parameters: bandwidth-bound).
 Writes `runs.jsonl`, `runs.csv`, `summary.md` and `speedup.png` under `--out`.
 
-    python tools/compression.py --models mlp,gem_convnet --bandwidths none,1gbit,100mbit
+    python -m benchmarks.run compression --models mlp,gem_convnet --bandwidths none,1gbit,100mbit
 """
 
 import json
 import os
 import time
 
-import harness
+from benchmarks import harness
+
+OUT = "results/compression"  # the default --out
 
 CODECS = ("none", "bf16", "int8", "topk")
 
@@ -60,7 +62,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out="results/compression", workers=[2, 4], n_sync=[1, 10])
+    p = harness.parser(__doc__, out=OUT, workers=[2, 4], n_sync=[1, 10])
     p.add_argument("--models", type=harness.str_list, default=["mlp", "gem_convnet"])
     p.add_argument("--bandwidths", type=harness.str_list, default=["none", "1gbit", "100mbit"])
     p.add_argument("--codecs", type=harness.str_list, default=list(CODECS))
@@ -186,7 +188,3 @@ def write_summary(rows, path):
         ],
     )
     harness.write_lines(path, table)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,11 +4,11 @@ Samples/s in alternating rounds, one synthetic data set: `keras` (plain `fit`), 
 (stock `ParameterServerStrategy` with `tf_keras`, at each `--pss-spe`) and `asgd` (at each
 `--n-sync` and `--windows-per-closure`) on a `LocalCluster` per `--processes`, each in a
 fresh child process. Medians over rounds, ratios to Keras and stock PS, bytes per sample
-(method: docs/architecture.md, Tools) in `raw.csv`, `summary.csv`, `summary.md` (`--out`).
+(method: docs/benchmarks.md) in `raw.csv`, `summary.csv`, `summary.md` (`--out`).
 
-    python tools/bench.py                       # the full default run
-    python tools/bench.py --workers 2 --processes separate --pss-spe 1,10
-    python tools/bench.py --modes asgd --trees before=/tmp/before,head=.   # two commits
+    python -m benchmarks.run throughput                       # the full default run
+    python -m benchmarks.run throughput --workers 2 --processes separate --pss-spe 1,10
+    python -m benchmarks.run throughput --modes asgd --trees before=/tmp/before,head=.
 
 `--trees`: each `asgd` configuration once per tree a round (its package first on
 `PYTHONPATH`; `git worktree add /tmp/before REV`), with per-round ratios to the first tree.
@@ -22,9 +22,12 @@ import subprocess
 import sys
 import time
 
-import harness
+from benchmarks import harness
+
+OUT = "results/throughput"  # the default --out
 
 RESULT = "BENCH_RESULT "
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 # ---- child side ------------------------------------------------------------
@@ -254,7 +257,9 @@ def child_asgd(args):
 def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
     cmd = [
         sys.executable,
-        os.path.abspath(__file__),
+        "-m",
+        "benchmarks.run",
+        "throughput",
         "--child",
         mode,
         "--workers",
@@ -279,9 +284,20 @@ def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
         args.windows_per_closure,
     ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    if tree is not None:  # this tree's package before the installed one
-        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
+    # The child runs these benchmarks against the tree's package, else the one these
+    # benchmarks sit beside: both go before the installed one, and the child starts in a
+    # folder with neither, which `-m` would put first.
+    path = [os.path.abspath(tree[1])] if tree is not None else []
+    path += [_ROOT, env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=args.child_timeout,
+        cwd=os.path.dirname(_ROOT),
+    )
     rows = [
         dict(json.loads(line[len(RESULT) :]), tree=tree[0] if tree else "")
         for line in proc.stdout.splitlines()
@@ -427,7 +443,7 @@ def markdown(rows, args):
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out="results/throughput", workers=[1, 2, 4], n_sync=[1, 10, 100])
+    p = harness.parser(__doc__, out=OUT, workers=[1, 2, 4], n_sync=[1, 10, 100])
     p.add_argument("--model", default="gem_mnist_convnet")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument(
@@ -522,7 +538,3 @@ def main(argv=None):
         print("bench: every run failed (above); nothing was measured.", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

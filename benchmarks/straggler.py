@@ -6,20 +6,21 @@ device time, the digits convnet on the digits. In alternating rounds: `uniform`,
 `straggler_drop` (the same with `--max-staleness`). Reports medians over rounds of `fit`'s
 time and where it goes, samples/s, windows/s per fast worker, staleness, dropped pushes and
 held-out accuracy, and the ratios with the straggler over without next to the ideal
-`(W - 1 + 1/slow) / W`. Method: docs/architecture.md (Tools).
+`(W - 1 + 1/slow) / W`. Method: docs/benchmarks.md (How each suite measures).
 
 Writes `straggler.csv`, `straggler.md` and `straggler.png` (each push's staleness) to `--out`.
 
-    python tools/straggler.py                          # the default run
-    python tools/straggler.py --workers 3 --steps 100 --epochs 1 --rounds 1
+    python -m benchmarks.run straggler                          # the default run
+    python -m benchmarks.run straggler --workers 3 --steps 100 --epochs 1 --rounds 1
 """
 
 import os
 import statistics
-import sys
 import time
 
-import harness
+from benchmarks import harness, metrics
+
+OUT = "results/straggler"  # the default --out
 
 CONFIGS = ("uniform", "straggler", "straggler_drop")
 
@@ -88,9 +89,7 @@ def run_config(cluster, name, data, args):
 
 
 def main(argv=None):
-    p = harness.parser(
-        __doc__, out="results/straggler", workers=[4], n_sync=[5], seeds=[0], device_ms=[20.0]
-    )
+    p = harness.parser(__doc__, out=OUT, workers=[4], n_sync=[5], seeds=[0], device_ms=[20.0])
     p.add_argument("--slow", type=float, default=10.0, help="the straggler's slowdown factor")
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--steps", type=int, default=600, help="steps per epoch")
@@ -116,17 +115,15 @@ def main(argv=None):
     rows, logs = [], {}
     t0 = time.time()
     with harness.local_cluster(args.workers) as cluster:
-        for k in range(args.rounds):
-            order = CONFIGS if k % 2 == 0 else CONFIGS[::-1]  # drift hits all alike
-            for name in order:
-                row, log = run_config(cluster, name, data, args)
-                row["round"] = k
-                print(row, flush=True)
-                rows.append(row)
-                logs.setdefault(name, log)
+        for k, name in metrics.alternating(CONFIGS, args.rounds):
+            row, log = run_config(cluster, name, data, args)
+            row["round"] = k
+            print(row, flush=True)
+            rows.append(row)
+            logs.setdefault(name, log)
 
     def median(name, key):
-        return statistics.median(r[key] for r in rows if r["config"] == name)
+        return metrics.median_of(rows, key, config=name)
 
     os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "straggler.csv"), rows)
@@ -209,7 +206,3 @@ def main(argv=None):
     print("\n".join(lines))
     print(f"straggler took {time.time() - t0:.0f} s", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

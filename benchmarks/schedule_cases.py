@@ -9,7 +9,7 @@ val_loss, validated every 2 epochs) and `to_zero` (SGD(0.05), 6 epochs at the ra
 Keras on batches of 2 x 32, synchronous training of 2 workers at the user's rate). Writes
 `runs.jsonl` (a row per recipe and seed) and `summary.md` to `--out`.
 
-    python tools/schedule_cases.py --recipes decay,to_zero --rates default,0.6667,1.0 \\
+    python -m benchmarks.run schedule_cases --recipes decay,to_zero --rates default,0.6667,1.0 \\
         --seeds 0,1,2,3,4
 """
 
@@ -17,7 +17,9 @@ import contextlib
 import json
 import os
 
-import harness
+from benchmarks import harness
+
+OUT = "results/schedule_cases"  # the default --out
 
 RECIPES = ("decay", "to_zero")
 
@@ -73,7 +75,7 @@ def _strategy(cluster, rate):
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out="results/schedule_cases", seeds=[0, 1, 2, 3, 4])
+    p = harness.parser(__doc__, out=OUT, seeds=[0, 1, 2, 3, 4])
     p.add_argument("--recipes", type=harness.str_list, default=list(RECIPES))
     p.add_argument("--rates", type=harness.str_list, default=["default"])
     args = p.parse_args(argv)
@@ -129,7 +131,3 @@ def write_summary(runs_path, out_path):
         ],
     )
     harness.write_lines(out_path, table)
-
-
-if __name__ == "__main__":
-    main()

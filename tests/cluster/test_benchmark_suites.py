@@ -1,43 +1,46 @@
-"""The tools in tools/ run on a tiny setting and write well-formed files.
+"""Each benchmark suite runs on a tiny setting and writes well-formed files.
 
-Never a speed: only that each tool runs end to end on a real local cluster
-(or the simulator) and that its CSV, Markdown and PNG outputs are complete.
+Never a speed: only that each suite runs end to end through `benchmarks.run` on a real
+local cluster (or the simulator) and that its CSV, Markdown and PNG outputs are complete.
 """
 
 import contextlib
 import csv
-import importlib
 import io
+import json
 import math
 import os
-import sys
 import types
 
 import pytest
 
+from benchmarks import run as runner
+
 from helpers import ROOT
 
-TOOLS = os.path.join(ROOT, "tools")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _tool(tool):
-    """The module of `tool` ("NAME.py"), imported as its script would import it."""
-    if TOOLS not in sys.path:
-        sys.path.insert(0, TOOLS)
-    return importlib.import_module(tool[: -len(".py")])
+def _suite(name):
+    """The module of suite `name`."""
+    return runner.suite_module(name)
 
 
-def _run(tool, *args):
-    """Runs `tool`'s `main(args)` in this process, its stdout and stderr captured (as
-    `python tools/TOOL ARGS` would, without starting TensorFlow again)."""
-    module = _tool(tool)
+def _run(name, *args):
+    """Runs `python -m benchmarks.run NAME ARGS` in this process (without starting
+    TensorFlow again), its stdout and stderr captured; checks the run's `run.json`."""
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = module.main(list(args))
+            code = runner.main([name, *args])
+        folder = runner.out_folder(_suite(name), list(args))
+        if folder and os.path.isdir(folder):
+            with open(os.path.join(folder, "run.json")) as f:
+                record = json.load(f)
+            assert record["command"].startswith(f"python -m benchmarks.run {name}"), record
+            assert record["commit"] and record["status"] == 0, record
     finally:
         os.chdir(cwd)
     proc = types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
@@ -79,9 +82,9 @@ def _positive(rows, key):
         assert math.isfinite(v) and v > 0, (key, r)
 
 
-def test_simulate_tool(tmp_path):
+def test_simulator_suite(tmp_path):
     _run(
-        "simulate.py",
+        "simulator",
         "--out",
         str(tmp_path),
         "--workers",
@@ -107,9 +110,9 @@ def test_simulate_tool(tmp_path):
         _png(tmp_path / name)
 
 
-def test_simulate_outer_study(tmp_path):
+def test_simulator_outer_study(tmp_path):
     _run(
-        "simulate.py",
+        "simulator",
         "--outer-study",
         "--out",
         str(tmp_path),
@@ -139,10 +142,10 @@ def test_simulate_outer_study(tmp_path):
     _png(tmp_path / "outer.png")
 
 
-def test_convergence_tool_and_merge(tmp_path):
+def test_convergence_suite_and_merge(tmp_path):
     run = tmp_path / "run"
     _run(
-        "convergence.py",
+        "convergence",
         "--out",
         str(run),
         "--models",
@@ -189,16 +192,15 @@ def test_convergence_tool_and_merge(tmp_path):
     assert "| mlp | sgd | 10 | 2 | capped | 1 |" in (run / "summary.md").read_text()
     _png(run / "curves_mlp_sgd_n10.png")
     # Merging a directory with itself keeps each curve once and every summary row.
-    _run("convergence.py", "--merge", f"{run},{run}", "--out", str(tmp_path / "merged"))
+    _run("convergence", "--merge", f"{run},{run}", "--out", str(tmp_path / "merged"))
     assert len(_csv(tmp_path / "merged" / "curves.csv", ["setup"])) == len(curves)
     assert len(_csv(tmp_path / "merged" / "summary.csv", ["setup"])) == 2 * len(summary)
 
 
-def test_scaleout_tool_and_sleep_op(tmp_path):
+def test_scaleout_suite_and_sleep_op(tmp_path):
     import time
 
-    sys.path.insert(0, TOOLS)
-    import scaleout
+    from benchmarks import scaleout
 
     ds = scaleout.emulated_dataset((8, 8, 1), 2, step_ms=30)
     t = time.perf_counter()
@@ -206,7 +208,7 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
         pass
     assert time.perf_counter() - t >= 4 * 0.03  # the device time is really spent
     _run(
-        "scaleout.py",
+        "scaleout",
         "--out",
         str(tmp_path),
         "--workers",
@@ -243,9 +245,9 @@ def test_scaleout_tool_and_sleep_op(tmp_path):
     _png(tmp_path / "scaleout.png")
 
 
-def test_push_floor_tool(tmp_path):
+def test_push_floor_suite(tmp_path):
     _run(
-        "push_floor.py",
+        "push_floor",
         "--out",
         str(tmp_path),
         "--iterations",
@@ -264,10 +266,10 @@ def test_push_floor_tool(tmp_path):
     assert "| push_pull_x2 |" in (tmp_path / "push_floor.md").read_text()
 
 
-def test_bench_tool(tmp_path):
+def test_throughput_suite(tmp_path):
     """Every mode once; tf_asgd from two trees (this checkout twice), side by side."""
     _run(
-        "bench.py",
+        "throughput",
         "--out",
         str(tmp_path),
         "--workers",
@@ -324,10 +326,10 @@ def test_bench_tool(tmp_path):
     assert ratio == pytest.approx(by_tree["again"] / by_tree["here"], abs=1e-3)
 
 
-def test_bench_tool_fails_when_every_run_failed(tmp_path):
+def test_throughput_suite_fails_when_every_run_failed(tmp_path):
     """A bench whose every child fails (here each is stopped by --child-timeout before it
     can measure) exits 1 and says so, instead of writing an empty table."""
-    module = _tool("bench.py")
+    module = _suite("throughput")
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         code = module.main(
@@ -338,9 +340,9 @@ def test_bench_tool_fails_when_every_run_failed(tmp_path):
     assert "every run failed" in err.getvalue()
 
 
-def test_experiments_tool(tmp_path):
+def test_experiments_suite(tmp_path):
     _run(
-        "experiments.py",
+        "experiments",
         "--out",
         str(tmp_path),
         "--sweeps",
@@ -376,9 +378,9 @@ def test_experiments_tool(tmp_path):
         _png(tmp_path / name)
 
 
-def test_straggler_tool(tmp_path):
+def test_straggler_suite(tmp_path):
     _run(
-        "straggler.py",
+        "straggler",
         "--out",
         str(tmp_path),
         "--workers",
@@ -412,11 +414,11 @@ def test_straggler_tool(tmp_path):
     _png(tmp_path / "straggler.png")
 
 
-def test_epoch_barrier_tool(tmp_path):
+def test_epoch_barrier_suite(tmp_path):
     """The three fits side by side: with the barrier, without it for as many epochs and
     for twice as many; the rows and the ratios' table."""
     _run(
-        "epoch_barrier.py",
+        "epoch_barrier",
         "--out",
         str(tmp_path),
         "--workers",
@@ -449,9 +451,9 @@ def test_epoch_barrier_tool(tmp_path):
     assert "samples/s without the barrier over with it" in md
 
 
-def test_evaluation_tool(tmp_path):
+def test_evaluation_suite(tmp_path):
     _run(
-        "evaluation.py",
+        "evaluation",
         "--out",
         str(tmp_path),
         "--workers",
@@ -471,8 +473,8 @@ def test_evaluation_tool(tmp_path):
     assert "speed-up" in md and "max metric diff" in md and "ms/batch" in md
 
 
-def test_time_to_accuracy_tool(tmp_path):
-    proc = _run("time_to_accuracy.py", "--quick", "--out", str(tmp_path))
+def test_time_to_accuracy_suite(tmp_path):
+    proc = _run("time_to_accuracy", "--quick", "--out", str(tmp_path))
     lines = [line for line in proc.stdout.splitlines() if "seed 0:" in line]
     assert len(lines) == 2 and "plain seed 0" in lines[0] and "2w n_sync 10" in lines[1], lines
     runs = _csv(
@@ -542,37 +544,12 @@ def test_time_to_accuracy_tool(tmp_path):
         _png(tmp_path / name)
 
 
-def test_python_inputs_tool(tmp_path):
-    proc = _run(
-        "python_inputs.py",
-        "--workers",
-        "1,2",
-        "--samples",
-        "640",
-        "--rounds",
-        "1",
-        "--out",
-        str(tmp_path),
-    )
-    rows = _csv(
-        tmp_path / "python_inputs.csv",
-        ["workers", "input", "samples_per_s", "chief_cpu_ms_per_1000", "host_cpu_share"],
-    )
-    assert {(int(r["workers"]), r["input"]) for r in rows} == {
-        (w, name) for w in (1, 2) for name in ("arrays", "PyDataset")
-    }
-    _positive(rows, "samples_per_s")
-    md = (tmp_path / "python_inputs.md").read_text()
-    assert "| 2 | PyDataset |" in md and "2 workers gave" in md
-    assert "PyDataset: 2 workers gave" in proc.stdout
-
-
-def test_compression_tool(tmp_path):
+def test_compression_suite(tmp_path):
     """One worker count, no bandwidth limit, two push codecs, and int8 also with bf16 pulls:
     a row per cell with the bytes each way (bf16 pulls half of float32's), the table and
     the plot."""
     _run(
-        "compression.py",
+        "compression",
         *("--out", str(tmp_path), "--models", "gem_convnet", "--bandwidths", "none"),
         *("--codecs", "none,int8", "--pulls", "none,bf16", "--pull-codecs", "int8"),
         *("--n-sync", "2", "--workers", "2", "--windows", "1"),
@@ -592,11 +569,11 @@ def test_compression_tool(tmp_path):
     _png(tmp_path / "speedup.png")
 
 
-def test_time_to_accuracy_tool_with_compression_and_an_outer_rate(tmp_path):
+def test_time_to_accuracy_suite_with_compression_and_an_outer_rate(tmp_path):
     """`--compressions int8+bf16 --outer-rates 0.5*limit`: int8 pushes and bf16 pulls under
     a constant outer rate, a cell of their own and the bytes each way per window."""
     _run(
-        "time_to_accuracy.py",
+        "time_to_accuracy",
         *("--quick", "--out", str(tmp_path), "--compressions", "int8+bf16"),
         *("--outer-rates", "0.5*limit"),
     )
@@ -610,15 +587,15 @@ def test_time_to_accuracy_tool_with_compression_and_an_outer_rate(tmp_path):
     assert "| int8+bf16, outer 0.5*limit |" in (tmp_path / "speedups.md").read_text()
 
 
-def test_time_to_accuracy_tool_refuses_a_bad_outer_rate(capsys):
+def test_time_to_accuracy_suite_refuses_a_bad_outer_rate(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _tool("time_to_accuracy.py").main(["--outer-rates", "0.5*n"])
+        _suite("time_to_accuracy").main(["--outer-rates", "0.5*n"])
     assert exit_info.value.code == 2
     assert "is not 'default', 'sync', 'rise' or a number > 0" in capsys.readouterr().err
 
 
-def test_batch_scaling_tool(tmp_path):
-    proc = _run("batch_scaling.py", "--quick", "--steps", "100", "--out", str(tmp_path))
+def test_ceiling_suite(tmp_path):
+    proc = _run("ceiling", "--quick", "--steps", "100", "--out", str(tmp_path))
     runs = _csv(
         tmp_path / "runs.csv",
         ["method", "workers", "n_sync", "lr_scaling", "final_accuracy", "steps_to_target"],
@@ -646,7 +623,7 @@ def test_batch_scaling_tool(tmp_path):
         assert float(run["steps_to_target"]) == reached
         assert float(run["speedup"]) == pytest.approx(base / reached if reached < math.inf else 0)
     # The scaled optimizers: the setup's own, and its rate times N.
-    tool = _tool("batch_scaling.py")
+    tool = _suite("ceiling")
     assert tool.scaled_optimizer("adam_1e-2", 2.0).get_config()["learning_rate"] == pytest.approx(
         0.02
     )
@@ -654,17 +631,17 @@ def test_batch_scaling_tool(tmp_path):
     assert "speed-up" in proc.stdout
     _png(tmp_path / "accuracy_vs_steps.png")
     os.remove(tmp_path / "accuracy_vs_steps.png")
-    _run("batch_scaling.py", "--replot", "--out", str(tmp_path))  # from curves.csv alone
+    _run("ceiling", "--replot", "--out", str(tmp_path))  # from curves.csv alone
     _png(tmp_path / "accuracy_vs_steps.png")
 
 
-def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
+def test_ceiling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     """`sync_outer` through `OuterSGD(1/N)` is local SGD's averaging; `--rates` gives each
     batch size its best rate, batch B's best at 1x."""
     import numpy as np
 
-    tool = _tool("batch_scaling.py")
-    setup, data = "digits_adam", tool.harness.load_data("digits")
+    tool = _suite("ceiling")
+    setup, data = "digits_adam", tool.setups.load_data("digits")
     from tf_asgd.rules import outer_optimizers
 
     average = outer_optimizers.OuterSGD(0.5)
@@ -687,7 +664,7 @@ def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     assert tool.window_ends(3, 10, 6, 2.0, asynchronous=False)[-1] == (2, 40.0)
     assert tool.window_ends(2, 5, 4, 1.0, asynchronous=True) == [(0, 5), (1, 5), (0, 10), (1, 10)]
 
-    _run("batch_scaling.py", "--setups", setup, "--rates", "1e-3,4e-3", "--workers", "2",
+    _run("ceiling", "--setups", setup, "--rates", "1e-3,4e-3", "--workers", "2",
          "--steps", "60", "--evals", "6", "--out", str(tmp_path))  # fmt: skip
     rows = _csv(tmp_path / "ceiling.csv", ["workers", "rate", "steps_to_target", "speedup"])
     assert [(r["workers"], float(r["rate"])) for r in rows] == [
@@ -697,11 +674,11 @@ def test_batch_scaling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     assert "| digits_adam | 2 x B |" in (tmp_path / "ceiling.md").read_text()
 
 
-def test_schedule_cases_tool_synchronous_twin(tmp_path):
+def test_schedule_cases_suite_synchronous_twin(tmp_path):
     """`--rates sync` runs no cluster: plain Keras on batches of 64 beside plain Keras's 32."""
     import json
 
-    _run("schedule_cases.py", "--recipes", "to_zero", "--rates", "sync", "--seeds", "0",
+    _run("schedule_cases", "--recipes", "to_zero", "--rates", "sync", "--seeds", "0",
          "--out", str(tmp_path))  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert row["recipe"] == "to_zero" and row["seed"] == 0
@@ -710,10 +687,10 @@ def test_schedule_cases_tool_synchronous_twin(tmp_path):
     assert f"| to_zero | sync | 1 | {gap:+.1f} |" in (tmp_path / "summary.md").read_text()
 
 
-def test_ps_recovery_tool(tmp_path):
+def test_faults_suite(tmp_path):
     """Snapshot cost side by side, and one PS killed halfway through a fit against the same
     fit without a fault: every window applied once, the recovery counted."""
-    _run("ps_recovery.py", "--mode", "cost,faults", "--models", "gem_convnet", "--rounds", "1",
+    _run("faults", "--mode", "cost,faults", "--models", "gem_convnet", "--rounds", "1",
          "--seconds", "1", "--setups", "digits_convnet", "--workers", "2", "--seeds", "0",
          "--out", str(tmp_path))  # fmt: skip
     cost = _csv(tmp_path / "cost.csv", ["model", "snapshot_every", "samples_per_s", "read_s"])

@@ -5,19 +5,20 @@ whose iterations run one body: `local`, `round_trip` (`--elements` floats to the
 back), `push_pull` (what a push and a pull do there), `push_pull_x2` / `push_pull_x4`
 (that body 2 or 4 times per iteration). Reports per round trip the wall time and the CPU
 time of the task processes and of the chief, medians over alternating rounds. No tf_asgd
-window can be cheaper than `push_pull`. Method: docs/architecture.md (Tools).
+window can be cheaper than `push_pull`. Method: docs/benchmarks.md (How each suite measures).
 
 Writes `push_floor.csv` and `push_floor.md` to `--out`.
 
-    python tools/push_floor.py --iterations 200 --rounds 1
+    python -m benchmarks.run push_floor --iterations 200 --rounds 1
 """
 
 import os
 import statistics
-import sys
 import time
 
-import harness
+from benchmarks import harness
+
+OUT = "results/push_floor"  # the default --out
 
 BODIES = ("local", "round_trip", "push_pull", "push_pull_x2", "push_pull_x4")
 
@@ -146,7 +147,7 @@ def markdown(rows, args):
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out="results/push_floor")
+    p = harness.parser(__doc__, out=OUT)
     p.add_argument("--processes", default="shared", choices=("shared", "separate"))
     p.add_argument("--elements", type=int, default=1000, help="floats each way per round trip")
     p.add_argument("--iterations", type=int, default=2000, help="loop iterations per measurement")
@@ -164,7 +165,3 @@ def main(argv=None):
     harness.write_lines(os.path.join(args.out, "push_floor.md"), markdown(rows, args))
     print("\n".join(markdown(rows, args)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,8 +9,8 @@ task killed every 20 to 40 s for `--minutes`); `ps_any_time` (ps:0 killed at eac
 each). The last three feed a user's seeded `tf.data` pipeline.
 `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
 
-    python tools/ps_recovery.py --mode chaos,faults,cost --noise-floor
-    python tools/ps_recovery.py --mode ps_any_time,worker_restarts \
+    python -m benchmarks.run faults --mode chaos,faults,cost --noise-floor
+    python -m benchmarks.run faults --mode ps_any_time,worker_restarts \
         --out results/ps_recovery/user_faults
 """
 
@@ -23,16 +23,11 @@ import threading
 import time
 import traceback
 
-import harness
+from benchmarks import harness, setups
+
+OUT = "results/ps_recovery"  # the default --out
 
 MODES = ("cost", "faults", "chaos", "ps_any_time", "worker_restarts", "chaos_seeds")
-FAULT_SETUPS = {  # name: (data, model, optimizer, batch, epochs)
-    "digits_convnet": ("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 16),
-    "mnist1d_cnn": ("mnist1d", "mnist1d_cnn", "adam_1e-3", 100, 40),
-    # Trained to its plateau (plain Keras: 0.948-0.962 over the last 10 epochs), so that
-    # its final does not depend on where the fit stops.
-    "mnist1d16k_cnn": ("mnist1d16k", "mnist1d_cnn", "adam_4e-3", 100, 30),
-}
 
 
 def _sharded_strategy(cluster, **options):
@@ -203,13 +198,15 @@ def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10, synchronou
     """One `fit` of `setup` (with ps:0 killed halfway if `fault`); its row."""
     import keras
 
-    data_name, model_name, opt, batch, epochs = FAULT_SETUPS[setup]
+    recipe = setups.FAULT_SETUPS[setup]
+    model_name, opt, batch = recipe.model, recipe.optimizer, recipe.batch
+    epochs = recipe.epochs
     (x, y), (xt, yt) = data
     strategy = _sharded_strategy(cluster, n_sync=n_sync, synchronous=synchronous)
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = harness.build_model(model_name, data)
-        harness.compile_classifier(model, harness.make_optimizer(opt), metrics=["accuracy"])
+        model = setups.build_model(model_name, data)
+        harness.compile_classifier(model, setups.make_optimizer(opt), metrics=["accuracy"])
     steps = len(x) // batch
     windows = epochs * -(-steps // n_sync)
     # fault None: the fault-free run again (how far two runs of one seed differ anyway).
@@ -245,7 +242,7 @@ def run_faults(args):
 
     rows = []
     for setup in args.setups:
-        data = harness.load_data(FAULT_SETUPS[setup][0])
+        data = setups.load_data(setups.FAULT_SETUPS[setup].data)
         for workers in args.workers:
             with tf_asgd.LocalCluster(workers, 2, shared_process=False) as cluster:
                 for seed in args.seeds:
@@ -291,7 +288,7 @@ def run_chaos(args):
 
     import tf_asgd
 
-    data = harness.load_data("digits")
+    data = setups.load_data("digits")
     (x, y), (xt, yt) = data
     rows, kills = [], []
     with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
@@ -303,9 +300,9 @@ def run_chaos(args):
             )
             keras.utils.set_random_seed(0)
             with strategy.scope():
-                model = harness.build_model("digits_convnet", data)
+                model = setups.build_model("digits_convnet", data)
                 harness.compile_classifier(
-                    model, harness.make_optimizer("sgd_0.05_m0.9"), metrics=["accuracy"]
+                    model, setups.make_optimizer("sgd_0.05_m0.9"), metrics=["accuracy"]
                 )
             stop = threading.Event()
             deadline = time.monotonic() + args.minutes * 60
@@ -382,8 +379,8 @@ def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
     (x, y), (xt, yt) = data
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = harness.build_model("digits_convnet", data)
-        optimizer = harness.make_optimizer("sgd_0.05_m0.9")
+        model = setups.build_model("digits_convnet", data)
+        optimizer = setups.make_optimizer("sgd_0.05_m0.9")
         harness.compile_classifier(model, optimizer, metrics=["accuracy"])
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
     t0 = time.perf_counter()
@@ -424,7 +421,7 @@ def run_ps_any_time(args):
     variables split), restarted 2 s later, against the fault-free `fit`."""
     import tf_asgd
 
-    data, rows = harness.load_data("digits"), []
+    data, rows = setups.load_data("digits"), []
     for at in ["none"] + args.kill_at:
         with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
             strategy = _sharded_strategy(
@@ -474,7 +471,7 @@ def run_worker_restarts(args):
     the fault-free `fit` on the same cluster."""
     import tf_asgd
 
-    data, rows = harness.load_data("digits"), []
+    data, rows = setups.load_data("digits"), []
     with tf_asgd.LocalCluster(4, 2, shared_process=False) as cluster:
         for period in [None] + args.periods:
             strategy = _sharded_strategy(
@@ -531,7 +528,7 @@ def run_chaos_seeds(args):
     from tf_asgd.cluster import chaos, fault_points
     from tf_asgd.runtime import push_journal
 
-    data, rows = harness.load_data("digits"), []
+    data, rows = setups.load_data("digits"), []
     for seed in range(args.first_run, args.first_run + args.runs):
         faulthandler.dump_traceback_later(args.hang_s, exit=True)  # 0 hung runs, or shown
         ps, workers, synchronous = CHAOS_CONFIGS[seed % len(CHAOS_CONFIGS)]
@@ -661,12 +658,10 @@ def _fmt_row(row):
 
 
 def main(argv=None):
-    p = harness.parser(
-        __doc__, out="results/ps_recovery", workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0]
-    )
+    p = harness.parser(__doc__, out=OUT, workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0])
     p.add_argument("--mode", type=harness.str_list, default=list(MODES), help="cost,faults,chaos")
     p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
-    p.add_argument("--setups", type=harness.str_list, default=list(FAULT_SETUPS))
+    p.add_argument("--setups", type=harness.str_list, default=list(setups.FAULT_SETUPS))
     p.add_argument("--everies", type=harness.str_list, default=["off", "60", "2"],
                    help="cost: the snapshot_every settings, off = None")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="cost: rounds of each setting")
@@ -706,7 +701,3 @@ def main(argv=None):
         report += [f"## {mode}", "", *lines, ""]
     harness.write_lines(f"{args.out}/tables.md", report)
     print("\n".join(report))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,1 @@
+"""The benchmark suites: `python -m benchmarks.run SUITE` (docs/benchmarks.md)."""
