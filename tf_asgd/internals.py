@@ -104,6 +104,14 @@ def optimizer_strategy(optimizer):
     return getattr(optimizer, "_distribution_strategy", None)  # (private: Keras's)
 
 
+def adopt_optimizer(optimizer, strategy):
+    """Makes `strategy` the one an unbuilt Keras TF `optimizer` made outside it places its
+    slot variables with (Keras keeps the strategy current at the optimizer's creation)."""
+    for inner in wrapped_optimizers(optimizer):
+        if isinstance(inner, TFOptimizer) and not inner.built:
+            inner._distribution_strategy = strategy  # (private: Keras's)
+
+
 def loss_tracker(model):
     """The model's loss `Mean` metric (Keras exposes it only as `_loss_tracker`)."""
     return model._loss_tracker

@@ -345,6 +345,7 @@ train, val, images, generated = data()
 words = keras.layers.StringLookup()  # adapted at the top of the script, as Keras's guides do
 words.adapt(np.round(x.reshape(len(x), -1) * 16).astype(int).astype(str))
 auc = keras.metrics.AUC(name="auc")  # a metric object made at the top of the script
+adam = keras.optimizers.Adam(1e-3)  # an optimizer made at the top of the script
 with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=5)
     with strategy.scope():
@@ -395,6 +396,15 @@ with tf_asgd.LocalCluster(num_workers=2, num_ps=1) as cluster:
         early.fit(x, keras.utils.to_categorical(y, 10), epochs=1, steps_per_epoch=5, verbose=0)
     except ValueError as e:
         out["stale_metric"] = str(e)
+    with strategy.scope():
+        late = tf_asgd.models.digits_convnet()
+        late.compile(adam, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    pushes = int(strategy.counters.version.numpy())
+    try:
+        late.fit(x, y, epochs=1, steps_per_epoch=5, verbose=0)
+    except ValueError as e:
+        out["stale_optimizer"] = str(e)
+    out["stale_optimizer_pushes"] = int(strategy.counters.version.numpy()) - pushes
 print("RESULT " + json.dumps(out))
 """
 
@@ -432,3 +442,6 @@ def test_datasets_built_before_the_strategy_are_read_on_the_chief(tmp_path):
     # So is a metric object made before it, naming its variable (reading it failed with
     # TF's "Client for target /job:localhost ... not found").
     assert "'auc/true_positives' was made before" in out.get("stale_metric", ""), out
+    # And an optimizer made before it (its step counter on `/job:localhost`).
+    assert "optimizer (Adam) made before the strategy" in out.get("stale_optimizer", ""), out
+    assert out["stale_optimizer_pushes"] == 0  # refused before any window

@@ -109,14 +109,16 @@ class _RestartOnGoBack(logging.Handler):
             self.cluster.restart_task(self.task)
 
 
-def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, caplog):
+@pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
+def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, caplog, synchronous):
     """The push cut between the PS tasks' writes, as above; then, as the chief goes back
-    to the snapshot to repair it, ps:1 is SIGKILLed and restarted on its port. That
-    go-back's writes to ps:1 fail: its new server knows nothing of this chief's context.
-    The chief goes back again (`PSRecovery._go_back_again`), now for ps:1 lost, so it
-    reconnects first; the windows in flight at the failed attempt are kept for it. The
+    to the snapshot to repair it, ps:0 (the counters' PS) is SIGKILLed and restarted on
+    its port. That go-back's writes to ps:0 fail: its new server knows nothing of this
+    chief's context. The chief goes back again (`PSRecovery._go_back_again`), now for
+    ps:0 lost, so it reconnects first. The
     fit completes, each push applied once: the central weights equal a fault-free run's.
-    (A repair that tried once stopped `fit` with "Training stopped: a push cut ...")."""
+    (A repair that tried once stopped `fit` with "Training stopped: a push cut ...").
+    Rounds likewise: the attempt that restores the snapshot runs them again."""
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver,
@@ -125,6 +127,7 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
                 max_shard_bytes=1024
             ),
             connect_timeout=120,
+            synchronous=synchronous,
         )
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
         held = int(strategy.counters.version.numpy()) + 3
@@ -137,7 +140,7 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
             time.sleep(1.0)
             cluster.restart_task("worker:0")
 
-        restart = _RestartOnGoBack(cluster, "ps:1")
+        restart = _RestartOnGoBack(cluster, "ps:0")
         logging.getLogger("tf_asgd").addHandler(restart)
         thread = threading.Thread(target=kill_in_the_hold, daemon=True)
         try:
@@ -150,7 +153,7 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
         thread.join()
         assert restart.restarted
         assert "Could not go back to the snapshot" in caplog.text  # the first attempt
-        assert any("ps:1" in task for task in strategy.recoveries[-1].lost)  # the second
+        assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
         assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
         log = [r for r in strategy.window_log(model) if not r.rolled_back]
         applied = [r.window_id for r in log if r.pushed and not r.replayed]

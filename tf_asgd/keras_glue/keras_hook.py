@@ -151,6 +151,28 @@ def _check_metrics_connected(model):
             )
 
 
+def _check_optimizer_connected(model):
+    """Refuses a model compiled with an optimizer made before the strategy connected
+    (`optimizer = keras.optimizers.Adam()` at the top of the script): its step counter and
+    rate stay on the old `/job:localhost` device, which no task knows, and no window could
+    read them. One made after the strategy, even outside its scope, is honoured."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return
+    for inner in internals.wrapped_optimizers(optimizer):
+        for v in (internals.iteration_variable(inner), internals.learning_rate_variable(inner)):
+            device = getattr(getattr(v, "value", v), "device", "") or ""
+            if device.startswith("/job:localhost"):  # ours is connected: no task has it
+                raise ValueError(
+                    f"Model {model.name!r} was compiled with an optimizer "
+                    f"({type(inner).__name__}) made before the strategy connected to the "
+                    f"cluster: its variable {getattr(v, 'path', v.name)!r} lives on {device}, "
+                    "which no cluster task can run. Create the optimizer after creating the "
+                    "strategy (for example under `with strategy.scope():`), or name it "
+                    "(`optimizer='adam'`)."
+                )
+
+
 def _wrap(name, ours_impl, entry_point=False):
     """Routes `TensorFlowTrainer.<name>` to `ours_impl` for our models. An entry point
     (fit, evaluate, predict) first checks that the model's strategy is still connected."""
@@ -164,6 +186,8 @@ def _wrap(name, ours_impl, entry_point=False):
                 _check_tables_connected(self)
                 if name != "predict":
                     _check_metrics_connected(self)
+                if name == "fit":
+                    _check_optimizer_connected(self)
                 args, kwargs = _datasets_on_chief(original, self, args, kwargs)
             return ours_impl(original, self, *args, **kwargs)
         if name == "fit":
@@ -667,6 +691,10 @@ def _on_chief(original, model, *args, **kwargs):
 def _symbolic_build(original, model, iterator=None, data_batch=None):
     if iterator is not None:
         _check_input_shapes(model, internals.epoch_iterator_element_spec(iterator))
+    if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
+        # An optimizer made before the scope (`opt = Adam()` at a script's top) places
+        # its slots beside the central variables, as one made in the scope does.
+        internals.adopt_optimizer(model.optimizer, _strategy_of(model))
     with local_mode():
         try:
             return original(model, iterator=iterator, data_batch=data_batch)

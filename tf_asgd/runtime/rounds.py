@@ -7,6 +7,8 @@ gradient noise scale from the rounds' pushes. How the barrier, the pulls and the
 work: docs/architecture.md.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_asgd.rules import noise_scale, outer, outer_optimizers
@@ -219,7 +221,7 @@ class RoundStart:
         sources = [raw(v) for v in shared] + [s for v in variables for s in shard_variables(raw(v))]
         self._pairs = []
         for source in sources + [counters.version]:
-            with strategy.extended.colocate_vars_with(source):
+            with _beside(strategy, source):
                 copy = tf.Variable(
                     tf.zeros(source.shape, source.dtype),
                     trainable=False,
@@ -341,3 +343,14 @@ class NoiseSums:
         if rounds > first and push_sq > 0:
             self.value = noise_scale.from_sums(push_sq, round_sq, self.num_workers)
             self.rounds = rounds - first
+
+
+def _beside(strategy, source):
+    """Places a variable on `source`'s task. An optimizer made before the strategy's scope
+    (`opt = Adam(); with strategy.scope(): model.compile(opt)`) holds its step counter and
+    rate outside the strategy, which `colocate_vars_with` refuses: their copies go where
+    the strategy puts a new variable."""
+    try:
+        return strategy.extended.colocate_vars_with(source)
+    except ValueError:
+        return contextlib.nullcontext()
