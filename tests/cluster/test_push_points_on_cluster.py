@@ -31,6 +31,35 @@ def _fit(strategy, digits):
     return model
 
 
+def _strategy(cluster, synchronous=False):
+    """1 worker, 2 PS, the dense kernel split over both."""
+    return tf_asgd.AsyncParameterServerStrategy(
+        cluster.resolver,
+        n_sync=N_SYNC,
+        variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
+            max_shard_bytes=1024
+        ),
+        connect_timeout=120,
+        synchronous=synchronous,
+    )
+
+
+def _kill_in_the_hold(cluster, strategy, held, events):
+    """A thread that SIGKILLs worker:0 1 s after push `held` took its ticket, and
+    restarts it 1 s later."""
+
+    def kill():
+        while int(strategy.counters.version.numpy()) <= held:  # its ticket is taken
+            time.sleep(0.05)
+        time.sleep(1.0)
+        cluster.kill_task("worker:0")
+        events["killed"] = time.monotonic()
+        time.sleep(1.0)
+        cluster.restart_task("worker:0")
+
+    return threading.Thread(target=kill, daemon=True)
+
+
 @pytest.mark.parametrize("point", fault_points.POINTS)
 def test_a_push_cut_at_each_point_is_applied_exactly_once(local_cluster, digits, point):
     """The 4th push of a `fit` waits 6 s at `point`; its worker is SIGKILLed 1 s into
@@ -43,28 +72,11 @@ def test_a_push_cut_at_each_point_is_applied_exactly_once(local_cluster, digits,
     write, the push is whole or undone as well. The central weights then equal a
     fault-free run's, to float rounding: each push applied exactly once on both PS."""
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
-        strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver,
-            n_sync=N_SYNC,
-            variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
-                max_shard_bytes=1024
-            ),
-            connect_timeout=120,
-        )
+        strategy = _strategy(cluster)
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
         held = int(strategy.counters.version.numpy()) + 3
         events = {}
-
-        def kill_in_the_hold():
-            while int(strategy.counters.version.numpy()) <= held:  # its ticket is taken
-                time.sleep(0.05)
-            time.sleep(1.0)
-            cluster.kill_task("worker:0")
-            events["killed"] = time.monotonic()
-            time.sleep(1.0)
-            cluster.restart_task("worker:0")
-
-        thread = threading.Thread(target=kill_in_the_hold, daemon=True)
+        thread = _kill_in_the_hold(cluster, strategy, held, events)
         with fault_points.armed(point, 6.0, ticket=held):
             thread.start()
             model = _fit(strategy, digits)
@@ -120,29 +132,12 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
     (A repair that tried once stopped `fit` with "Training stopped: a push cut ...").
     Rounds likewise: the attempt that restores the snapshot runs them again."""
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
-        strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver,
-            n_sync=N_SYNC,
-            variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
-                max_shard_bytes=1024
-            ),
-            connect_timeout=120,
-            synchronous=synchronous,
-        )
+        strategy = _strategy(cluster, synchronous)
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
         held = int(strategy.counters.version.numpy()) + 3
-
-        def kill_in_the_hold():
-            while int(strategy.counters.version.numpy()) <= held:
-                time.sleep(0.05)
-            time.sleep(1.0)
-            cluster.kill_task("worker:0")
-            time.sleep(1.0)
-            cluster.restart_task("worker:0")
-
+        thread = _kill_in_the_hold(cluster, strategy, held, {})
         restart = _RestartOnGoBack(cluster, "ps:0")
         logging.getLogger("tf_asgd").addHandler(restart)
-        thread = threading.Thread(target=kill_in_the_hold, daemon=True)
         try:
             with caplog.at_level(logging.WARNING, logger="tf_asgd"):
                 with fault_points.armed("between_ps_writes", 6.0, ticket=held):

@@ -134,14 +134,19 @@ def _check_tables_connected(model):
                 )
 
 
+def _made_before_connecting(variable):
+    """Where `variable` lives if it was made before the strategy connected (on the old
+    `/job:localhost` device, which no task knows), else None."""
+    device = getattr(getattr(variable, "value", variable), "device", "") or ""
+    return device if device.startswith("/job:localhost") else None
+
+
 def _check_metrics_connected(model):
     """Refuses a model compiled with a metric object made before the strategy connected
-    (`keras.metrics.AUC()` at the top of the script): its variables stay on the old
-    `/job:localhost` device, which no task knows, and reading them failed with "Client for
-    target /job:localhost ... not found"."""
+    (`keras.metrics.AUC()` at the top of the script): reading its variables failed with
+    "Client for target /job:localhost ... not found"."""
     for v in internals.metric_objects_variables(model):
-        device = getattr(getattr(v, "value", v), "device", "") or ""
-        if device.startswith("/job:localhost"):  # ours is connected: no task has it
+        if device := _made_before_connecting(v):
             raise ValueError(
                 f"Model {model.name!r} was compiled with a metric whose variable "
                 f"{getattr(v, 'path', v.name)!r} was made before the strategy connected to "
@@ -153,16 +158,13 @@ def _check_metrics_connected(model):
 
 def _check_optimizer_connected(model):
     """Refuses a model compiled with an optimizer made before the strategy connected
-    (`optimizer = keras.optimizers.Adam()` at the top of the script): its step counter and
-    rate stay on the old `/job:localhost` device, which no task knows, and no window could
-    read them. One made after the strategy, even outside its scope, is honoured."""
+    (`optimizer = keras.optimizers.Adam()` at the top of the script): no window could read
+    its step counter and rate. One made after the strategy, even outside its scope, is
+    honoured (`_symbolic_build`)."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        return
-    for inner in internals.wrapped_optimizers(optimizer):
+    for inner in internals.wrapped_optimizers(optimizer) if optimizer is not None else ():
         for v in (internals.iteration_variable(inner), internals.learning_rate_variable(inner)):
-            device = getattr(getattr(v, "value", v), "device", "") or ""
-            if device.startswith("/job:localhost"):  # ours is connected: no task has it
+            if device := _made_before_connecting(v):
                 raise ValueError(
                     f"Model {model.name!r} was compiled with an optimizer "
                     f"({type(inner).__name__}) made before the strategy connected to the "
