@@ -477,3 +477,28 @@ def test_weight_constraints_hold_on_the_central_weights(strategy, flat):
         np.testing.assert_allclose(np.linalg.norm(first, axis=0), 1.0, atol=1e-5)
         assert second.min() >= 0.0
     _assert_close_to_keras(_accuracy(ours, xt, yt), _accuracy(plain, xt, yt), "constrained")
+
+
+def test_steps_past_finite_data_train_on_it_repeated_and_say_so(strategy, flat, caplog):
+    """10 batches of data, `steps_per_epoch=15` and 2 epochs: plain Keras ends each epoch
+    when the data runs out ("Your input ran out of data": 10 steps an epoch); the workers
+    draw from it repeated and train every step, and the log says so. Repeated by the
+    user, or one pass an epoch, nothing is said."""
+    import logging
+
+    import tensorflow as tf
+
+    (x, y), _ = flat
+    data = tf.data.Dataset.from_tensor_slices((x[:320], y[:320])).batch(BATCH)
+    said = "holds 10 batches, fewer than steps_per_epoch=15"
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        model = build_compiled(strategy, digits_mlp, {})
+        history = model.fit(data, steps_per_epoch=15, epochs=2, verbose=0)
+    assert len([r for r in caplog.records if said in r.message]) == 1
+    assert len(history.history["loss"]) == 2
+    assert sum(r.samples for r in strategy.window_log(model)) == 30 * BATCH  # every step
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+        model.fit(data.repeat(), steps_per_epoch=15, epochs=2, verbose=0)
+        model.fit(data, steps_per_epoch=10, epochs=2, verbose=0)
+    assert not [r for r in caplog.records if "fewer than steps_per_epoch" in r.message]

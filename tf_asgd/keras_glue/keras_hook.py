@@ -498,6 +498,7 @@ def _steps_and_repeated_data(original, model, args, kwargs):
         kw["steps_per_epoch"] = num_batches
     if python_input is not None:
         return kw  # infinite already; the chief reads it (`python_inputs`)
+    _say_data_repeats(num_batches, kw)
     # Arrays make a new dataset every fit; the same tf.data.Dataset given to
     # a later fit trains on the same repeated dataset, so the workers keep
     # their iterators (`model_state.TrainingData.iterator`).
@@ -505,6 +506,20 @@ def _steps_and_repeated_data(original, model, args, kwargs):
     if arrays:
         _strategy_of(model).training_data.shard_by_batch(kw["x"])
     return kw
+
+
+def _say_data_repeats(num_batches, kw):
+    """Logs where an epoch's steps run past one pass over finite data: the workers draw
+    from it repeated, where plain Keras ends each epoch when the data runs out ("Your
+    input ran out of data")."""
+    if num_batches is not None and 0 < num_batches < kw["steps_per_epoch"]:
+        log.warning(
+            "The training data holds %d batches, fewer than steps_per_epoch=%d: the workers "
+            "draw from it repeated and train every step, where plain Keras ends each epoch "
+            "when the data runs out. `.repeat()` it to say so.",
+            num_batches,
+            kw["steps_per_epoch"],
+        )
 
 
 PYTHON_INPUT_FIX = (
