@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import harness
+from benchmarks import harness, metrics
 
 OUT = "results/throughput"  # the default --out
 
@@ -495,26 +495,25 @@ def main(argv=None):
     trees = [tuple(t.split("=", 1)) for t in args.trees] or [None]
     raw, failures = [], []
     t0 = time.time()
-    for rnd in range(args.rounds):
-        # Alternate: each round visits every configuration; odd rounds backwards.
-        runs = [(*c, t) for c in plan for t in (trees if c[0] == "asgd" else [None])]
-        for mode, w, processes, spe, tree in runs if rnd % 2 == 0 else runs[::-1]:
-            try:
-                rows = _run_child(args, mode, w, processes, spe, tree)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                # One failed child (e.g. a server that did not come up) must not
-                # lose the other measurements: report it and go on.
-                print(
-                    f"FAILED {mode} x{w} {processes} in round {rnd}: {str(e)[-500:]}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                failures.append(dict(mode=mode, workers=w, processes=processes, round=rnd))
-                continue
-            for r in rows:
-                r["round"] = rnd
-                print(json.dumps(r), flush=True)
-            raw += rows
+    # Each round visits every configuration; odd rounds backwards.
+    runs = [(*c, t) for c in plan for t in (trees if c[0] == "asgd" else [None])]
+    for rnd, (mode, w, processes, spe, tree) in metrics.alternating(runs, args.rounds):
+        try:
+            rows = _run_child(args, mode, w, processes, spe, tree)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            # One failed child (e.g. a server that did not come up) must not
+            # lose the other measurements: report it and go on.
+            print(
+                f"FAILED {mode} x{w} {processes} in round {rnd}: {str(e)[-500:]}",
+                file=sys.stderr,
+                flush=True,
+            )
+            failures.append(dict(mode=mode, workers=w, processes=processes, round=rnd))
+            continue
+        for r in rows:
+            r["round"] = rnd
+            print(json.dumps(r), flush=True)
+        raw += rows
     rows = summarize(raw, args.batch_size)
     os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "raw.csv"), raw)
