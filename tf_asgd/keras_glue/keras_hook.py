@@ -709,8 +709,8 @@ def _symbolic_build(original, model, iterator=None, data_batch=None):
     if iterator is not None:
         _check_input_shapes(model, internals.epoch_iterator_element_spec(iterator))
     if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
-        # An optimizer made before the scope (`opt = Adam()` at a script's top) places
-        # its slots beside the central variables, as one made in the scope does.
+        # An optimizer made outside the scope, after the strategy (`opt = Adam()` then
+        # `compile(opt)` in the scope), places its slots as one made in the scope does.
         internals.adopt_optimizer(model.optimizer, _strategy_of(model))
     with local_mode():
         try:
