@@ -15,11 +15,15 @@ fresh child process. Medians over rounds, ratios to Keras and stock PS, bytes pe
 """
 
 import argparse
+import atexit
+import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from benchmarks import harness, metrics
@@ -27,7 +31,7 @@ from benchmarks import harness, metrics
 OUT = "results/throughput"  # the default --out
 
 RESULT = "BENCH_RESULT "
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+_BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---- child side ------------------------------------------------------------
@@ -254,6 +258,16 @@ def child_asgd(args):
 # ---- parent side -----------------------------------------------------------
 
 
+@functools.cache
+def _benchmarks_only():
+    """A folder that holds only a link to these benchmarks: first on a child's path, it
+    gives the child this code, and no `tf_asgd`, whichever tree follows it."""
+    folder = tempfile.mkdtemp(prefix="tf_asgd_benchmarks_")
+    atexit.register(shutil.rmtree, folder, True)
+    os.symlink(_BENCHMARKS, os.path.join(folder, "benchmarks"))
+    return folder
+
+
 def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
     cmd = [
         sys.executable,
@@ -284,19 +298,17 @@ def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
         args.windows_per_closure,
     ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    # The child runs these benchmarks against the tree's package, else the one these
-    # benchmarks sit beside: both go before the installed one, and the child starts in a
-    # folder with neither, which `-m` would put first.
-    path = [os.path.abspath(tree[1])] if tree is not None else []
-    path += [_ROOT, env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(path)
+    # The child runs these benchmarks' code, whatever the tree holds, against the tree's
+    # package (else the one beside them), before the installed one.
+    package = os.path.abspath(tree[1]) if tree is not None else os.path.dirname(_BENCHMARKS)
+    env["PYTHONPATH"] = os.pathsep.join([_benchmarks_only(), package, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         cmd,
         capture_output=True,
         text=True,
         env=env,
         timeout=args.child_timeout,
-        cwd=os.path.dirname(_ROOT),
+        cwd=_benchmarks_only(),  # `-m` puts the working folder first
     )
     rows = [
         dict(json.loads(line[len(RESULT) :]), tree=tree[0] if tree else "")
