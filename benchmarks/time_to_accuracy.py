@@ -1,14 +1,12 @@
 """Time to accuracy: plain Keras on one emulated device against tf_asgd on N of them.
 
 Each minibatch costs `--device-ms` of device time that uses no CPU, for plain Keras and for
-every worker. Per setup (`--setups`), worker count and `n_sync`: time and samples to reach
-plain's final held-out accuracy minus 1 point, the speed-up, final accuracy, the `stable`
-and `final_ok` checks, and CPU use (`cpu_bound` runs measure the CPU, not the devices).
-`--compressions` adds push (`+`pull) codecs, `--outer-rates` constant outer rates beside the
-default, `--bandwidth` limits the cluster's loopback. `--calibrate` measures the CPU a step
-costs and the smallest device time that keeps the largest `--workers` under half the cores
-(docs/benchmarks.md, How each suite measures). Writes `runs.csv`, `curves.csv`,
-`speedups.md`, `accuracy_vs_*.png` (`calibration.csv`) to `--out`.
+every worker. Per setup (`--setups`), worker count, `n_sync`, push (`+`pull) codec
+(`--compressions`) and outer rate (`--outer-rates`): time and samples to plain's final
+held-out accuracy minus 1 point, the speed-up, final accuracy, the `stable` and `final_ok`
+checks, and CPU use (`cpu_bound` runs measure the CPU, not the devices). `--bandwidth`
+limits the cluster's loopback, `--slow-worker` slows worker 0. Writes `runs.csv`,
+`curves.csv`, `speedups.md` and `accuracy_vs_{time,samples}.png` to `--out`.
 
     python -m benchmarks.run time_to_accuracy --quick                # a smoke run
     python -m benchmarks.run time_to_accuracy --setups mnist1d_adam --workers 4,8,16 --n-sync 10,100
@@ -37,6 +35,9 @@ QUICK = dict(
     out="results/time_to_accuracy/quick",
 )
 
+MAX_DROP = 0.05  # `stable`: after the first quarter, never further below the running best
+MAX_FINAL_GAP = 0.02  # `final_ok`: the final accuracy at most this far below plain's
+
 
 def curve_callback(
     held_out, eval_every, batch_size, committed_steps=None, pids=(), pause_clock=True
@@ -51,20 +52,17 @@ def curve_callback(
             (tf_asgd); None: every scheduled step is done (plain Keras).
         pids: processes besides this one whose CPU time counts (the
             cluster's task process).
-        pause_clock: whether training stops while the chief evaluates, so
-            that evaluations are left out of the clock and of the CPU
-            seconds (plain Keras). tf_asgd's workers train on meanwhile:
-            its clock runs on (what evaluating costs the workers is
-            charged to tf_asgd).
+        pause_clock: whether evaluations are left out of the clock and of the
+            CPU seconds (plain Keras, which stops meanwhile). tf_asgd's workers
+            train on: its clock runs on, and evaluating is charged to it.
 
     Returns:
         The callback; call its `start(model)` right before `fit` and
         `finish(steps)` after it. Its `points` are dicts: step, samples,
         wall_s (seconds since `start`), cpu_s (CPU seconds since `start`),
-        accuracy, loss; a point
-        whose step equals the one before is not taken. `clock(t)` turns a
-        `time.perf_counter()` reading into the clock of `wall_s`;
-        `first_step_end` is that clock at the first step's end (plain Keras).
+        accuracy, loss; a point whose step equals the one before is not taken.
+        `clock(t)` turns a `time.perf_counter()` reading into the clock of
+        `wall_s`; `first_step_end` is that clock at the first step's end.
     """
     import keras
 
@@ -77,10 +75,6 @@ def curve_callback(
             self.cpu0 = _cpu(pids)
             self.t0 = time.perf_counter()
             self.point(0)
-
-        @property
-        def eval_s(self):
-            return sum(d for _, d in self.evals)
 
         def clock(self, t):
             if not pause_clock:
@@ -129,9 +123,10 @@ def _cpu(pids):
     return time.process_time() + sum(harness.cpu_seconds(p) for p in pids)
 
 
-def _timings(curve, points, end, startup, steps, workers, device_ms, cores):
+def _timings(curve, end, startup, steps, workers, device_ms, cores):
     """Run-row timings; sets each point's `time_s` (training time: `wall_s`
     less the start-up, the time before the first step ran)."""
+    points = curve.points
     for pt in points:
         pt["time_s"] = max(0.0, pt["wall_s"] - startup)
     train_s = end - startup
@@ -145,7 +140,7 @@ def _timings(curve, points, end, startup, steps, workers, device_ms, cores):
         startup_s=startup,
         train_s=train_s,
         total_s=end,
-        eval_s=curve.eval_s,
+        eval_s=sum(d for _, d in curve.evals),
         evals=len(points),
         cpu_s=curve.cpu(),
         cpu_util=util,
@@ -159,18 +154,16 @@ def run_plain(setup, seed, args):
 
     import tf_asgd
 
-    recipe = setups.SETUPS[setup]
-    data_name, model_name = recipe.data, recipe.model
-    opt, batch = recipe.optimizer, recipe.batch
-    data = _data(data_name)
+    recipe, data = _recipe(setup)
     steps, device_ms = _steps(setup, args), _device_ms(setup, args)
     keras.utils.set_random_seed(seed)
-    model = setups.build_model(model_name, data)
-    harness.compile_classifier(model, setups.make_optimizer(opt))
+    model = setups.build_model(recipe.model, data)
+    harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer))
     ds = tf_asgd.data.emulated_device_time(device_ms)(
-        setups.train_dataset(data, batch, seed), 0
+        setups.train_dataset(data, recipe.batch, seed), 0
     ).repeat()
-    curve = curve_callback(setups.HeldOut(model_name, data), _eval_every(setup, args), batch)
+    held_out = setups.HeldOut(recipe.model, data)
+    curve = curve_callback(held_out, _eval_every(setup, args), recipe.batch)
     curve.start(model)
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve], shuffle=False)
     end = curve.clock(time.perf_counter())
@@ -178,20 +171,8 @@ def run_plain(setup, seed, args):
     # Start-up: the first step's excess over the others (tracing).
     step_s = (end - curve.first_step_end) / max(1, steps - 1)
     startup = max(0.0, curve.first_step_end - step_s)
-    row = dict(
-        setup=setup,
-        method="plain",
-        workers=1,
-        n_sync=0,
-        compression="none",
-        outer="default",
-        seed=seed,
-        device_ms=device_ms,
-        batch_size=batch,
-        steps=steps,
-        samples=steps * batch,
-    )
-    row.update(_timings(curve, curve.points, end, startup, steps, 1, device_ms, args.cores))
+    row = _row(setup, "plain", 1, 0, seed, steps, args)
+    row.update(_timings(curve, end, startup, steps, 1, device_ms, args.cores))
     return row, curve.points
 
 
@@ -204,17 +185,6 @@ def parse_outer(spec):
     return rate, bool(star)
 
 
-def outer_sgd(spec, workers):
-    """`OuterSGD` at a constant rate: `"0.5"`, or `"0.667*limit"` (that fraction of
-    `outer_optimizers.stability_limit(workers)`)."""
-    import tf_asgd
-
-    rate, of_limit = parse_outer(spec)
-    if of_limit:
-        rate *= tf_asgd.rules.outer_optimizers.stability_limit(workers)
-    return tf_asgd.OuterSGD(rate)
-
-
 def _is_outer_rate(spec):
     try:
         return spec in ("default", "sync", "rise") or bool(parse_outer(spec))
@@ -222,10 +192,34 @@ def _is_outer_rate(spec):
         return False
 
 
-def parse_compression(spec):
-    """`(push codec, pull codec)` from `"push"` or `"push+pull"`, e.g. `"int8+bf16"`."""
-    push, _, pull = spec.partition("+")
-    return push, pull or "none"
+def _outer_options(outer, workers, optimizer):
+    """The strategy's keyword arguments for an `--outer-rates` value.
+
+    Args:
+        outer: `default` (none), `sync` (synchronous rounds under their default outer
+            optimizer), `rise` (the first-round rise on 3 and 4 workers, whatever the
+            workers' rate) or a constant `OuterSGD` rate: `"0.5"`, or `"0.667*limit"`
+            (that fraction of `outer_optimizers.stability_limit(workers)`).
+        workers: the worker count.
+        optimizer: the setup's optimizer, whose kind sets the workers' rate under `rise`.
+    """
+    from tf_asgd.rules import outer_optimizers, worker_rate
+    from tf_asgd.runtime import optimizer_options
+
+    if outer == "default":
+        return {}
+    if outer == "sync":
+        return {"synchronous": True}
+    if outer == "rise":
+        adaptive = optimizer_options.is_adaptive(setups.make_optimizer(optimizer))
+        return {
+            "outer_optimizer": outer_optimizers.default_outer_optimizer(workers),
+            "lr_scaling": worker_rate.auto_worker_rate(adaptive=adaptive),
+        }
+    rate, of_limit = parse_outer(outer)
+    if of_limit:
+        rate *= outer_optimizers.stability_limit(workers)
+    return {"outer_optimizer": outer_optimizers.OuterSGD(rate)}
 
 
 def variant(row):
@@ -237,105 +231,72 @@ def variant(row):
     return f"outer {outer}" if codec == "none" else f"{codec}, outer {outer}"
 
 
-def _outer_options(outer, workers, optimizer):
-    """The strategy's keyword arguments for an `--outer-rates` value (`optimizer`: the
-    setup's, whose kind sets the workers' rate under `rise`)."""
-    from tf_asgd.rules import outer_optimizers, worker_rate
-    from tf_asgd.runtime import optimizer_options
-
-    if outer == "default":
-        return {}
-    if outer == "sync":  # synchronous rounds under their default outer optimizer
-        return {"synchronous": True}
-    if outer == "rise":  # the first-round rise on 3 and 4 workers, whatever the workers' rate
-        adaptive = optimizer_options.is_adaptive(setups.make_optimizer(optimizer))
-        return {
-            "outer_optimizer": outer_optimizers.default_outer_optimizer(workers),
-            "lr_scaling": worker_rate.auto_worker_rate(adaptive=adaptive),
-        }
-    return {"outer_optimizer": outer_sgd(outer, workers)}
-
-
 def run_asgd(
     cluster, setup, workers, n_sync, seed, args, compression="none", outer="default", budget=None
 ):
-    """tf_asgd on `workers` emulated devices, pushes (and pulls) compressed as
-    `compression` says (`parse_compression`), under the default outer optimizer or a
-    constant `OuterSGD(outer)`, for `budget` times plain's samples (default: the first
-    of `--budget`); returns (run row, curve points)."""
+    """tf_asgd on `workers` emulated devices; returns (run row, curve points).
+
+    Args:
+        cluster: a `harness.local_cluster` of `workers` workers.
+        setup: a name in `setups.SETUPS`.
+        workers: the worker count.
+        n_sync: steps per window.
+        seed: the run's seed.
+        args: the parsed flags.
+        compression: the push codec, optionally `+` the pull codec (`"int8+bf16"`).
+        outer: an `--outer-rates` value (`_outer_options`).
+        budget: tf_asgd's samples over plain's (default: the first of `--budget`).
+    """
     import keras
 
     import tf_asgd
 
-    recipe = setups.SETUPS[setup]
-    data_name, model_name = recipe.data, recipe.model
-    opt, batch = recipe.optimizer, recipe.batch
-    data = _data(data_name)
+    recipe, data = _recipe(setup)
     budget = args.budget[0] if budget is None else budget
     steps = int(round(budget * _steps(setup, args)))
-    device_ms = _device_ms(setup, args)
     # Worker 0 a straggler at `--slow-worker` times the device time (1: none).
     slow = {0: args.slow_worker} if args.slow_worker != 1 else None
-    device = tf_asgd.data.emulated_device_time(device_ms, slow)
-    push, pull = parse_compression(compression)
+    push, _, pull = compression.partition("+")
     strategy = tf_asgd.AsyncParameterServerStrategy(
         cluster.resolver,
         n_sync=n_sync,
         # Fed as a user feeds fit: the seeded pipeline as it is (fit shards it over the
         # workers); per_worker_dataset_fn only emulates each worker's device.
-        per_worker_dataset_fn=device,
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(_device_ms(setup, args), slow),
         compression=push,
-        pull_compression=pull,
-        **_outer_options(outer, workers, opt),
+        pull_compression=pull or "none",
+        **_outer_options(outer, workers, recipe.optimizer),
     )
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = setups.build_model(model_name, data)
-        harness.compile_classifier(model, setups.make_optimizer(opt))
+        model = setups.build_model(recipe.model, data)
+        harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer))
 
     def committed(scheduled):
         return min(scheduled, strategy.stats().windows * n_sync)
 
     curve = curve_callback(
-        setups.HeldOut(model_name, data),
+        setups.HeldOut(recipe.model, data),
         _eval_every(setup, args),
-        batch,
+        recipe.batch,
         committed,
         pids=list(cluster.pids().values()),
         pause_clock=False,
     )
     wall0 = time.time()
     curve.start(model)
-    model.fit(
-        setups.train_dataset(data, batch, seed),
-        steps_per_epoch=steps,
-        epochs=1,
-        verbose=0,
-        callbacks=[curve],
-    )
+    train = setups.train_dataset(data, recipe.batch, seed)
+    model.fit(train, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve])
     end = curve.clock(time.perf_counter())
     curve.finish(steps)
     stats = strategy.model_stats(model)
-    log = strategy.window_log(model)
     # Start-up: until the first window started on a worker (worker and chief
     # share this machine's clock).
+    log = strategy.window_log(model)
     first = min((r.started_at for r in log if math.isfinite(r.started_at)), default=wall0)
     startup = curve.clock(curve.t0 + first - wall0)
-    row = dict(
-        setup=setup,
-        method="tf_asgd",
-        workers=workers,
-        n_sync=n_sync,
-        compression=compression,
-        outer=outer,
-        seed=seed,
-        device_ms=device_ms,
-        batch_size=batch,
-        steps=steps,
-        samples=steps * batch,
-        budget=budget,
-    )
-    row.update(_timings(curve, curve.points, end, startup, steps, workers, device_ms, args.cores))
+    row = _row(setup, "tf_asgd", workers, n_sync, seed, steps, args, compression, outer, budget)
+    row.update(_timings(curve, end, startup, steps, workers, row["device_ms"], args.cores))
     row.update(
         windows=stats.windows,
         mean_staleness=stats.mean_staleness,
@@ -346,20 +307,18 @@ def run_asgd(
     return row, curve.points
 
 
-def summarize(points, plain_points, args):
+def summarize(points, plain_points):
     """The time-to-accuracy figures of a run against its plain-Keras twin."""
     plain_final = plain_points[-1]["accuracy"]
     target = plain_final - 0.01
     final = points[-1]["accuracy"]
     t = metrics.first_reaching(points, target, "time_s")
     tp = metrics.first_reaching(plain_points, target, "time_s")
-    tw = metrics.first_reaching(points, target, "wall_s")
-    tpw = metrics.first_reaching(plain_points, target, "wall_s")
     s = metrics.first_reaching(points, target, "samples")
     sp = metrics.first_reaching(plain_points, target, "samples")
     drop = metrics.worst_drop(points)
-    stable = drop <= args.max_drop
-    final_ok = final >= plain_final - args.max_final_gap
+    stable = drop <= MAX_DROP
+    final_ok = final >= plain_final - MAX_FINAL_GAP
     return dict(
         final_accuracy=final,
         plain_final_accuracy=plain_final,
@@ -367,9 +326,6 @@ def summarize(points, plain_points, args):
         time_to_target_s=t,
         plain_time_to_target_s=tp,
         speedup=_ratio(tp, t),
-        time_to_target_with_startup_s=tw,
-        plain_time_to_target_with_startup_s=tpw,
-        speedup_with_startup=_ratio(tpw, tw),
         samples_to_target=s,
         plain_samples_to_target=sp,
         samples_ratio=s / sp,
@@ -391,40 +347,39 @@ def _ratio(plain_s, asgd_s):
 
 def run_line(row):
     """One line of a run's result."""
-    cpu = f"cpu {100 * row['cpu_util']:.0f}% of {row['cores']} cores" + (
-        " CPU-BOUND" if row["cpu_bound"] else ""
-    )
     if row["method"] == "plain":
-        return (
+        head = (
             f"{row['setup']} plain seed {row['seed']}: final {row['final_accuracy']:.3f}, "
-            f"target {row['target']:.3f} at {row['time_to_target_s']:.1f} s, "
-            f"{row['train_s']:.1f} s (+{row['startup_s']:.1f} s start-up), "
-            f"device {row['device_fraction']:.2f}, {cpu}"
+            f"target {row['target']:.3f} at {row['time_to_target_s']:.1f} s"
         )
-    reached = (
-        f"target at {row['time_to_target_s']:.1f} s "
-        f"(plain {row['plain_time_to_target_s']:.1f}), speed-up {row['speedup']:.2f}x, "
-        f"samples x{row['samples_ratio']:.2f}"
-        if math.isfinite(row["time_to_target_s"])
-        else "target never reached"
-    )
-    codec = variant(row)
+    else:
+        reached = (
+            f"target at {row['time_to_target_s']:.1f} s "
+            f"(plain {row['plain_time_to_target_s']:.1f}), speed-up {row['speedup']:.2f}x, "
+            f"samples x{row['samples_ratio']:.2f}"
+            if math.isfinite(row["time_to_target_s"])
+            else "target never reached"
+        )
+        codec = variant(row)
+        head = (
+            f"{row['setup']} {row['workers']}w n_sync {row['n_sync']}"
+            + ("" if codec == "none" else f" {codec}")
+            + ("" if row["budget"] == 1.0 else f" {row['budget']:g}x samples")
+            + f" seed {row['seed']}: {reached}; final {row['final_accuracy']:.3f} "
+            f"(plain {row['plain_final_accuracy']:.3f}), "
+            f"worst drop {row['worst_drop_points']:.1f} pts, "
+            f"must-hold {'yes' if row['must_hold'] else 'NO'}"
+        )
+    cpu = f"cpu {100 * row['cpu_util']:.0f}% of {row['cores']} cores"
     return (
-        f"{row['setup']} {row['workers']}w n_sync {row['n_sync']}"
-        + ("" if codec == "none" else f" {codec}")
-        + ("" if row.get("budget", 1.0) == 1.0 else f" {row['budget']:g}x samples")
-        + f" seed {row['seed']}: "
-        f"{reached}; final {row['final_accuracy']:.3f} "
-        f"(plain {row['plain_final_accuracy']:.3f}), "
-        f"worst drop {row['worst_drop_points']:.1f} pts, "
-        f"must-hold {'yes' if row['must_hold'] else 'NO'}; {row['train_s']:.1f} s "
-        f"(+{row['startup_s']:.1f} s start-up), "
-        f"device {row['device_fraction']:.2f}, {cpu}"
+        f"{head}; {row['train_s']:.1f} s (+{row['startup_s']:.1f} s start-up), "
+        f"device {row['device_fraction']:.2f}, {cpu}" + (" CPU-BOUND" if row["cpu_bound"] else "")
     )
 
 
 def _range(values, fmt):
-    values = [v for v in values if not math.isnan(v)]
+    """`mean (min-max)` of the finite `values` ("-" if none)."""
+    values = [v for v in values if math.isfinite(v)]
     if not values:
         return "-"
     lo, hi, mean = min(values), max(values), sum(values) / len(values)
@@ -433,57 +388,43 @@ def _range(values, fmt):
     return f"{fmt.format(mean)} ({fmt.format(lo)}-{fmt.format(hi)})"
 
 
+# speedups.md's figures per cell: (title, run field, format). Times to the target and
+# samples ratios are over the runs that reached it (the others' are infinite).
+FIGURES = (
+    ("plain final", "plain_final_accuracy", "{:.3f}"),
+    ("plain s to target", "plain_time_to_target_s", "{:.1f}"),
+    ("tf_asgd s to target", "time_to_target_s", "{:.1f}"),
+    ("speed-up", "speedup", "{:.2f}"),
+    ("samples ratio", "samples_ratio", "{:.2f}"),
+    ("final", "final_accuracy", "{:.3f}"),
+    ("worst drop (pts)", "worst_drop_points", "{:.1f}"),
+)
+
+
 def write_table(out, runs):
-    """`speedups.md`: a row per (setup, n_sync, workers), mean (min-max) over seeds."""
+    """`speedups.md`: a row per (setup, n_sync, workers, variant, budget), mean (min-max)
+    over seeds."""
     groups = collections.defaultdict(list)
     for r in runs:
         if r["method"] == "tf_asgd":
             groups[(r["setup"], r["n_sync"], r["workers"], variant(r), r["budget"])].append(r)
-    rows = []
     compressed = any(key[3] != "none" for key in groups)
+    rows = []
     for (setup, n_sync, workers, codec, budget), rs in sorted(groups.items()):
-        reached = [r for r in rs if math.isfinite(r["time_to_target_s"])]
+        figures = {field: _range([r[field] for r in rs], fmt) for _, field, fmt in FIGURES}
+        never = sum(not math.isfinite(r["time_to_target_s"]) for r in rs)
+        if never:
+            figures["time_to_target_s"] += f", {never} never"
         rows.append(
-            [
-                setup,
-                n_sync,
-                workers,
-                *([codec] if compressed else []),
-                f"{budget:g}x",
-                len(rs),
-                rs[0]["device_ms"],
-                _range([r["plain_final_accuracy"] for r in rs], "{:.3f}"),
-                _range([r["plain_time_to_target_s"] for r in rs], "{:.1f}"),
-                _range([r["time_to_target_s"] for r in reached], "{:.1f}")
-                + (f", {len(rs) - len(reached)} never" if len(reached) < len(rs) else ""),
-                _range([r["speedup"] for r in rs], "{:.2f}"),
-                _range([r["samples_ratio"] for r in reached], "{:.2f}"),
-                _range([r["final_accuracy"] for r in rs], "{:.3f}"),
-                _range([r["worst_drop_points"] for r in rs], "{:.1f}"),
-                f"{sum(r['must_hold'] for r in rs)}/{len(rs)}",
-                _range([r["cpu_util"] for r in rs], "{:.2f}"),
-                sum(r["cpu_bound"] for r in rs),
-            ]
+            [setup, n_sync, workers, *([codec] if compressed else [])]
+            + [f"{budget:g}x", len(rs), rs[0]["device_ms"], *figures.values()]
+            + [f"{sum(r['must_hold'] for r in rs)}/{len(rs)}"]
+            + [_range([r["cpu_util"] for r in rs], "{:.2f}"), sum(r["cpu_bound"] for r in rs)]
         )
-    header = [
-        "setup",
-        "n_sync",
-        "workers",
-        *(["compression (push+pull), outer rate"] if compressed else []),
-        "samples",
-        "seeds",
-        "device ms",
-        "plain final",
-        "plain s to target",
-        "tf_asgd s to target",
-        "speed-up",
-        "samples ratio",
-        "final",
-        "worst drop (pts)",
-        "must hold",
-        "CPU share",
-        "CPU-bound runs",
-    ]
+    header = ["setup", "n_sync", "workers"]
+    header += ["compression (push+pull), outer rate"] if compressed else []
+    header += ["samples", "seeds", "device ms", *(title for title, _, _ in FIGURES)]
+    header += ["must hold", "CPU share", "CPU-bound runs"]
     lines = [
         (
             "Target: plain Keras's final held-out accuracy minus 1 point. Speed-up: plain's "
@@ -549,86 +490,36 @@ def _mean_line(label, points, x_key):
     return (label, xs, [np.mean(a) for a in accs], [min(a) for a in accs], [max(a) for a in accs])
 
 
-def calibrate(args):
-    """CPU per training step with no device time: plain Keras and tf_asgd on
-    one worker (each `n_sync`), and the device time that keeps the largest
-    worker count under half the cores."""
-    import keras
-
-    import tf_asgd
-
-    steps = args.calibration_steps
-    rows = []
-    for setup in args.setups:
-        recipe = setups.SETUPS[setup]
-        data_name, model_name = recipe.data, recipe.model
-        opt, batch = recipe.optimizer, recipe.batch
-        data = _data(data_name)
-        ds = setups.train_dataset(data, batch, 0)
-        keras.utils.set_random_seed(0)
-        model = setups.build_model(model_name, data)
-        harness.compile_classifier(model, setups.make_optimizer(opt))
-        model.fit(ds.repeat(), steps_per_epoch=20, epochs=1, verbose=0)  # traces
-        c0 = time.process_time()
-        model.fit(ds.repeat(), steps_per_epoch=steps, epochs=1, verbose=0)
-        rows.append(
-            dict(
-                setup=setup,
-                method="plain",
-                n_sync=0,
-                cpu_ms_per_step=1000 * (time.process_time() - c0) / steps,
-            )
-        )
-    with harness.local_cluster(1) as cluster:
-        pids = list(cluster.pids().values())
-        for setup in args.setups:
-            recipe = setups.SETUPS[setup]
-            data_name, model_name = recipe.data, recipe.model
-            opt, batch = recipe.optimizer, recipe.batch
-            data = _data(data_name)
-            ds = setups.train_dataset(data, batch, 0)
-            for n_sync in args.n_sync:
-                strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=n_sync)
-                with strategy.scope():
-                    model = setups.build_model(model_name, data)
-                    harness.compile_classifier(model, setups.make_optimizer(opt))
-                model.fit(ds, steps_per_epoch=2 * n_sync, epochs=1, verbose=0)  # traces
-                n = max(n_sync, steps // n_sync * n_sync)
-                c0 = _cpu(pids)
-                model.fit(ds, steps_per_epoch=n, epochs=1, verbose=0)
-                rows.append(
-                    dict(
-                        setup=setup,
-                        method="tf_asgd",
-                        n_sync=n_sync,
-                        cpu_ms_per_step=1000 * (_cpu(pids) - c0) / n,
-                    )
-                )
-    workers = max(args.workers)
-    for r in rows:
-        # N workers alternate d ms of device time with c ms of CPU a step: they
-        # use N c / (d + c) cores; at most half the cores needs d >= c (N / (cores / 2) - 1).
-        c = r["cpu_ms_per_step"]
-        r["workers"] = workers if r["method"] == "tf_asgd" else 1
-        r["min_device_ms"] = max(0.0, c * (r["workers"] / (args.cores / 2) - 1))
-        print(
-            f"{r['setup']} {r['method']} n_sync {r['n_sync']}: {c:.2f} ms CPU a step; "
-            f"device time >= {r['min_device_ms']:.0f} ms for {r['workers']} "
-            f"worker(s) on {args.cores} cores",
-            flush=True,
-        )
-    os.makedirs(args.out, exist_ok=True)
-    harness.write_csv(os.path.join(args.out, "calibration.csv"), rows)
-    return rows
-
-
 _DATA = {}
 
 
-def _data(name):
-    if name not in _DATA:
-        _DATA[name] = setups.load_data(name)
-    return _DATA[name]
+def _recipe(setup):
+    """The `setups.Setup` of `setup` and its data, loaded once per process."""
+    recipe = setups.SETUPS[setup]
+    if recipe.data not in _DATA:
+        _DATA[recipe.data] = setups.load_data(recipe.data)
+    return recipe, _DATA[recipe.data]
+
+
+def _row(
+    setup, method, workers, n_sync, seed, steps, args, codec="none", outer="default", budget=1.0
+):
+    """The columns that name a run (plain Keras: budget 1, its own samples)."""
+    batch = setups.SETUPS[setup].batch
+    return dict(
+        setup=setup,
+        method=method,
+        workers=workers,
+        n_sync=n_sync,
+        compression=codec,
+        outer=outer,
+        seed=seed,
+        device_ms=_device_ms(setup, args),
+        batch_size=batch,
+        steps=steps,
+        samples=steps * batch,
+        budget=budget,
+    )
 
 
 def _steps(setup, args):
@@ -643,14 +534,9 @@ def _eval_every(setup, args):
     return max(1, _steps(setup, args) // args.evals)
 
 
-def main(argv=None):
+def _parser():
     p = harness.parser(
-        __doc__,
-        out=OUT,
-        workers=[1, 2, 4, 8, 16],
-        n_sync=[10, 100],
-        seeds=[0],
-        device_ms=None,
+        __doc__, out=OUT, workers=[1, 2, 4, 8, 16], n_sync=[10, 100], seeds=[0], device_ms=None
     )
     p.add_argument("--setups", type=harness.str_list, default=["mnist1d_adam", "mnist1d_sgd"])
     p.add_argument(
@@ -668,11 +554,7 @@ def main(argv=None):
         "per-push outer rates, as numbers or fractions of the stability limit: e.g. "
         "default,sync,0.667*limit",
     )
-    p.add_argument(
-        "--bandwidth",
-        default=None,
-        help="limit the cluster's loopback (e.g. 100mbit), in this run's own namespace",
-    )
+    p.add_argument("--bandwidth", help="limit the cluster's loopback, e.g. 100mbit")
     p.add_argument(
         "--budget",
         type=harness.float_list,
@@ -686,19 +568,8 @@ def main(argv=None):
         default=1.0,
         help="worker 0's device time as a multiple of the others' (a straggler; 1: none)",
     )
-    p.add_argument(
-        "--plain-steps", type=int, default=None, help="plain Keras's steps (default: each setup's)"
-    )
+    p.add_argument("--plain-steps", type=int, help="plain Keras's steps (default: the setup's)")
     p.add_argument("--evals", type=int, default=30, help="held-out points over plain's run")
-    p.add_argument("--max-drop", type=float, default=0.05)
-    p.add_argument("--max-final-gap", type=float, default=0.02)
-    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="measure CPU per step and print the device time to use",
-    )
-    p.add_argument("--calibration-steps", type=int, default=300)
     p.add_argument(
         "--quick",
         action="store_true",
@@ -706,56 +577,38 @@ def main(argv=None):
         + ", ".join(f"{k} {v}" for k, v in QUICK.items())
         + " (flags given override these)",
     )
+    return p
+
+
+def main(argv=None):
+    p = _parser()
     args = p.parse_args(argv)
     if args.quick:
         harness.apply_quick(args, argv, QUICK)
     args.device_ms = harness.single(p, args, "device_ms")
+    args.cores = len(os.sched_getaffinity(0))
     for rate in args.outer_rates:
         if not _is_outer_rate(rate):
             p.error(f"--outer-rates: {rate!r} is not 'default', 'sync', 'rise' or a number > 0")
     for s in args.setups:
         if s not in setups.SETUPS:
             p.error(f"unknown setup {s!r}; expected some of {', '.join(setups.SETUPS)}")
-    if args.calibrate:
-        calibrate(args)
-        return 0
     if args.bandwidth:
         from tf_asgd.cluster import network
 
         network.reexec_in_loopback_namespace()  # returns inside this run's own namespace
     os.makedirs(args.out, exist_ok=True)
-    device_s = sum(
-        _steps(s, args)
-        * _device_ms(s, args)
-        / 1000
-        * len(args.seeds)
-        * (
-            1
-            + sum(args.budget)
-            * len(args.n_sync)
-            * len(args.compressions)
-            * len(args.outer_rates)
-            * sum(1 / w for w in args.workers)
-        )
-        for s in args.setups
-    )
-    cells = len(args.workers) * len(args.n_sync) * len(args.compressions) * len(args.outer_rates)
-    print(
-        f"{len(args.setups) * len(args.seeds) * (1 + cells)} runs; "
-        f"emulated device time alone {device_s / 60:.1f} min",
-        flush=True,
-    )
+    grid = (args.setups, args.n_sync, args.compressions, args.outer_rates, args.seeds, args.budget)
+    cells = list(itertools.product(*grid))
+    print(f"{len(args.setups) * len(args.seeds) + len(args.workers) * len(cells)} runs", flush=True)
     runs, curves, plain = [], [], {}
     t0 = time.time()
 
     def record(row, points):
-        row.setdefault("budget", 1.0)  # plain's own samples
         row.update(cores=args.cores, cpu_bound=int(metrics.cpu_bound(row["cpu_util"])))
         runs.append(row)
-        tags = {k: row[k] for k in ("setup", "method", "workers", "n_sync", "seed")}
-        tags["compression"] = row.get("compression", "none")
-        tags["outer"] = row.get("outer", "default")
-        curves.extend(dict(**tags, **pt) for pt in points)
+        tags = ("setup", "method", "workers", "n_sync", "seed", "compression", "outer")
+        curves.extend(dict(**{k: row[k] for k in tags}, **pt) for pt in points)
         print(f"[{time.time() - t0:5.0f}s] {run_line(row)}", flush=True)
         harness.write_csv(os.path.join(args.out, "runs.csv"), runs)
         harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
@@ -765,37 +618,22 @@ def main(argv=None):
         for seed in args.seeds:
             row, points = run_plain(setup, seed, args)
             plain[(setup, seed)] = points
-            row.update(summarize(points, points, args))
+            row.update(summarize(points, points))
             record(row, points)
     for workers in args.workers:
         with harness.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
-            for setup, n_sync, codec, outer, seed, budget in itertools.product(
-                args.setups,
-                args.n_sync,
-                args.compressions,
-                args.outer_rates,
-                args.seeds,
-                args.budget,
-            ):
+            for setup, n_sync, codec, outer, seed, budget in cells:
                 row, points = run_asgd(
                     cluster, setup, workers, n_sync, seed, args, codec, outer, budget
                 )
-                row.update(summarize(points, plain[(setup, seed)], args))
+                row.update(summarize(points, plain[(setup, seed)]))
                 record(row, points)
                 write_table(args.out, runs)
     plot(args.out, runs, curves)
     flagged = sum(r["cpu_bound"] for r in runs)
-    names = (
-        "runs.csv",
-        "curves.csv",
-        "speedups.md",
-        "accuracy_vs_time.png",
-        "accuracy_vs_samples.png",
-    )
-    written = [n for n in names if os.path.exists(os.path.join(args.out, n))]
     print(
-        f"wrote {', '.join(written)} to {args.out} in {time.time() - t0:.0f} s; "
-        f"{flagged} CPU-bound run(s)" + (": raise --device-ms" if flagged else ""),
+        f"wrote {args.out} in {time.time() - t0:.0f} s; {flagged} CPU-bound run(s)"
+        + (": raise --device-ms" if flagged else ""),
         flush=True,
     )
     return 0
