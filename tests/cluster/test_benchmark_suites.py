@@ -142,61 +142,6 @@ def test_simulator_outer_study(tmp_path):
     _png(tmp_path / "outer.png")
 
 
-def test_convergence_suite_and_merge(tmp_path):
-    run = tmp_path / "run"
-    _run(
-        "convergence",
-        "--out",
-        str(run),
-        "--models",
-        "mlp",
-        "--optimizers",
-        "sgd",
-        "--workers",
-        "2",
-        "--n-sync",
-        "10",
-        "--setups",
-        "default,capped",
-        "--seeds",
-        "0",
-        "--epochs",
-        "2",
-    )
-    summary = _csv(
-        run / "summary.csv",
-        [
-            "setup",
-            "workers",
-            "seed",
-            "final_accuracy",
-            "plain_accuracy",
-            "gap_points",
-            "diverged",
-            "samples_ratio",
-        ],
-    )
-    assert sorted(r["setup"] for r in summary) == ["capped", "default"]
-    for r in summary:
-        assert 0 <= float(r["final_accuracy"]) <= 1 and 0 <= float(r["plain_accuracy"]) <= 1
-        assert math.isclose(
-            float(r["gap_points"]),
-            100 * (float(r["plain_accuracy"]) - float(r["final_accuracy"])),
-            abs_tol=1e-3,
-        )
-    curves = _csv(run / "curves.csv", ["setup", "epoch", "samples", "val_loss", "val_accuracy"])
-    # Plain Keras and both setups, 2 epochs of one pass (45 steps of 32) each.
-    assert sorted((r["setup"], r["samples"]) for r in curves) == sorted(
-        (s, str(e * 45 * 32)) for s in ("plain", "default", "capped") for e in (1, 2)
-    )
-    assert "| mlp | sgd | 10 | 2 | capped | 1 |" in (run / "summary.md").read_text()
-    _png(run / "curves_mlp_sgd_n10.png")
-    # Merging a directory with itself keeps each curve once and every summary row.
-    _run("convergence", "--merge", f"{run},{run}", "--out", str(tmp_path / "merged"))
-    assert len(_csv(tmp_path / "merged" / "curves.csv", ["setup"])) == len(curves)
-    assert len(_csv(tmp_path / "merged" / "summary.csv", ["setup"])) == 2 * len(summary)
-
-
 def test_scaleout_suite_and_sleep_op(tmp_path):
     import time
 
@@ -672,19 +617,6 @@ def test_ceiling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     ]  # fmt: skip
     assert max(float(r["speedup"]) for r in rows if r["workers"] == "1") == 1.0
     assert "| digits_adam | 2 x B |" in (tmp_path / "ceiling.md").read_text()
-
-
-def test_schedule_cases_suite_synchronous_twin(tmp_path):
-    """`--rates sync` runs no cluster: plain Keras on batches of 64 beside plain Keras's 32."""
-    import json
-
-    _run("schedule_cases", "--recipes", "to_zero", "--rates", "sync", "--seeds", "0",
-         "--out", str(tmp_path))  # fmt: skip
-    (row,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert row["recipe"] == "to_zero" and row["seed"] == 0
-    assert 0 < row["sync"] < 1 and 0 < row["plain"] < 1 and row["sync"] != row["plain"]
-    gap = 100 * (row["sync"] - row["plain"])
-    assert f"| to_zero | sync | 1 | {gap:+.1f} |" in (tmp_path / "summary.md").read_text()
 
 
 def test_faults_suite(tmp_path):
