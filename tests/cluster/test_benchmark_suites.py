@@ -245,27 +245,6 @@ def test_scaleout_suite_and_sleep_op(tmp_path):
     _png(tmp_path / "scaleout.png")
 
 
-def test_push_floor_suite(tmp_path):
-    _run(
-        "push_floor",
-        "--out",
-        str(tmp_path),
-        "--iterations",
-        "8",
-        "--rounds",
-        "1",
-        "--bodies",
-        "local,round_trip,push_pull_x2",
-    )
-    rows = _csv(
-        tmp_path / "push_floor.csv",
-        ["body", "us_per_round_trip", "host_cpu_us_per_round_trip", "round_trips_per_s"],
-    )
-    assert [r["body"] for r in rows] == ["local", "round_trip", "push_pull_x2"]
-    _positive(rows, "us_per_round_trip")
-    assert "| push_pull_x2 |" in (tmp_path / "push_floor.md").read_text()
-
-
 def test_throughput_suite(tmp_path):
     """Every mode once; tf_asgd from two trees (this checkout twice), side by side."""
     _run(
@@ -376,42 +355,6 @@ def test_experiments_suite(tmp_path):
     assert len(summary) == 4
     for name in ("nsync_curves.png", "nsync_staleness.png", "start_curves.png"):
         _png(tmp_path / name)
-
-
-def test_straggler_suite(tmp_path):
-    _run(
-        "straggler",
-        "--out",
-        str(tmp_path),
-        "--workers",
-        "3",
-        "--device-ms",
-        "2",
-        "--steps",
-        "60",
-        "--rounds",
-        "1",
-    )
-    rows = _csv(
-        tmp_path / "straggler.csv",
-        [
-            "config",
-            "seconds",
-            "samples_per_s",
-            "fast_windows_per_worker_s",
-            "slow_windows",
-            "dropped_stale",
-            "test_accuracy",
-        ],
-    )
-    assert [r["config"] for r in rows] == ["uniform", "straggler", "straggler_drop"]
-    # nan where a loaded machine left the fast workers under 2 windows
-    rates = [float(r["fast_windows_per_worker_s"]) for r in rows]
-    assert any(v > 0 for v in rates) and all(v > 0 or math.isnan(v) for v in rates), rates
-    assert sum(int(r["slow_windows"]) for r in rows) >= 1
-    md = (tmp_path / "straggler.md").read_text()
-    assert "windows/s per fast worker" in md and "ideal" in md
-    _png(tmp_path / "straggler.png")
 
 
 def test_epoch_barrier_suite(tmp_path):
