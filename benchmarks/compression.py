@@ -1,7 +1,7 @@
 """Compressed pushes and pulls on an emulated bandwidth-limited network: throughput, bytes.
 
 For each workers x bandwidth x model x n_sync x codec x pull codec, the workers and 1 PS
-(all tasks in one child process) train `model.fit` on synthetic 28x28 batches of 64 for
+(one process per task) train `model.fit` on synthetic 28x28 batches of 64 for
 `--windows` windows per worker after a warm-up fit, and report samples/s and the bytes
 that crossed each way per sample (`strategy.model_stats`). A bandwidth other than `none`
 limits the loopback of this run's own network namespace (`LocalCluster(bandwidth=...)`):
@@ -19,8 +19,6 @@ import time
 from benchmarks import harness
 
 OUT = "results/compression"  # the default --out
-
-CODECS = ("none", "bf16", "int8", "topk")
 
 
 def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls="none"):
@@ -57,7 +55,6 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
         "samples_per_s": samples / seconds,
         "pushed_bytes_per_sample": (after.bytes_pushed - before.bytes_pushed) / samples,
         "pulled_bytes_per_sample": (after.bytes_pulled - before.bytes_pulled) / samples,
-        "pushed_bytes_per_window": after.bytes_pushed_per_window,
     }
 
 
@@ -65,7 +62,7 @@ def main(argv=None):
     p = harness.parser(__doc__, out=OUT, workers=[2, 4], n_sync=[1, 10])
     p.add_argument("--models", type=harness.str_list, default=["mlp", "gem_convnet"])
     p.add_argument("--bandwidths", type=harness.str_list, default=["none", "1gbit", "100mbit"])
-    p.add_argument("--codecs", type=harness.str_list, default=list(CODECS))
+    p.add_argument("--codecs", type=harness.str_list, default=["none", "bf16", "int8", "topk"])
     p.add_argument("--pulls", type=harness.str_list, default=["none", "bf16"])
     p.add_argument(
         "--pull-codecs",
@@ -96,6 +93,7 @@ def main(argv=None):
                         print(json.dumps(row), flush=True)
                         log.write(json.dumps(row) + "\n")
                         rows.append(row)
+    add_ratios(rows)
     harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
     write_summary(rows, os.path.join(args.out, "summary.md"))
     plot(rows, os.path.join(args.out, "speedup.png"))
@@ -114,42 +112,35 @@ def _cells(args):
     ]
 
 
-def _key(r):
-    return r["model"], r["bandwidth"], r["n_sync"], r.get("workers", 2)
+def add_ratios(rows):
+    """Sets each row's `x_none`: its samples/s over the same cell's (workers, model,
+    bandwidth, n_sync) with nothing compressed, None where that run is absent."""
 
+    def key(r):
+        return r["model"], r["bandwidth"], r["n_sync"], r["workers"]
 
-def _ratio(r, base):
-    """Samples/s over the same cell's run with nothing compressed (None if absent)."""
-    return r["samples_per_s"] / base[_key(r)] if _key(r) in base else None
-
-
-def _baselines(rows):
-    return {
-        _key(r): r["samples_per_s"]
-        for r in rows
-        if r["codec"] == "none" and r.get("pulls", "none") == "none"
-    }
+    base = {key(r): r["samples_per_s"] for r in rows if r["codec"] == r["pulls"] == "none"}
+    for r in rows:
+        r["x_none"] = r["samples_per_s"] / base[key(r)] if key(r) in base else None
 
 
 def plot(rows, path):
-    """One bar panel per model x bandwidth: the speed-up of each push codec (bars) with
-    float32 and with bf16 pulls, per workers x n_sync."""
-    base = _baselines(rows)
+    """One bar panel per model x bandwidth: each push codec's `x_none`, with float32 and
+    with bf16 pulls, per workers x n_sync."""
     panels = []
     for model_name in dict.fromkeys(r["model"] for r in rows):
         for bandwidth in dict.fromkeys(r["bandwidth"] for r in rows):
             cells = [r for r in rows if r["model"] == model_name and r["bandwidth"] == bandwidth]
-            groups = list(dict.fromkeys((r.get("workers", 2), r["n_sync"]) for r in cells))
+            groups = list(dict.fromkeys((r["workers"], r["n_sync"]) for r in cells))
             series = []
-            for pulls in dict.fromkeys(r.get("pulls", "none") for r in cells):
-                for codec in dict.fromkeys(r["codec"] for r in cells):
-                    mine = {
-                        (r.get("workers", 2), r["n_sync"]): _ratio(r, base)
-                        for r in cells
-                        if r["codec"] == codec and r.get("pulls", "none") == pulls
-                    }
-                    y = [mine.get(g) or 0.0 for g in groups]
-                    series.append((f"push {codec}, pull {pulls}", range(len(groups)), y))
+            for pulls, codec in dict.fromkeys((r["pulls"], r["codec"]) for r in cells):
+                mine = {
+                    (r["workers"], r["n_sync"]): r["x_none"]
+                    for r in cells
+                    if (r["pulls"], r["codec"]) == (pulls, codec)
+                }
+                y = [mine.get(g) or 0.0 for g in groups]
+                series.append((f"push {codec}, pull {pulls}", range(len(groups)), y))
             panels.append(
                 {
                     "title": f"{model_name}, {bandwidth}; groups: "
@@ -166,25 +157,21 @@ def plot(rows, path):
 
 def write_summary(rows, path):
     """One row per cell; `x none` is samples/s over the same cell with nothing compressed."""
-    base = _baselines(rows)
     header = ["workers", "model", "bandwidth", "n_sync", "codec", "pulls", "samples/s"]
     header += ["x none", "pushed B/sample", "pulled B/sample"]
-    table = harness.markdown_table(
-        header,
+    cells = [
         [
-            [
-                r.get("workers", 2),
-                f"{r['model']} ({r['params'] / 1e6:.2f}M)",
-                r["bandwidth"],
-                r["n_sync"],
-                r["codec"],
-                r.get("pulls", "none"),
-                f"{r['samples_per_s']:.0f}",
-                "" if _ratio(r, base) is None else f"{_ratio(r, base):.2f}",
-                f"{r['pushed_bytes_per_sample']:.0f}",
-                f"{r['pulled_bytes_per_sample']:.0f}",
-            ]
-            for r in rows
-        ],
-    )
-    harness.write_lines(path, table)
+            r["workers"],
+            f"{r['model']} ({r['params'] / 1e6:.2f}M)",
+            r["bandwidth"],
+            r["n_sync"],
+            r["codec"],
+            r["pulls"],
+            f"{r['samples_per_s']:.0f}",
+            "" if r["x_none"] is None else f"{r['x_none']:.2f}",
+            f"{r['pushed_bytes_per_sample']:.0f}",
+            f"{r['pulled_bytes_per_sample']:.0f}",
+        ]
+        for r in rows
+    ]
+    harness.write_lines(path, harness.markdown_table(header, cells))

@@ -2,9 +2,9 @@
 
 Samples/s in alternating rounds, one synthetic data set: `keras` (plain `fit`), `pss`
 (stock `ParameterServerStrategy` with `tf_keras`, at each `--pss-spe`) and `asgd` (at each
-`--n-sync` and `--windows-per-closure`) on a `LocalCluster` per `--processes`, each in a
-fresh child process. Medians over rounds, ratios to Keras and stock PS, bytes per sample
-(method: docs/benchmarks.md) in `raw.csv`, `summary.csv`, `summary.md` (`--out`).
+`--n-sync`) on a `LocalCluster` per `--processes`, each in a fresh child process. Medians
+over rounds, ratios to Keras and stock PS, bytes per sample (method: docs/benchmarks.md)
+in `raw.csv`, `summary.csv`, `summary.md` (`--out`).
 
     python -m benchmarks.run throughput                       # the full default run
     python -m benchmarks.run throughput --workers 2 --processes separate --pss-spe 1,10
@@ -66,13 +66,26 @@ def _tf_keras_model(name):
     return tf_keras.Sequential(layers), ref.count_params()
 
 
-def _emit(**row):
+def _emit(args, mode, n_sync, steps, seconds, pulled=0.0, pushed=0.0, **extra):
+    """Prints one measurement for the parent; `pulled` and `pushed` are bytes per sample."""
+    row = dict(
+        mode=mode,
+        processes=args.processes,
+        workers=args.workers,
+        n_sync=n_sync,
+        steps=steps,
+        seconds=seconds,
+        samples_per_s=steps * args.batch_size / seconds,
+        bytes_pulled_per_sample=pulled,
+        bytes_pushed_per_sample=pushed,
+        **extra,
+    )
     print(RESULT + json.dumps(row), flush=True)
 
 
-def _timed_fit(model, data, steps, **kwargs):
+def _timed_fit(model, data, steps):
     t = time.perf_counter()
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, **kwargs)
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
     return time.perf_counter() - t
 
 
@@ -94,8 +107,7 @@ def _measure(fit, rate, seconds, unit, attempts=3):
     to `attempts` runs; the last one counts.
 
     Returns:
-        `(steps, seconds taken, rate)`, `rate` the fastest seen so far (the
-        caller's next estimate: a stall only ever lowers a rate).
+        `(steps, seconds taken)` of the run that counts.
     """
     for _ in range(attempts):
         steps = _plan_steps(rate, seconds, unit)
@@ -103,16 +115,15 @@ def _measure(fit, rate, seconds, unit, attempts=3):
         rate = max(rate, steps / dt)
         if dt >= seconds / 2:
             break
-    return steps, dt, rate
+    return steps, dt
 
 
 def _child_main(args):
     """Runs one child's measurement. A child with a cluster forks its tasks' fork server
     from itself, once TensorFlow is imported and before its runtime starts: one import of
     TensorFlow per child, not two."""
-    child = {"keras": child_keras, "pss": child_pss, "asgd": child_asgd}[args.child]
     if args.child == "keras":
-        child(args)
+        child_keras(args)
         return
     if args.child == "pss":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tf.keras is tf_keras: before TF loads
@@ -121,7 +132,7 @@ def _child_main(args):
     from tf_asgd.cluster import task_server
 
     with task_server.fork_server_from_here():
-        child(args)
+        (child_pss if args.child == "pss" else child_asgd)(args)
 
 
 def child_keras(args):
@@ -134,19 +145,8 @@ def child_keras(args):
     harness.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
     _timed_fit(model, ds, 20)
     rate = 50 / _timed_fit(model, ds, 50)
-    for _ in range(args.inner):
-        steps, dt_run, rate = _measure(lambda n: _timed_fit(model, ds, n), rate, args.seconds, 10)
-        _emit(
-            mode="keras",
-            processes="one",
-            workers=0,
-            n_sync=0,
-            steps=steps,
-            seconds=dt_run,
-            samples_per_s=steps * args.batch_size / dt_run,
-            bytes_pulled_per_sample=0.0,
-            bytes_pushed_per_sample=0.0,
-        )
+    steps, seconds = _measure(lambda n: _timed_fit(model, ds, n), rate, args.seconds, 10)
+    _emit(args, "keras", 0, steps, seconds)
 
 
 def child_pss(args):
@@ -157,9 +157,10 @@ def child_pss(args):
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
-            model.compile(
+            harness.compile_classifier(
+                model,
                 tf_keras.optimizers.SGD(0.05, momentum=0.9),
-                tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                keras_module=tf_keras,
                 steps_per_execution=args.spe,
             )
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
@@ -169,25 +170,12 @@ def child_pss(args):
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
 
         data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
-        spe = args.spe
         _timed_fit(model, data, 20)
         rate = 40 / _timed_fit(model, data, 40)
-        param_bytes = 4.0 * nparams
-        for _ in range(args.inner):
-            steps, dt_run, rate = _measure(
-                lambda n: _timed_fit(model, data, n), rate, args.seconds, 10 if spe == 1 else spe
-            )
-            _emit(
-                mode="pss",
-                processes=args.processes,
-                workers=args.workers,
-                n_sync=spe,
-                steps=steps,
-                seconds=dt_run,
-                samples_per_s=steps * args.batch_size / dt_run,
-                bytes_pulled_per_sample=param_bytes / args.batch_size,
-                bytes_pushed_per_sample=param_bytes / args.batch_size,
-            )
+        unit = 10 if args.spe == 1 else args.spe
+        steps, seconds = _measure(lambda n: _timed_fit(model, data, n), rate, args.seconds, unit)
+        per_sample = 4.0 * nparams / batch_size  # the whole model each way, every step
+        _emit(args, "pss", args.spe, steps, seconds, per_sample, per_sample)
 
 
 def child_asgd(args):
@@ -196,12 +184,9 @@ def child_asgd(args):
 
     import tf_asgd
 
-    n_syncs = args.n_sync
-    # (n_sync, windows per closure) pairs; "auto" leaves the strategy's default.
-    configs = [(n, k) for n in n_syncs for k in args.windows_per_closure.split(",")]
     with harness.local_cluster(args.workers, processes=args.processes) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(
-            cluster.resolver, n_sync=n_syncs[0], staleness=args.staleness
+            cluster.resolver, n_sync=args.n_sync[0], staleness="dynsgd"
         )
         with strategy.scope():
             model = _keras3_model(args.model)
@@ -209,50 +194,31 @@ def child_asgd(args):
         x, y = _synthetic(model.input_shape[1:], args.batch_size)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
         rate = {}
-
-        def use(n, k):
+        for n in args.n_sync:  # warm-up (traces once) and a first rate estimate
             strategy.n_sync = n
-            if k != "auto":
-                strategy.windows_per_closure = int(k)
-            elif hasattr(strategy, "windows_per_closure"):
-                strategy.windows_per_closure = None
-
-        for n, k in configs:  # warm-up (traces once) and a first rate estimate
-            use(n, k)
             unit = n * args.workers
             _timed_fit(model, ds, unit)
-            rate[n, k] = unit / _timed_fit(model, ds, unit)
+            rate[n] = unit / _timed_fit(model, ds, unit)
             # A second estimate over more windows (automatic K adapts here);
             # the faster one counts (a stall at a fit's start only slows it).
-            unit = _plan_steps(rate[n, k], min(1.0, args.seconds), n * args.workers)
-            rate[n, k] = max(rate[n, k], unit / _timed_fit(model, ds, unit))
-        for _ in range(args.inner):
-            for n, k in configs:  # alternate the window sizes
-                use(n, k)
-                stats = {}
+            unit = _plan_steps(rate[n], min(1.0, args.seconds), n * args.workers)
+            rate[n] = max(rate[n], unit / _timed_fit(model, ds, unit))
+        for n in args.n_sync:
+            strategy.n_sync = n
+            stats = {}
 
-                def fit(steps, stats=stats):
-                    stats["before"] = strategy.model_stats(model)  # the last run's counts
-                    return _timed_fit(model, ds, steps)
+            def fit(steps, stats=stats):
+                stats["before"] = strategy.model_stats(model)  # the last run's counts
+                return _timed_fit(model, ds, steps)
 
-                steps, dt_run, rate[n, k] = _measure(
-                    fit, rate[n, k], args.seconds, n * args.workers
-                )
-                before, after = stats["before"], strategy.model_stats(model)
-                samples = steps * args.batch_size
-                _emit(
-                    mode="asgd",
-                    processes=args.processes,
-                    windows_per_closure=k,
-                    workers=args.workers,
-                    n_sync=n,
-                    steps=steps,
-                    seconds=dt_run,
-                    samples_per_s=samples / dt_run,
-                    bytes_pulled_per_sample=(after.bytes_pulled - before.bytes_pulled) / samples,
-                    bytes_pushed_per_sample=(after.bytes_pushed - before.bytes_pushed) / samples,
-                    mean_staleness=after.mean_staleness,
-                )
+            steps, seconds = _measure(fit, rate[n], args.seconds, n * args.workers)
+            before, after = stats["before"], strategy.model_stats(model)
+            samples = steps * args.batch_size
+            pulled = (after.bytes_pulled - before.bytes_pulled) / samples
+            pushed = (after.bytes_pushed - before.bytes_pushed) / samples
+            _emit(
+                args, "asgd", n, steps, seconds, pulled, pushed, mean_staleness=after.mean_staleness
+            )
 
 
 # ---- parent side -----------------------------------------------------------
@@ -268,35 +234,21 @@ def _benchmarks_only():
     return folder
 
 
-def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.run",
-        "throughput",
-        "--child",
-        mode,
-        "--workers",
-        str(workers),
-        "--model",
-        args.model,
-        "--batch-size",
-        str(args.batch_size),
-        "--seconds",
-        str(args.seconds),
-        "--n-sync",
-        ",".join(str(n) for n in args.n_sync),
-        "--inner",
-        str(args.inner),
-        "--staleness",
-        args.staleness,
-        "--processes",
-        processes,
-        "--spe",
-        str(spe),
-        "--windows-per-closure",
-        args.windows_per_closure,
-    ]
+def _run_child(args, mode, workers, processes, spe, tree):
+    """Runs one configuration in a fresh child process; returns its measurements."""
+    flags = {
+        "--child": mode,
+        "--workers": workers,
+        "--processes": processes,
+        "--spe": spe,
+        "--model": args.model,
+        "--batch-size": args.batch_size,
+        "--seconds": args.seconds,
+        "--n-sync": ",".join(str(n) for n in args.n_sync),
+    }
+    cmd = [sys.executable, "-m", "benchmarks.run", "throughput"]
+    for flag, value in flags.items():
+        cmd += [flag, str(value)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     # The child runs these benchmarks' code, whatever the tree holds, against the tree's
     # package (else the one beside them), before the installed one.
@@ -324,36 +276,25 @@ def _run_child(args, mode, workers, processes="shared", spe=1, tree=None):
 
 def summarize(raw, batch_size):
     """Medians per configuration and the ratios between them."""
-
-    def key_of(r):
-        return (
-            r["mode"],
-            r.get("processes", "shared"),
-            r["workers"],
-            r["n_sync"],
-            str(r.get("windows_per_closure", "")),
-            r.get("tree", ""),
-        )
-
     groups = {}
     for r in raw:
-        groups.setdefault(key_of(r), []).append(r)
+        key = (r["mode"], r["processes"], r["workers"], r["n_sync"], r["tree"])
+        groups.setdefault(key, []).append(r)
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in groups.items()}
     keras_sps = next((v for k, v in med.items() if k[0] == "keras"), None)
     # Stock PS at steps_per_execution 1 (the reference), and the faster of its runs.
-    pss = {(p, w): v for (m, p, w, n, *_), v in med.items() if m == "pss" and n == 1}
-    best_pss = {}
-    for (m, p, w, *_), v in med.items():
-        if m == "pss":
-            best_pss[p, w] = max(v, best_pss.get((p, w), 0.0))
+    pss, best_pss = {}, {}
+    for (mode, processes, workers, spe, _), v in med.items():
+        if mode == "pss":
+            if spe == 1:
+                pss[processes, workers] = v
+            best_pss[processes, workers] = max(v, best_pss.get((processes, workers), 0.0))
     rows = []
     order = {"keras": 0, "pss": 1, "asgd": 2}
     for key in sorted(groups, key=lambda k: (order[k[0]], *k[1:])):
-        mode, processes, workers, n_sync, wpc, tree = key
-        v = groups[key]
-        sps = med[key]
-        same = [x for (p, _), x in pss.items() if p == processes]
-        ref_pss = pss.get((processes, workers)) or (statistics.median(same) if same else None)
+        mode, processes, workers, n_sync, tree = key
+        v, sps = groups[key], med[key]
+        ref_pss = pss.get((processes, workers))
         ref_best = best_pss.get((processes, workers))
         rows.append(
             dict(
@@ -362,7 +303,6 @@ def summarize(raw, batch_size):
                 workers=workers,
                 n_sync=n_sync,
                 processes=processes,
-                windows_per_closure=wpc,
                 runs=len(v),
                 samples_per_s=sps,
                 steps_per_s=sps / batch_size,
@@ -385,10 +325,10 @@ def tree_ratios(raw, names):
     by = {}
     for r in raw:
         if r["mode"] == "asgd":
-            key = (r["processes"], r["workers"], r["n_sync"], str(r["windows_per_closure"]))
+            key = (r["processes"], r["workers"], r["n_sync"])
             by.setdefault(key, {}).setdefault(r["round"], {})[r["tree"]] = r["samples_per_s"]
     lines = [f"Samples/s over tree {names[0]!r}'s, per round (median first):"]
-    for (processes, workers, n_sync, wpc), rounds in sorted(by.items()):
+    for (processes, workers, n_sync), rounds in sorted(by.items()):
         for name in names[1:]:
             ratios = [
                 got[name] / got[names[0]] for got in rounds.values() if {name, names[0]} <= set(got)
@@ -396,75 +336,55 @@ def tree_ratios(raw, names):
             if ratios:
                 each = " ".join(f"{x:.3f}" for x in ratios)
                 lines.append(
-                    f"- {name}, {processes}, {workers} worker(s), n_sync {n_sync}, K {wpc}: "
+                    f"- {name}, {processes}, {workers} worker(s), n_sync {n_sync}: "
                     f"{statistics.median(ratios):.3f} ({each})"
                 )
     return lines
 
 
-def markdown(rows, args):
-    def f(v, d=2):
-        return f"{v:.{d}f}" if isinstance(v, float) else str(v)
+def _two_places(v):
+    """A float with 2 decimals; anything else (an empty ratio) as it is."""
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
 
-    header = [
-        "mode",
-        "tree",
-        "workers",
-        "n_sync",
-        "processes",
-        "windows/closure",
-        "samples/s",
-        "steps/s",
-        "x keras",
-        "x pss",
-        "x best pss",
-        "pulled B/sample",
-        "pushed B/sample",
-        "mean staleness",
-    ]
-    cells = [
-        [
-            r["mode"],
-            r["tree"] or "-",
-            r["workers"] or "-",
-            r["n_sync"] or "-",
-            r["processes"],
-            r["windows_per_closure"] or "-",
-            f"{r['samples_per_s']:.0f}",
-            f"{r['steps_per_s']:.1f}",
-            f(r["ratio_to_keras"]),
-            f(r["ratio_to_pss"]),
-            f(r["ratio_to_best_pss"]),
-            f"{r['bytes_pulled_per_sample']:.0f}",
-            f"{r['bytes_pushed_per_sample']:.0f}",
-            f(r["mean_staleness"]),
-        ]
-        for r in rows
-    ]
-    out = [
+
+# summary.md's columns: (title, cell of a summary row).
+COLUMNS = (
+    ("mode", lambda r: r["mode"]),
+    ("tree", lambda r: r["tree"] or "-"),
+    ("workers", lambda r: r["workers"] or "-"),
+    ("n_sync", lambda r: r["n_sync"] or "-"),
+    ("processes", lambda r: r["processes"]),
+    ("samples/s", lambda r: f"{r['samples_per_s']:.0f}"),
+    ("steps/s", lambda r: f"{r['steps_per_s']:.1f}"),
+    ("x keras", lambda r: _two_places(r["ratio_to_keras"])),
+    ("x pss", lambda r: _two_places(r["ratio_to_pss"])),
+    ("x best pss", lambda r: _two_places(r["ratio_to_best_pss"])),
+    ("pulled B/sample", lambda r: f"{r['bytes_pulled_per_sample']:.0f}"),
+    ("pushed B/sample", lambda r: f"{r['bytes_pushed_per_sample']:.0f}"),
+    ("mean staleness", lambda r: _two_places(r["mean_staleness"])),
+)
+
+
+def markdown(rows, args):
+    """summary.md: what was run, then one table row per configuration."""
+    intro = (
         f"Model `{args.model}`, synthetic batches of {args.batch_size}, one PS, `LocalCluster` "
         "with every task in one process (`shared`) or one process per task (`separate`); "
-        f"medians of {args.rounds} round(s) x {args.inner} run(s) of about {args.seconds} s each; "
+        f"medians of {args.rounds} round(s) of a run of about {args.seconds} s each; "
         f"{os.cpu_count()} CPU cores. For `pss` rows n_sync is `steps_per_execution`. `x pss` "
         "is over stock PS with steps_per_execution 1, same worker count and process mode; "
-        "`x best pss` over the faster stock run.",
-        "",
-        *harness.markdown_table(header, cells),
-    ]
-    return "\n".join(out) + "\n"
+        "`x best pss` over the faster stock run."
+    )
+    table = harness.markdown_table(
+        [title for title, _ in COLUMNS], [[cell(r) for _, cell in COLUMNS] for r in rows]
+    )
+    return "\n".join([intro, "", *table]) + "\n"
 
 
-def main(argv=None):
+def _parser():
     p = harness.parser(__doc__, out=OUT, workers=[1, 2, 4], n_sync=[1, 10, 100])
     p.add_argument("--model", default="gem_mnist_convnet")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument(
-        "--pss-workers",
-        type=harness.int_list,
-        default=None,
-        help="worker counts for stock PS (default: --workers)",
-    )
-    p.add_argument("--staleness", default="dynsgd")
     p.add_argument("--modes", default="keras,pss,asgd")
     p.add_argument(
         "--processes",
@@ -472,14 +392,8 @@ def main(argv=None):
         help="cluster process modes: shared (all tasks in one process), separate",
     )
     p.add_argument("--pss-spe", default="1,10", help="steps_per_execution of the stock PS runs")
-    p.add_argument(
-        "--windows-per-closure",
-        default="auto",
-        help="tf_asgd windows per closure: auto (the strategy's default) and/or integers",
-    )
     p.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--inner", type=int, default=1, help="measurements per configuration per round")
     p.add_argument("--seconds", type=float, default=3.0, help="target length of one measurement")
     p.add_argument("--child-timeout", type=float, default=600)
     p.add_argument(
@@ -489,6 +403,11 @@ def main(argv=None):
         help="asgd runs once per tree, NAME=PATH each; ratios to the first tree",
     )
     p.add_argument("--child", choices=("keras", "pss", "asgd"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    p = _parser()
     args = p.parse_args(argv)
     if args.child:
         args.workers = harness.single(p, args, "workers")
@@ -496,14 +415,12 @@ def main(argv=None):
         _child_main(args)
         return 0
 
-    workers = args.workers
-    pss_workers = args.pss_workers or args.workers
     modes = args.modes.split(",")
     spes = harness.int_list(args.pss_spe)
     plan = [("keras", 0, "one", 1)] if "keras" in modes else []
     for processes in harness.str_list(args.processes):
-        plan += [("pss", w, processes, spe) for w in pss_workers for spe in spes if "pss" in modes]
-        plan += [("asgd", w, processes, 1) for w in workers if "asgd" in modes]
+        plan += [("pss", w, processes, s) for w in args.workers for s in spes if "pss" in modes]
+        plan += [("asgd", w, processes, 1) for w in args.workers if "asgd" in modes]
     trees = [tuple(t.split("=", 1)) for t in args.trees] or [None]
     raw, failures = [], []
     t0 = time.time()
@@ -520,7 +437,7 @@ def main(argv=None):
                 file=sys.stderr,
                 flush=True,
             )
-            failures.append(dict(mode=mode, workers=w, processes=processes, round=rnd))
+            failures.append(f"{mode} x{w} {processes} round {rnd}")
             continue
         for r in rows:
             r["round"] = rnd
@@ -532,13 +449,7 @@ def main(argv=None):
     harness.write_csv(os.path.join(args.out, "summary.csv"), rows)
     text = markdown(rows, args)
     if failures:
-        text += (
-            "\nFailed runs (not in the medians): "
-            + ", ".join(
-                f"{f['mode']} x{f['workers']} {f['processes']} round {f['round']}" for f in failures
-            )
-            + "\n"
-        )
+        text += "\nFailed runs (not in the medians): " + ", ".join(failures) + "\n"
     if len(trees) > 1:
         text += "\n" + "\n".join(tree_ratios(raw, [t[0] for t in trees])) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:

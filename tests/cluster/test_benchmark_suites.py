@@ -190,27 +190,6 @@ def test_scaleout_suite_and_sleep_op(tmp_path):
     _png(tmp_path / "scaleout.png")
 
 
-def test_push_floor_suite(tmp_path):
-    _run(
-        "push_floor",
-        "--out",
-        str(tmp_path),
-        "--iterations",
-        "8",
-        "--rounds",
-        "1",
-        "--bodies",
-        "local,round_trip,push_pull_x2",
-    )
-    rows = _csv(
-        tmp_path / "push_floor.csv",
-        ["body", "us_per_round_trip", "host_cpu_us_per_round_trip", "round_trips_per_s"],
-    )
-    assert [r["body"] for r in rows] == ["local", "round_trip", "push_pull_x2"]
-    _positive(rows, "us_per_round_trip")
-    assert "| push_pull_x2 |" in (tmp_path / "push_floor.md").read_text()
-
-
 def test_throughput_suite(tmp_path):
     """Every mode once; tf_asgd from two trees (this checkout twice), side by side."""
     _run(
@@ -245,7 +224,6 @@ def test_throughput_suite(tmp_path):
             "ratio_to_pss",
             "bytes_pulled_per_sample",
             "processes",
-            "windows_per_closure",
             "ratio_to_best_pss",
         ],
     )
@@ -266,7 +244,7 @@ def test_throughput_suite(tmp_path):
     assert len(_csv(tmp_path / "raw.csv", ["mode", "round", "seconds", "tree"])) == 4
     summary = (tmp_path / "summary.md").read_text()
     assert "| asgd | here | 1 | 2 |" in summary
-    ratio = float(summary.split("- again, shared, 1 worker(s), n_sync 2, K auto: ")[1].split()[0])
+    ratio = float(summary.split("- again, shared, 1 worker(s), n_sync 2: ")[1].split()[0])
     by_tree = {r["tree"]: float(r["samples_per_s"]) for r in rows if r["mode"] == "asgd"}
     assert ratio == pytest.approx(by_tree["again"] / by_tree["here"], abs=1e-3)
 
@@ -321,42 +299,6 @@ def test_experiments_suite(tmp_path):
     assert len(summary) == 4
     for name in ("nsync_curves.png", "nsync_staleness.png", "start_curves.png"):
         _png(tmp_path / name)
-
-
-def test_straggler_suite(tmp_path):
-    _run(
-        "straggler",
-        "--out",
-        str(tmp_path),
-        "--workers",
-        "3",
-        "--device-ms",
-        "2",
-        "--steps",
-        "60",
-        "--rounds",
-        "1",
-    )
-    rows = _csv(
-        tmp_path / "straggler.csv",
-        [
-            "config",
-            "seconds",
-            "samples_per_s",
-            "fast_windows_per_worker_s",
-            "slow_windows",
-            "dropped_stale",
-            "test_accuracy",
-        ],
-    )
-    assert [r["config"] for r in rows] == ["uniform", "straggler", "straggler_drop"]
-    # nan where a loaded machine left the fast workers under 2 windows
-    rates = [float(r["fast_windows_per_worker_s"]) for r in rows]
-    assert any(v > 0 for v in rates) and all(v > 0 or math.isnan(v) for v in rates), rates
-    assert sum(int(r["slow_windows"]) for r in rows) >= 1
-    md = (tmp_path / "straggler.md").read_text()
-    assert "windows/s per fast worker" in md and "ideal" in md
-    _png(tmp_path / "straggler.png")
 
 
 def test_epoch_barrier_suite(tmp_path):

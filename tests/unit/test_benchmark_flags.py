@@ -17,7 +17,6 @@ BENCHMARKS = [
     "scaleout",
     "compression",
     "time_to_accuracy",
-    "straggler",
     "evaluation",
 ]
 
@@ -91,7 +90,7 @@ def test_the_runner_lists_the_suites_and_refuses_an_unknown_one(capsys):
 
 
 def test_the_runner_finds_a_suites_output_folder():
-    module = runner.suite_module("straggler")
-    assert runner.out_folder(module, []) == "results/straggler"
+    module = runner.suite_module("throughput")
+    assert runner.out_folder(module, []) == "results/throughput"
     assert runner.out_folder(module, ["--workers", "4", "--out", "/tmp/x"]) == "/tmp/x"
     assert runner.out_folder(module, ["--out=/tmp/y"]) == "/tmp/y"
