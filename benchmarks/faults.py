@@ -2,20 +2,18 @@
 
 `--mode` (comma-separated): `cost` (samples/s and idle time, snapshots off, default and
 every 2 s); `faults` (ps:0 killed halfway through `fit` and restarted 2 s later, against
-the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over `--seeds`); `chaos` (a
-task killed every 20 to 40 s for `--minutes`); `ps_any_time` (ps:0 killed at each of
-`--kill-at` seconds of a `fit`); `worker_restarts` (4 workers, each in turn killed every
-`--periods` s, restarted 1 s later); `chaos_seeds` (`--runs` fits of 20 seeded faults
-each). The last three feed a user's seeded `tf.data` pipeline.
-`--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
+the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over `--seeds`);
+`ps_any_time` (ps:0 killed at each of `--kill-at` seconds of a `fit`); `worker_restarts`
+(4 workers, each in turn killed every `--periods` s, restarted 1 s later); `chaos_seeds`
+(`--runs` fits of 20 seeded faults each). The last three feed a user's seeded `tf.data`
+pipeline. `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
 
-    python -m benchmarks.run faults --mode chaos,faults,cost --noise-floor
+    python -m benchmarks.run faults --mode faults,cost --noise-floor
     python -m benchmarks.run faults --mode ps_any_time,worker_restarts \
         --out results/ps_recovery/user_faults
 """
 
 import faulthandler
-import random
 import shutil
 import statistics
 import tempfile
@@ -27,14 +25,18 @@ from benchmarks import harness, setups
 
 OUT = "results/ps_recovery"  # the default --out
 
-MODES = ("cost", "faults", "chaos", "ps_any_time", "worker_restarts", "chaos_seeds")
+MODES = ("cost", "faults", "ps_any_time", "worker_restarts", "chaos_seeds")
 
 
-def _sharded_strategy(cluster, **options):
+def _sharded_strategy(cluster, device_ms=None, **options):
+    """A strategy on `cluster` with variables over 4 KiB split over the PS tasks; each
+    worker's batches cost `device_ms` of emulated device time where given."""
     import tensorflow as tf
 
     import tf_asgd
 
+    if device_ms is not None:
+        options["per_worker_dataset_fn"] = tf_asgd.data.emulated_device_time(device_ms)
     return tf_asgd.AsyncParameterServerStrategy(
         cluster.resolver,
         variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
@@ -137,17 +139,14 @@ def _cost_summary(rows):
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         cells = [r for r in rows if r["model"] == model]
-        off = statistics.median(
-            float(r["samples_per_s"]) for r in cells if r["snapshot_every"] == "off"
-        )
+        off = statistics.median(r["samples_per_s"] for r in cells if r["snapshot_every"] == "off")
         for every in dict.fromkeys(r["snapshot_every"] for r in cells):
-            mine = [{k: _number(v) for k, v in r.items()} for r in cells]
-            mine = [r for r in mine if r["snapshot_every"] == _number(every)]
+            mine = [r for r in cells if r["snapshot_every"] == every]
             rate = statistics.median(r["samples_per_s"] for r in mine)
             share = statistics.mean(
                 r["snapshots"] * (r["read_s"] + r["wait_s"]) / r["seconds"] for r in mine
             )
-            idle = statistics.mean(r.get("idle_s", float("nan")) / r["seconds"] for r in mine)
+            idle = statistics.mean(r["idle_s"] / r["seconds"] for r in mine)
             lines.append(
                 f"| {model} | {every} | {rate:.0f} | {rate / off:.3f} "
                 f"| {statistics.mean(r['snapshots'] for r in mine):.1f} "
@@ -159,15 +158,7 @@ def _cost_summary(rows):
     return lines
 
 
-def _number(v):
-    """`v` as a float where it reads as one (rows read back from a CSV are strings)."""
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return v
-
-
-# ---- faults and chaos ----------------------------------------------------------------
+# ---- faults ------------------------------------------------------------------------
 
 
 def _kill_halfway(cluster, task, at):
@@ -283,89 +274,6 @@ def _cell(row):
     return row["setup"], row["workers"], row["seed"]
 
 
-def run_chaos(args):
-    import keras
-
-    import tf_asgd
-
-    data = setups.load_data("digits")
-    (x, y), (xt, yt) = data
-    rows, kills = [], []
-    with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
-        for chaos in (True, False):
-            strategy = _sharded_strategy(
-                cluster,
-                n_sync=10,
-                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
-            )
-            keras.utils.set_random_seed(0)
-            with strategy.scope():
-                model = setups.build_model("digits_convnet", data)
-                harness.compile_classifier(
-                    model, setups.make_optimizer("sgd_0.05_m0.9"), metrics=["accuracy"]
-                )
-            stop = threading.Event()
-            deadline = time.monotonic() + args.minutes * 60
-            callbacks = [_stop_at(deadline)] if chaos else []
-            thread = None
-            if chaos:
-                thread = threading.Thread(target=_chaos, args=(cluster, stop, kills, args.seeds[0]))
-                thread.start()
-            epochs = 10_000 if chaos else rows[0]["epochs"]
-            t0 = time.perf_counter()
-            try:
-                history = model.fit(
-                    x, y, batch_size=32, epochs=epochs, callbacks=callbacks, verbose=0
-                )
-            finally:
-                stop.set()
-                if thread is not None:
-                    thread.join()
-            rec = strategy.recoveries
-            stats = strategy.model_stats(model)
-            rows.append(
-                {
-                    "run": "chaos" if chaos else "fault-free",
-                    "seconds": time.perf_counter() - t0,
-                    "epochs": len(history.history["loss"]),
-                    "failures": len(kills) if chaos else 0,
-                    "ps_failures": sum(k.startswith("ps") for k in kills) if chaos else 0,
-                    "recoveries": len(rec),
-                    "rolled_back": sum(r.rolled_back for r in rec),
-                    "applied_twice": _applied_twice(strategy.window_log(model)),
-                    "version_is_applied": int(strategy.counters.version.numpy()) == stats.applied,
-                    "test_accuracy": float(model.evaluate(xt, yt, verbose=0)[1]),
-                }
-            )
-            print(_fmt_row(rows[-1]), flush=True)
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
-    lines += ["| " + " | ".join(_fmt(v) for v in r.values()) + " |" for r in rows]
-    lines.append("")
-    lines.append("Tasks killed, in order: " + ", ".join(kills) + ".")
-    return rows, lines
-
-
-def _stop_at(deadline):
-    import keras
-
-    class StopAt(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if time.monotonic() > deadline:
-                self.model.stop_training = True
-
-    return StopAt()
-
-
-def _chaos(cluster, stop, kills, seed):
-    rng = random.Random(seed)
-    while not stop.wait(rng.uniform(20, 40)):
-        task = rng.choice(cluster.tasks())
-        cluster.kill_task(task)
-        kills.append(task)
-        time.sleep(2.0)
-        cluster.restart_task(task)
-
-
 # ---- a PS killed at any time; workers killed and restarted ----------------------------
 
 
@@ -424,10 +332,7 @@ def run_ps_any_time(args):
     data, rows = setups.load_data("digits"), []
     for at in ["none"] + args.kill_at:
         with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
-            strategy = _sharded_strategy(
-                cluster, n_sync=10,
-                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
-            )  # fmt: skip
+            strategy = _sharded_strategy(cluster, args.device_ms, n_sync=10)
             callbacks = [] if at == "none" else [_kill_at(cluster, at)]
             try:
                 model, seconds, accuracy = _user_fit(strategy, data, 6, 400, callbacks)
@@ -474,10 +379,7 @@ def run_worker_restarts(args):
     data, rows = setups.load_data("digits"), []
     with tf_asgd.LocalCluster(4, 2, shared_process=False) as cluster:
         for period in [None] + args.periods:
-            strategy = _sharded_strategy(
-                cluster, n_sync=10,
-                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
-            )  # fmt: skip
+            strategy = _sharded_strategy(cluster, args.device_ms, n_sync=10)
             stop, kills = threading.Event(), []
             chaos = threading.Thread(target=_restart_workers, args=(cluster, stop, period, kills))
             if period is not None:
@@ -535,9 +437,8 @@ def run_chaos_seeds(args):
         with tf_asgd.LocalCluster(workers, ps, shared_process=False) as cluster:
             pids = set(cluster.pids().values())
             strategy = _sharded_strategy(
-                cluster, n_sync=5, snapshot_every=2.0, connect_timeout=60,
+                cluster, args.device_ms, n_sync=5, snapshot_every=2.0, connect_timeout=60,
                 synchronous=synchronous,
-                per_worker_dataset_fn=tf_asgd.data.emulated_device_time(args.device_ms),
             )  # fmt: skip
             faults, error, t0 = None, "", time.perf_counter()
             broken, replay = ["no fit"], "n/a (synchronous)" if synchronous else ""
@@ -659,7 +560,9 @@ def _fmt_row(row):
 
 def main(argv=None):
     p = harness.parser(__doc__, out=OUT, workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0])
-    p.add_argument("--mode", type=harness.str_list, default=list(MODES), help="cost,faults,chaos")
+    p.add_argument(
+        "--mode", type=harness.str_list, default=list(MODES), help="comma-separated, of MODES"
+    )
     p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
     p.add_argument("--setups", type=harness.str_list, default=list(setups.FAULT_SETUPS))
     p.add_argument("--everies", type=harness.str_list, default=["off", "60", "2"],
@@ -668,7 +571,6 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=20.0, help="cost: seconds per fit")
     p.add_argument("--noise-floor", action="store_true",
                    help="faults: each fault-free run again, to compare")  # fmt: skip
-    p.add_argument("--minutes", type=float, default=10.0, help="chaos: minutes of fit")
     p.add_argument("--kill-at", type=harness.str_list,
                    default=["0", "0.5", "1", "2", "4", "8", "12", "16", "20", "end"],
                    help="ps_any_time: seconds after on_train_begin, or end")  # fmt: skip
@@ -682,14 +584,13 @@ def main(argv=None):
     p.add_argument("--synchronous", action="store_true",
                    help="cost and faults: synchronous rounds (synchronous=True)")  # fmt: skip
     args = p.parse_args(argv)
-    args.device_ms = harness.single(p, args, "device_ms")  # chaos: emulated device ms a batch
+    args.device_ms = harness.single(p, args, "device_ms")  # emulated device ms a batch
     bad = set(args.mode) - set(MODES)
     if bad:
         p.error(f"unknown --mode {sorted(bad)}; choose from {MODES}")
     runners = {
         "cost": run_cost,
         "faults": run_faults,
-        "chaos": run_chaos,
         "ps_any_time": run_ps_any_time,
         "worker_restarts": run_worker_restarts,
         "chaos_seeds": run_chaos_seeds,
