@@ -2,11 +2,10 @@
 
 For each worker count of `--workers`, one `LocalCluster` and one seeded digits convnet
 whose forward pass costs `--device-ms` of emulated device time per batch wherever it runs;
-`model.evaluate` on `--examples` images runs with `evaluation="chief"` and `"workers"` in
-alternating rounds. Reports the median wall seconds of each, the speed-up and the largest
-difference between the two modes' metrics. Method: docs/benchmarks.md (How each suite measures).
-
-Writes `evaluation.csv` (one row per timed call) and `evaluation.md` to `--out`.
+`model.evaluate` on `--examples` images with `evaluation="chief"` and `"workers"` in
+alternating rounds. Writes `evaluation.csv` (one row per timed call) and `evaluation.md`
+(the median seconds of each mode, the speed-up and the largest difference between the
+modes' metrics) to `--out`. Method: docs/benchmarks.md (How each suite measures).
 
     python -m benchmarks.run evaluation                        # the default run
     python -m benchmarks.run evaluation --workers 1,2 --device-ms 20 --examples 200 --rounds 1
@@ -45,6 +44,13 @@ def device_time_model(step_ms):
     return keras.Model(inputs, tf_asgd.models.digits_convnet()(DeviceTime()(inputs)))
 
 
+def _evaluate(strategy, model, mode, data, args):
+    """`model.evaluate` on `data` with `strategy.evaluation = mode`: the metrics by name."""
+    strategy.evaluation = mode
+    x, y = data
+    return model.evaluate(x, y, batch_size=args.batch_size, verbose=0, return_dict=True)
+
+
 def run_workers(workers, data, args):
     """Rows of the timed calls on a cluster of `workers` workers, for each
     `--device-ms` (one seeded model each)."""
@@ -52,7 +58,6 @@ def run_workers(workers, data, args):
 
     import tf_asgd
 
-    x, y = data
     rows = []
     with harness.local_cluster(workers) as cluster:
         strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
@@ -62,17 +67,12 @@ def run_workers(workers, data, args):
                 model = harness.compile_classifier(
                     device_time_model(step_ms), keras.optimizers.SGD(0.05), metrics=["accuracy"]
                 )
-            results = {}
-            for mode in MODES:  # trace each path once, untimed
-                strategy.evaluation = mode
-                results[mode] = model.evaluate(
-                    x, y, batch_size=args.batch_size, verbose=0, return_dict=True
-                )
-            diff = max(abs(results["chief"][k] - results["workers"][k]) for k in results["chief"])
+            # Each path traced once, untimed; the modes' metrics compared.
+            chief, on_workers = (_evaluate(strategy, model, m, data, args) for m in MODES)
+            diff = max(abs(chief[k] - on_workers[k]) for k in chief)
             for k, mode in metrics.alternating(MODES, args.rounds):
-                strategy.evaluation = mode
                 t0 = time.perf_counter()
-                out = model.evaluate(x, y, batch_size=args.batch_size, verbose=0, return_dict=True)
+                out = _evaluate(strategy, model, mode, data, args)
                 seconds = time.perf_counter() - t0
                 row = dict(
                     workers=workers,
@@ -80,7 +80,7 @@ def run_workers(workers, data, args):
                     mode=mode,
                     round=k,
                     seconds=seconds,
-                    batches=-(-len(x) // args.batch_size),
+                    batches=-(-len(data[0]) // args.batch_size),
                     loss=out["loss"],
                     accuracy=out["accuracy"],
                     max_metric_diff=diff,
@@ -88,6 +88,25 @@ def run_workers(workers, data, args):
                 print(row, flush=True)
                 rows.append(row)
     return rows
+
+
+def _table(rows, args):
+    """The Markdown table: per device time and worker count, each mode's median seconds
+    (and per batch), the speed-up and the largest difference between the modes' metrics."""
+    batches = rows[0]["batches"]
+    header = ["step ms", "workers", "chief s", "workers s", "chief ms/batch"]
+    header += ["workers ms/batch", "speed-up", "max metric diff"]
+    cells = []
+    for step_ms in args.device_ms:
+        for workers in args.workers:
+            mine = [r for r in rows if r["workers"] == workers and r["step_ms"] == step_ms]
+            chief, on_workers = (metrics.median_of(mine, "seconds", mode=m) for m in MODES)
+            cells.append(
+                [f"{step_ms:g}", workers, f"{chief:.2f}", f"{on_workers:.2f}"]
+                + [f"{1000 * s / batches:.1f}" for s in (chief, on_workers)]
+                + [f"{chief / on_workers:.2f}", f"{mine[0]['max_metric_diff']:.1e}"]
+            )
+    return harness.markdown_table(header, cells)
 
 
 def main(argv=None):
@@ -109,35 +128,8 @@ def main(argv=None):
     for workers in args.workers:
         rows += run_workers(workers, data, args)
 
-    os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
-
-    def median(workers, step_ms, mode):
-        return metrics.median_of(rows, "seconds", workers=workers, step_ms=step_ms, mode=mode)
-
     batches = rows[0]["batches"]
-    table = []
-    for step_ms in args.device_ms:
-        for workers in args.workers:
-            chief = median(workers, step_ms, "chief")
-            on_workers = median(workers, step_ms, "workers")
-            diff = next(
-                r["max_metric_diff"]
-                for r in rows
-                if r["workers"] == workers and r["step_ms"] == step_ms
-            )
-            table.append(
-                [
-                    f"{step_ms:g}",
-                    workers,
-                    f"{chief:.2f}",
-                    f"{on_workers:.2f}",
-                    f"{1000 * chief / batches:.1f}",
-                    f"{1000 * on_workers / batches:.1f}",
-                    f"{chief / on_workers:.2f}",
-                    f"{diff:.1e}",
-                ]
-            )
     lines = [
         "# Evaluation on the workers vs on the chief",
         "",
@@ -150,18 +142,6 @@ def main(argv=None):
         "speed-up = chief s / workers s. `max metric diff`: the largest difference between "
         "the two modes' loss and accuracy.",
         "",
-    ] + harness.markdown_table(
-        [
-            "step ms",
-            "workers",
-            "chief s",
-            "workers s",
-            "chief ms/batch",
-            "workers ms/batch",
-            "speed-up",
-            "max metric diff",
-        ],
-        table,
-    )
+    ] + _table(rows, args)
     harness.write_lines(os.path.join(args.out, "evaluation.md"), lines)
     print("\n".join(lines))
