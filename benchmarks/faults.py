@@ -1,14 +1,16 @@
 """A parameter server recovered inside `fit`: what snapshots cost, and what faults cost.
 
-`--mode` (comma-separated): `cost` (samples/s and the workers' idle time, snapshots off,
-at the default and every 2 s); `faults` (ps:0 killed halfway through `fit` and restarted
-2 s later, against the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over
-`--seeds`); `chaos_seeds` (`--runs` fits of 20 seeded faults each, on a user's seeded
-`tf.data` pipeline). `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under
-`--out`.
+`--mode` (comma-separated): `cost` (samples/s and idle time, snapshots off, default and
+every 2 s); `faults` (ps:0 killed halfway through `fit` and restarted 2 s later, against
+the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over `--seeds`);
+`ps_any_time` (ps:0 killed at each of `--kill-at` seconds of a `fit`); `worker_restarts`
+(4 workers, each in turn killed every `--periods` s, restarted 1 s later); `chaos_seeds`
+(`--runs` fits of 20 seeded faults each). The last three feed a user's seeded `tf.data`
+pipeline. `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
 
     python -m benchmarks.run faults --mode faults,cost --noise-floor
-    python -m benchmarks.run faults --mode chaos_seeds --runs 25 --hang-s 600
+    python -m benchmarks.run faults --mode ps_any_time,worker_restarts \
+        --out results/ps_recovery/user_faults
 """
 
 import faulthandler
@@ -23,7 +25,7 @@ from benchmarks import harness, setups
 
 OUT = "results/ps_recovery"  # the default --out
 
-MODES = ("cost", "faults", "chaos_seeds")
+MODES = ("cost", "faults", "ps_any_time", "worker_restarts", "chaos_seeds")
 
 
 def _sharded_strategy(cluster, device_ms=None, **options):
@@ -178,8 +180,8 @@ def _kill_halfway(cluster, task, at):
     return Kill()
 
 
-def _restart_later(cluster, task):
-    time.sleep(2.0)
+def _restart_later(cluster, task, after=2.0):
+    time.sleep(after)
     cluster.restart_task(task)
 
 
@@ -272,13 +274,13 @@ def _cell(row):
     return row["setup"], row["workers"], row["seed"]
 
 
-# ---- seeded chaos ---------------------------------------------------------------
+# ---- a PS killed at any time; workers killed and restarted ----------------------------
 
 
 def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
     """The digits convnet trained as a user's script trains it: `SGD(0.05, momentum=0.9)`
-    on a seeded, shuffled, repeated `tf.data` pipeline of batch 32. Returns `(model,
-    held-out accuracy)`."""
+    on a seeded, shuffled, repeated `tf.data` pipeline of batch 32. Returns `(model, fit
+    seconds, held-out accuracy)`."""
     import keras
     import tensorflow as tf
 
@@ -289,9 +291,121 @@ def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
         optimizer = setups.make_optimizer("sgd_0.05_m0.9")
         harness.compile_classifier(model, optimizer, metrics=["accuracy"])
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
+    t0 = time.perf_counter()
     model.fit(pipeline.repeat().batch(32), epochs=epochs, steps_per_epoch=steps,
               callbacks=callbacks, verbose=0)  # fmt: skip
-    return model, float(model.evaluate(xt, yt, verbose=0)[1])
+    seconds = time.perf_counter() - t0
+    return model, seconds, float(model.evaluate(xt, yt, verbose=0)[1])
+
+
+def _kill_at(cluster, at):
+    """A callback: SIGKILLs ps:0 `at` seconds after `on_train_begin` ("end": at the last
+    epoch's end), restarts it 2 s later."""
+    import keras
+
+    class Kill(keras.callbacks.Callback):
+        thread = None
+
+        def _kill(self):
+            cluster.kill_task("ps:0")
+            _restart_later(cluster, "ps:0")
+
+        def on_train_begin(self, logs=None):
+            if at != "end":
+                self.thread = threading.Timer(float(at), self._kill)
+                self.thread.start()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if at == "end" and epoch == self.params["epochs"] - 1:
+                self.thread = threading.Thread(target=self._kill)
+                self.thread.start()
+                time.sleep(0.5)  # the end's own reads meet the lost PS
+
+    return Kill()
+
+
+def run_ps_any_time(args):
+    """ps:0 SIGKILLed at each of `--kill-at` seconds of a `fit` (2 workers, 2 PS with
+    variables split), restarted 2 s later, against the fault-free `fit`."""
+    import tf_asgd
+
+    data, rows = setups.load_data("digits"), []
+    for at in ["none"] + args.kill_at:
+        with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
+            strategy = _sharded_strategy(cluster, args.device_ms, n_sync=10)
+            callbacks = [] if at == "none" else [_kill_at(cluster, at)]
+            try:
+                model, seconds, accuracy = _user_fit(strategy, data, 6, 400, callbacks)
+                error = ""
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                model, seconds, accuracy, error = None, float("nan"), float("nan"), repr(e)[:200]
+            for c in callbacks:
+                if c.thread is not None:
+                    c.thread.join()
+            rec = strategy.recoveries
+            stats = strategy.model_stats(model) if model is not None else None
+            rows.append({
+                "killed_at_s": at, "completed": model is not None, "seconds": seconds,
+                "test_accuracy": accuracy, "recoveries": len(rec),
+                "rolled_back": sum(r.rolled_back for r in rec),
+                "version_is_applied": stats is not None
+                and int(strategy.counters.version.numpy()) == stats.applied == stats.windows,
+                "applied_twice": _applied_twice(strategy.window_log(model)) if model else "",
+                "error": error,
+            })  # fmt: skip
+        print(_fmt_row(rows[-1]), flush=True)
+    lines = _table(rows)
+    return rows, lines
+
+
+def _restart_workers(cluster, stop, period, kills):
+    """Until `stop`: every `period` s the next worker in turn is SIGKILLed, and restarted
+    on its port 1 s later (in its own thread, so kills keep their pace)."""
+    i = 0
+    while not stop.wait(period):
+        task = f"worker:{i % cluster.num_workers}"
+        cluster.kill_task(task)
+        kills.append(task)
+        threading.Thread(target=_restart_later, args=(cluster, task, 1.0), daemon=True).start()
+        i += 1
+
+
+def run_worker_restarts(args):
+    """4 workers, 2 PS with variables split; each worker in turn SIGKILLed every
+    `--period` s and restarted 1 s later, for a `fit` of about 75 s fault-free; against
+    the fault-free `fit` on the same cluster."""
+    import tf_asgd
+
+    data, rows = setups.load_data("digits"), []
+    with tf_asgd.LocalCluster(4, 2, shared_process=False) as cluster:
+        for period in [None] + args.periods:
+            strategy = _sharded_strategy(cluster, args.device_ms, n_sync=10)
+            stop, kills = threading.Event(), []
+            chaos = threading.Thread(target=_restart_workers, args=(cluster, stop, period, kills))
+            if period is not None:
+                chaos.start()
+            try:
+                model, seconds, accuracy = _user_fit(strategy, data, 15, 1000, [])
+                error = ""
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                model, seconds, accuracy, error = None, float("nan"), float("nan"), repr(e)[:200]
+            finally:
+                stop.set()
+                if period is not None:
+                    chaos.join()
+            time.sleep(3.0)  # the last restart
+            rows.append({
+                "period_s": period or "fault-free", "kills": len(kills),
+                "completed": model is not None, "seconds": seconds,
+                "samples_per_s": 15 * 1000 * 32 / seconds, "test_accuracy": accuracy,
+                "recoveries": len(strategy.recoveries),
+                "rolled_back": sum(r.rolled_back for r in strategy.recoveries),
+                "applied_twice": _applied_twice(strategy.window_log(model)) if model else "",
+                "error": error,
+            })  # fmt: skip
+            print(_fmt_row(rows[-1]), flush=True)
+    lines = _table(rows)
+    return rows, lines
 
 
 # (PS tasks, workers, synchronous) of the chaos runs, in turn.
@@ -333,7 +447,7 @@ def run_chaos_seeds(args):
             try:
                 faults = chaos.Chaos(cluster, strategy, 20, seed)
                 with push_journal.recording(journal):
-                    model, accuracy = _user_fit(
+                    model, _, accuracy = _user_fit(
                         strategy, data, 100_000, 40, [initial, faults], seed
                     )
                 windows = chaos.windows_run(strategy, model)
@@ -369,20 +483,12 @@ def run_chaos_seeds(args):
         })  # fmt: skip
         print(_fmt_row(rows[-1]), flush=True)
     faulthandler.cancel_dump_traceback_later()
-    keys = list(rows[0])
-    lines = harness.markdown_table(keys, [[_fmt(r[k]) for k in keys] for r in rows])
-    return rows, lines + ["", _chaos_totals(rows)]
-
-
-def _chaos_totals(rows):
-    """The line under the chaos runs' table: the faults by kind and point, and the runs
-    that broke the invariant, stopped, stalled, left processes or matched the replay."""
-    from tf_asgd.cluster import chaos, fault_points
-
+    lines = _table(rows)
     total = sum(r["faults"] for r in rows)
     by_kind = ", ".join(f"{k} {sum(r[k] for r in rows)}" for k in chaos.KINDS)
     by_kind += " (" + ", ".join(f"{p} {sum(r[p] for r in rows)}" for p in fault_points.POINTS) + ")"
-    return (
+    lines += [
+        "",
         f"{total} faults ({by_kind}) over {len(rows)} runs: "
         f"{sum(bool(r['violations']) for r in rows)} run(s) broke the invariant, "
         f"{sum(not r['completed'] for r in rows)} stopped with an error, "
@@ -390,8 +496,9 @@ def _chaos_totals(rows):
         f"{sum(r['processes_left'] for r in rows)} process(es) left. Asynchronous runs "
         f"whose central weights equal the NumPy replay of their pushes: "
         f"{sum(r['replay'] == '' and r['completed'] and not r['synchronous'] for r in rows)}"
-        f" of {sum(not r['synchronous'] for r in rows)}."
-    )
+        f" of {sum(not r['synchronous'] for r in rows)}.",
+    ]
+    return rows, lines
 
 
 def _initial_values_callback():
@@ -436,6 +543,13 @@ def _left(pids, wait_s=10.0):
     return left
 
 
+def _table(rows):
+    """A Markdown table of `rows` (dicts with the same keys), one line each."""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    return lines + ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+
+
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -446,7 +560,9 @@ def _fmt_row(row):
 
 def main(argv=None):
     p = harness.parser(__doc__, out=OUT, workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0])
-    p.add_argument("--mode", type=harness.str_list, default=list(MODES), help=",".join(MODES))
+    p.add_argument(
+        "--mode", type=harness.str_list, default=list(MODES), help="comma-separated, of MODES"
+    )
     p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
     p.add_argument("--setups", type=harness.str_list, default=list(setups.FAULT_SETUPS))
     p.add_argument("--everies", type=harness.str_list, default=["off", "60", "2"],
@@ -455,19 +571,30 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=20.0, help="cost: seconds per fit")
     p.add_argument("--noise-floor", action="store_true",
                    help="faults: each fault-free run again, to compare")  # fmt: skip
+    p.add_argument("--kill-at", type=harness.str_list,
+                   default=["0", "0.5", "1", "2", "4", "8", "12", "16", "20", "end"],
+                   help="ps_any_time: seconds after on_train_begin, or end")  # fmt: skip
     p.add_argument("--runs", type=int, default=25, help="chaos_seeds: fits of 20 faults")
     p.add_argument("--first-run", type=int, default=0, help="chaos_seeds: the first run's seed")
     p.add_argument("--hang-s", type=float, default=900.0,
                    help="chaos_seeds: a run longer than this is hung: every thread's "
                         "stack is printed and the process exits 1")  # fmt: skip
+    p.add_argument("--periods", type=harness.float_list, default=[12.0, 4.0],
+                   help="worker_restarts: seconds between worker kills")  # fmt: skip
     p.add_argument("--synchronous", action="store_true",
                    help="cost and faults: synchronous rounds (synchronous=True)")  # fmt: skip
     args = p.parse_args(argv)
-    args.device_ms = harness.single(p, args, "device_ms")  # chaos_seeds: device ms a batch
+    args.device_ms = harness.single(p, args, "device_ms")  # emulated device ms a batch
     bad = set(args.mode) - set(MODES)
     if bad:
         p.error(f"unknown --mode {sorted(bad)}; choose from {MODES}")
-    runners = {"cost": run_cost, "faults": run_faults, "chaos_seeds": run_chaos_seeds}
+    runners = {
+        "cost": run_cost,
+        "faults": run_faults,
+        "ps_any_time": run_ps_any_time,
+        "worker_restarts": run_worker_restarts,
+        "chaos_seeds": run_chaos_seeds,
+    }
     report = ["# PS recovery: snapshot cost, faults and chaos", ""]
     for mode in args.mode:
         rows, lines = runners[mode](args)
