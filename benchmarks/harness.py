@@ -327,6 +327,3 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
     plt.close(fig)
     return path
 
-
-# The setups of time_to_accuracy.py and batch_scaling.py: data, model, optimizer.
-# name: (data, model, optimizer, batch size, plain steps, default device ms)

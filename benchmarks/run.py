@@ -26,15 +26,11 @@ SUITES = {
     "compression": ("compression", "compressed pushes and pulls on a limited network"),
     "ceiling": ("ceiling", "the synchronous ceiling, in one process (an emulation)"),
     "ceiling_share": ("ceiling_share", "a rule's share of the ceiling, from saved runs"),
-    "straggler": ("straggler", "one slow worker among fast ones"),
     "evaluation": ("evaluation", "evaluate on the workers against on the chief"),
     "gem_stability": ("gem_stability", "GEM against Downpour on a real cluster"),
     "simulator": ("simulator", "GEM's paper at 16 to 100 workers (NumPy)"),
     "experiments": ("experiments", "the GPU A-SGD paper's sweeps"),
-    "push_floor": ("push_floor", "the floor of one push on TF's runtime"),
     "epoch_barrier": ("epoch_barrier", "what waiting at an epoch's end costs and buys"),
-    "schedule_cases": ("schedule_cases", "learning-rate callbacks at 2 workers"),
-    "convergence": ("convergence", "the default's accuracy against plain Keras"),
 }
 
 
