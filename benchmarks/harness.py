@@ -326,4 +326,3 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
