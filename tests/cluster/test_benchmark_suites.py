@@ -110,38 +110,6 @@ def test_simulator_suite(tmp_path):
         _png(tmp_path / name)
 
 
-def test_simulator_outer_study(tmp_path):
-    _run(
-        "simulator",
-        "--outer-study",
-        "--out",
-        str(tmp_path),
-        "--workers",
-        "3",
-        "--n-sync",
-        "10",
-        "--seeds",
-        "0",
-        "--steps",
-        "60",
-    )
-    rows = _csv(tmp_path / "outer.csv", ["inner", "workers", "setup", "seed", "accuracy", "loss"])
-    setups = {r["setup"] for r in rows}
-    assert {
-        "sequential",
-        "default (rise and fall, warm-up)",
-        "capped square-root rate, warm-up",
-        "delayed Nesterov 0.7/0.9",
-    } <= setups
-    assert len(rows) == 2 * len(setups)  # momentum SGD and Adam, one seed each
-    assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
-    assert (
-        "| Adam 1e-3 | 3 | default (rise and fall, warm-up) |"
-        in (tmp_path / "outer.md").read_text()
-    )
-    _png(tmp_path / "outer.png")
-
-
 def test_convergence_suite_and_merge(tmp_path):
     run = tmp_path / "run"
     _run(
