@@ -29,16 +29,11 @@ SCALINGS = {"x1": lambda n: 1.0, "sqrt": math.sqrt, "linear": float}
 METHODS = ("large_batch", "local_sgd", "lr_only", "sync_outer", "async_outer")
 OUTER_HELP = (
     "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
-    "synchronous or asynchronous), "
-    "average (1/N a push), diloco (DelayedNesterov(0.7, 0.9)), dn:LR:MOMENTUM, "
-    "gain:F (outer_optimizers.nesterov_with_gain(F x N), in either mode), or "
-    "adaptive (synchronous: each round's gain from the rounds' noise scale, "
-    "noise_scale.round_gain); each with +sqrt, +linear, +anneal, +none or +F for the "
-    "workers' rate, +anneal:F (N falling toward F) or +fits:K:F:MODE (the "
-    "run as K fits: MODE first anneals over the first only, each over every fit, eachw "
-    "with a warm-up in each too) (lr_scaling; default: the strategy's auto under the asynchronous "
-    "default, N annealed to 1 for Adam's kin and sqrt(N) for others, else the "
-    "user's rate)"
+    "synchronous or asynchronous), average (1/N a push) or diloco (DelayedNesterov(0.7, 0.9)); "
+    "each with +sqrt, +linear, +anneal, +none or +F for the workers' rate, +anneal:F (N "
+    "falling toward F) or +fits:K:F:MODE (the run as K fits: MODE first anneals over the "
+    "first only, each over every fit, eachw with a warm-up in each too) (lr_scaling; default: "
+    "the strategy's auto under default, else the user's rate)"
 )
 
 
@@ -84,13 +79,6 @@ def outer_rule(name, workers, synchronous, worker_peak=1.0):
         return outer_optimizers.OuterSGD(1.0 / workers)
     if name == "diloco":
         return outer_optimizers.DelayedNesterov(0.7, 0.9)
-    if name.startswith("dn:"):
-        lr, momentum = (float(v) for v in name.split(":")[1:])
-        return outer_optimizers.DelayedNesterov(lr, momentum)
-    if name == "adaptive":  # outer_rounds sets the gain per round from the noise scale
-        return name
-    if name.startswith("gain:"):
-        return outer_optimizers.nesterov_with_gain(float(name[5:]) * workers, None)
     raise ValueError(f"Unknown outer rule {name!r}; {OUTER_HELP}.")
 
 
@@ -241,6 +229,28 @@ def window_ends(workers, n_sync, windows, slow, asynchronous):
     return ends
 
 
+def _copies(setup, data, workers, n_sync, steps, worker_scale):
+    """The `workers` Keras copies of `outer_rounds`, each at the setup's rate times
+    `worker_scale` over its `steps` (`workers_optimizer`)."""
+    from tf_asgd.rules import worker_rate
+    from tf_asgd.runtime import optimizer_options
+
+    if worker_scale == (1.0, 1.0):
+        return [_model(setup, data, 1.0, n_sync) for _ in range(workers)]
+    opt = setups.SETUPS[setup].optimizer
+    # In each copy's steps: the strategy's warm-up counts every worker's.
+    cap = worker_rate.untuned_warmup_steps(
+        optimizer_options.second_moment_beta(setups.make_optimizer(opt))
+    )
+    warmup = worker_rate.worker_rate_warmup_steps(
+        *worker_scale[:2], steps, None if cap is None else max(1, cap // workers)
+    )
+    return [
+        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup, steps))
+        for _ in range(workers)
+    ]
+
+
 def outer_rounds(
     setup,
     data,
@@ -260,12 +270,11 @@ def outer_rounds(
     displacement) goes through `outer_optimizers.outer_step`, the rule the PS runs.
     Synchronous: every copy starts a round from the same central weights. Asynchronous:
     windows end in round-robin order and each copy pulls right after its push, so every
-    push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's
-    rate is the setup's times `worker_scale` = `(peak, final)`, warmed up to the
-    peak and falling toward the final as the strategy does (`workers_optimizer`,
-    `lr_scaling`). `steps` counts
-    steps per copy (device times). With copy 0 `slow` times slower (`window_ends`), the
-    windows end in simulated time and the points are at that time, in fast steps.
+    push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's rate is
+    the setup's times `worker_scale` = `(peak, final)`, warmed up to the peak and falling
+    toward the final as the strategy does (`workers_optimizer`, `lr_scaling`). `steps`
+    counts steps per copy (device times). With copy 0 `slow` times slower (`window_ends`),
+    the windows end in simulated time and the points are at that time, in fast steps.
 
     Returns:
         `(points, noise)`: the held-out points, and (synchronous) the gradient noise scale
@@ -274,25 +283,11 @@ def outer_rounds(
     """
     import keras
 
-    from tf_asgd.rules import noise_scale, outer_optimizers, worker_rate
-    from tf_asgd.runtime import optimizer_options
+    from tf_asgd.rules import noise_scale, outer_optimizers
 
     batch = setups.SETUPS[setup].batch
     keras.utils.set_random_seed(seed)
-    opt = setups.SETUPS[setup].optimizer
-    # In each copy's steps: the strategy's warm-up counts every worker's.
-    cap = worker_rate.untuned_warmup_steps(
-        optimizer_options.second_moment_beta(setups.make_optimizer(opt))
-    )
-    warmup = worker_rate.worker_rate_warmup_steps(
-        *worker_scale[:2], steps, None if cap is None else max(1, cap // workers)
-    )
-    copies = [
-        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup, steps))
-        if worker_scale != (1.0, 1.0)
-        else _model(setup, data, 1.0, n_sync)
-        for _ in range(workers)
-    ]
+    copies = _copies(setup, data, workers, n_sync, steps, worker_scale)
     center = copies[0].get_weights()
     state = [{} for _ in center]
     starts = [center] * workers
@@ -302,16 +297,8 @@ def outer_rounds(
     ]
     points, next_eval = [], eval_every
     sums, round_sum = [], 0.0  # per round: (pushes' squared norms, their sum's squared norm)
-    adaptive, ema = outer == "adaptive", np.zeros(2)
     ends = window_ends(workers, n_sync, steps * workers // n_sync, slow, asynchronous)
     for ticket, (i, end) in enumerate(ends):
-        if adaptive and i == 0:
-            if sums:
-                ema = 0.9 * ema + np.asarray(sums[-1])
-            scale = noise_scale.from_sums(*ema, workers) if sums else math.nan
-            outer = outer_optimizers.nesterov_with_gain(
-                noise_scale.round_gain(scale, workers), workers
-            )
         copies[i].set_weights(starts[i])
         copies[i].train_function(feeds[i])
         pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]
@@ -363,23 +350,16 @@ def ceiling(setup, data, seed, args):
             points = large_batch(setup, data, n, 1.0, seed, length, every, optimizer=make)
             runs.append(dict(setup=setup, seed=seed, workers=n, rate=rate, points=points))
             print(f"{setup} seed {seed} batch x{n} rate {rate:g}: final {points[-1][1]:.3f}")
-    base = [r for r in runs if r["workers"] == 1]
-    target = max(r["points"][-1][1] for r in base) - 0.01
-    rows = []
+    target = max(r["points"][-1][1] for r in runs if r["workers"] == 1) - 0.01
     for r in runs:
-        rows.append(
-            dict(
-                {k: r[k] for k in ("setup", "seed", "workers", "rate")},
-                final_accuracy=r["points"][-1][1],
-                target=target,
-                steps_to_target=metrics.first_reaching(r["points"], target, key=0, accuracy=1),
-            )
-        )
-    base_steps = min(row["steps_to_target"] for row in rows if row["workers"] == 1)
-    for row in rows:
-        reached = row["steps_to_target"]
-        row["speedup"] = base_steps / reached if math.isfinite(reached) else 0.0
-    return rows
+        points = r.pop("points")
+        reached = metrics.first_reaching(points, target, key=0, accuracy=1)
+        r.update(final_accuracy=points[-1][1], target=target, steps_to_target=reached)
+    base_steps = min(r["steps_to_target"] for r in runs if r["workers"] == 1)
+    for r in runs:
+        reached = r["steps_to_target"]
+        r["speedup"] = base_steps / reached if math.isfinite(reached) else 0.0
+    return runs
 
 
 def ceiling_summary(rows):
@@ -413,23 +393,29 @@ def _groups(rows, keys):
     return out
 
 
+def variants(args):
+    """`(method, workers, n_sync, scaling or outer rule)` of every run of a setup and seed,
+    plain Keras (batch B) first."""
+    out = [("plain", 1, 0, "x1")]
+    outers = [m for m in ("sync_outer", "async_outer") if m in args.methods]
+    for n in args.workers:
+        if "large_batch" in args.methods:
+            out += [("large_batch", n, 0, s) for s in args.scalings]
+        if "local_sgd" in args.methods:
+            out += [("local_sgd", n, h, "x1") for h in args.n_sync]
+        if "lr_only" in args.methods:  # the control: batch B at the scaled rate
+            out += [("lr_only", n, 0, s) for s in args.scalings if s != "x1"]
+        out += [(m, n, h, o) for m in outers for h in args.n_sync for o in args.outers]
+    return out
+
+
 def run_setup(setup, data, seed, args):
     """Rows and curves of one setup and seed: batch B, then every variant."""
     steps = args.steps or setups.SETUPS[setup].steps
     every = max(1, steps // args.evals)
     steps = every * (steps // every)
-    variants = [("plain", 1, 0, "x1")]
-    outers = [m for m in ("sync_outer", "async_outer") if m in args.methods]
-    for n in args.workers:
-        if "large_batch" in args.methods:
-            variants += [("large_batch", n, 0, s) for s in args.scalings]
-        if "local_sgd" in args.methods:
-            variants += [("local_sgd", n, h, "x1") for h in args.n_sync]
-        if "lr_only" in args.methods:  # the control: batch B at the scaled rate
-            variants += [("lr_only", n, 0, s) for s in args.scalings if s != "x1"]
-        variants += [(m, n, h, o) for m in outers for h in args.n_sync for o in args.outers]
     rows, curves, target, base_steps = [], [], None, None
-    for method, n, h, scaling in variants:
+    for method, n, h, scaling in variants(args):
         noise = (math.nan, math.nan)
         if method == "local_sgd":
             points = local_sgd(setup, data, n, h, seed, steps, every)
@@ -479,19 +465,16 @@ def run_setup(setup, data, seed, args):
         )
         rows.append(row)
         curves += [dict(row, step=s, accuracy=a) for s, a in points]
+        noise_text = (
+            "" if math.isnan(noise[0]) else f"; noise scale {noise[0]:.3g} -> {noise[1]:.3g}"
+        )
         print(
             f"{setup} seed {seed} {method} N={n} n_sync={h} lr {scaling}: final "
             f"{row['final_accuracy']:.3f}, steps to {target:.3f}: {reached} "
-            f"(speed-up {row['speedup']:.2f}x)" + _noise_text(noise),
+            f"(speed-up {row['speedup']:.2f}x){noise_text}",
             flush=True,
         )
     return rows, curves
-
-
-def _noise_text(noise):
-    if math.isnan(noise[0]):
-        return ""
-    return f"; noise scale {noise[0]:.3g} -> {noise[1]:.3g} windows"
 
 
 def noise_summary(rows):
@@ -518,6 +501,17 @@ def noise_summary(rows):
     return lines + harness.markdown_table(head, table)
 
 
+def variant_label(method, n_sync, scaling):
+    """How `summary.md` and the plot name a variant."""
+    return {
+        "local_sgd": f"local SGD, n_sync {n_sync}",
+        "large_batch": f"batch N x B, lr {scaling}",
+        "lr_only": f"batch B, lr {scaling} (control)",
+        "sync_outer": f"synchronous, n_sync {n_sync}, outer {scaling}",
+        "async_outer": f"asynchronous, n_sync {n_sync}, outer {scaling}",
+    }[method]
+
+
 def summary(rows):
     """`summary.md`'s lines: mean speed-up per setup, variant and worker count."""
     cells = {}
@@ -538,13 +532,7 @@ def summary(rows):
 
     table = []
     for (setup, method, h, scaling), by_n in sorted(cells.items()):
-        variant = {
-            "local_sgd": f"local SGD, n_sync {h}",
-            "large_batch": f"batch N x B, lr {scaling}",
-            "lr_only": f"batch B, lr {scaling} (control)",
-            "sync_outer": f"synchronous, n_sync {h}, outer {scaling}",
-            "async_outer": f"asynchronous, n_sync {h}, outer {scaling}",
-        }[method]
+        variant = variant_label(method, h, scaling)
         table.append([setup, variant] + [cell(by_n.get(n, [])) for n in workers])
     plain = {(r["setup"], r["seed"]): r for r in rows if r["method"] == "plain"}
     lines = [
@@ -574,31 +562,23 @@ def plot(path, curves):
     def mean_curve(runs):
         by_step = {}
         for r in runs:
-            by_step.setdefault(int(r["step"]), []).append(float(r["accuracy"]))
+            by_step.setdefault(r["step"], []).append(r["accuracy"])
         steps = sorted(by_step)
         return steps, [float(np.mean(by_step[s])) for s in steps]
-
-    def label(r):
-        if r["method"] == "local_sgd":
-            return f"local SGD, n_sync {r['n_sync']}"
-        if r["method"] == "lr_only":
-            return f"batch B, lr {r['lr_scaling']} (control)"
-        if r["method"].endswith("_outer"):
-            return f"{r['method'][:-6]} n_sync {r['n_sync']}, {r['lr_scaling']}"
-        return f"batch N x B, lr {r['lr_scaling']}"
 
     panels = []
     for setup in dict.fromkeys(r["setup"] for r in curves):
         mine = [r for r in curves if r["setup"] == setup]
         plain = [r for r in mine if r["method"] == "plain"]
-        target = float(np.mean([float(r["target"]) for r in plain]))
-        for n in sorted({int(r["workers"]) for r in mine if r["method"] != "plain"}):
+        target = float(np.mean([r["target"] for r in plain]))
+        for n in sorted({r["workers"] for r in mine if r["method"] != "plain"}):
             series = [("plain Keras (batch B)", *mean_curve(plain))]
-            variants = {}
+            by_label = {}
             for r in mine:
-                if r["method"] != "plain" and int(r["workers"]) == n:
-                    variants.setdefault(label(r), []).append(r)
-            series += [(name, *mean_curve(runs)) for name, runs in variants.items()]
+                if r["method"] != "plain" and r["workers"] == n:
+                    label = variant_label(r["method"], r["n_sync"], r["lr_scaling"])
+                    by_label.setdefault(label, []).append(r)
+            series += [(name, *mean_curve(runs)) for name, runs in by_label.items()]
             panels.append(
                 dict(
                     title=f"{setup}, N = {n}",
@@ -643,9 +623,6 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
     p.add_argument(
-        "--replot", action="store_true", help="redraw the plot from --out's curves.csv only"
-    )
-    p.add_argument(
         "--slow-worker",
         type=float,
         default=1.0,
@@ -656,46 +633,33 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         harness.apply_quick(args, argv, QUICK)
-    for s in args.setups:
-        if s not in setups.SETUPS:
-            p.error(f"unknown setup {s!r}; expected some of {', '.join(setups.SETUPS)}")
-    for m in args.methods:
-        if m not in METHODS:
-            p.error(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")
-    for s in args.scalings:
-        if s not in SCALINGS:
-            p.error(f"unknown scaling {s!r}; expected some of {', '.join(SCALINGS)}")
+    for flag, given, known in (
+        ("setup", args.setups, setups.SETUPS),
+        ("method", args.methods, METHODS),
+        ("scaling", args.scalings, SCALINGS),
+    ):
+        for value in given:
+            if value not in known:
+                p.error(f"unknown {flag} {value!r}; expected some of {', '.join(known)}")
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, "accuracy_vs_steps.png")
-    if args.replot:
-        plot(png, harness.read_csv(os.path.join(args.out, "curves.csv")))
-        return 0
-    if args.rates:
-        return run_ceiling(args)
     rows, curves = [], []
     for setup in args.setups:
         data = setups.load_data(setups.SETUPS[setup].data)
         for seed in args.seeds:
-            r, c = run_setup(setup, data, seed, args)
-            rows += r
-            curves += c
-    harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
-    harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
-    lines = summary(rows)
-    harness.write_lines(os.path.join(args.out, "summary.md"), lines)
-    plot(png, [{k: str(v) for k, v in c.items()} for c in curves])
-    print("\n".join(lines))
-    return 0
-
-
-def run_ceiling(args):
-    rows = []
-    for setup in args.setups:
-        data = setups.load_data(setups.SETUPS[setup].data)
-        for seed in args.seeds:
-            rows += ceiling(setup, data, seed, args)
-    harness.write_csv(os.path.join(args.out, "ceiling.csv"), rows)
-    lines = ceiling_summary(rows)
-    harness.write_lines(os.path.join(args.out, "ceiling.md"), lines)
+            if args.rates:
+                rows += ceiling(setup, data, seed, args)
+            else:
+                r, c = run_setup(setup, data, seed, args)
+                rows, curves = rows + r, curves + c
+    if args.rates:
+        lines = ceiling_summary(rows)
+        harness.write_csv(os.path.join(args.out, "ceiling.csv"), rows)
+        harness.write_lines(os.path.join(args.out, "ceiling.md"), lines)
+    else:
+        lines = summary(rows)
+        harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
+        harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
+        harness.write_lines(os.path.join(args.out, "summary.md"), lines)
+        plot(os.path.join(args.out, "accuracy_vs_steps.png"), curves)
     print("\n".join(lines))
     return 0

@@ -5,7 +5,7 @@ Each run trains a fresh model with Keras 3 `fit` under `AsyncParameterServerStra
 smoothed over the last 400 minibatches, against wall time and samples seen. Sweeps
 (`--sweeps`): `nsync` (`--n-sync` at `--nsync-workers`), `workers` (`--workers` at
 `--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--device-ms` adds
-emulated device time per minibatch; `--data mnist1d` separates the curves. Method:
+emulated device time per minibatch. On the digits and the digits convnet; method:
 docs/benchmarks.md (How each suite measures).
 
 Writes `windows.csv` (one row per window), `summary.csv`, and
@@ -24,27 +24,6 @@ from benchmarks import harness, metrics
 OUT = "results/experiments"  # the default --out
 
 
-def load_data(name):
-    import tf_asgd
-
-    if name == "digits":
-        return tf_asgd.data.load_digits(), "digits_convnet"
-    if name == "mnist1d":  # generated offline; methods separate on it (digits saturate)
-        return tf_asgd.data.load_mnist1d(), "mnist1d_cnn"
-    path = os.path.expanduser(
-        f"~/.keras/datasets/{'mnist.npz' if name == 'mnist' else 'cifar-10-batches-py'}"
-    )
-    if not os.path.exists(path):
-        raise SystemExit(f"{name} is not present offline ({path} is missing); use --data digits.")
-    import keras
-
-    (x, y), (xt, yt) = getattr(keras.datasets, name).load_data()
-    x, xt = x.astype("float32") / 255.0, xt.astype("float32") / 255.0
-    if x.ndim == 3:
-        x, xt = x[..., None], xt[..., None]
-    return ((x, y.ravel().astype("int64")), (xt, yt.ravel().astype("int64"))), "gem_mnist_convnet"
-
-
 def _metric_index(model):
     paths = [v.path for v in model.metrics_variables]
 
@@ -54,15 +33,11 @@ def _metric_index(model):
                 return i
         raise KeyError(f"no metric variable with {words} in {paths}")
 
-    return (
-        find("loss", "total"),
-        find("loss", "count"),
-        find("accuracy", "total"),
-        find("accuracy", "count"),
-    )
+    words = [("loss", "total"), ("loss", "count"), ("accuracy", "total"), ("accuracy", "count")]
+    return tuple(find(*w) for w in words)
 
 
-def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_steps=0, name=""):
+def train_run(strategy, workers, n_sync, steps, args, data, warm_steps=0, name=""):
     """One training run; returns (window rows, summary row)."""
     import keras
     import tensorflow as tf
@@ -81,22 +56,21 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
         ds = ds.apply(sleep_transformation(args.device_ms * 1000))
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
-        model = getattr(tf_asgd.models, model_name)()
+        model = tf_asgd.models.digits_convnet()
         harness.compile_classifier(
             model, keras.optimizers.SGD(args.eta, momentum=args.momentum), metrics=["accuracy"]
         )
     stats0 = strategy.counters.stats(0, 0)
     t0, wall0 = time.perf_counter(), time.time()
-    if warm_steps:
-        # Warm start: one window at a time (each epoch joins), then all workers.
-        strategy.n_sync = n_sync
-        model.fit(ds, steps_per_epoch=n_sync, epochs=max(1, warm_steps // n_sync), verbose=0)
     strategy.n_sync = n_sync
+    if warm_steps:  # warm start: one window at a time (each epoch joins), then all workers
+        model.fit(ds, steps_per_epoch=n_sync, epochs=max(1, warm_steps // n_sync), verbose=0)
     model.fit(ds, steps_per_epoch=steps - warm_steps, epochs=1, verbose=0)
     wall = time.perf_counter() - t0
     stats1 = strategy.counters.stats(0, 0)
     test_loss, test_acc = model.evaluate(xt, yt, verbose=0, batch_size=256)
     li, lc, ai, ac = _metric_index(model)
+    key = dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps)
     rows, samples = [], 0
     # Every window, in the order its push landed (the worker's clock).
     for record in sorted(strategy.window_log(model), key=lambda r: r.finished_at):
@@ -107,10 +81,7 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
         samples += count
         rows.append(
             dict(
-                run=name,
-                workers=workers,
-                n_sync=n_sync,
-                warm_steps=warm_steps,
+                key,
                 time=t - wall0,
                 samples=samples,
                 minibatches=count / args.batch_size,
@@ -121,10 +92,7 @@ def train_run(strategy, workers, n_sync, steps, args, data, model_name, warm_ste
     hist = stats1.staleness_histogram - stats0.staleness_histogram
     pushes = int(hist.sum())
     summary = dict(
-        run=name,
-        workers=workers,
-        n_sync=n_sync,
-        warm_steps=warm_steps,
+        key,
         steps=steps,
         wall_s=wall,
         samples_per_s=steps * args.batch_size / wall,
@@ -145,14 +113,8 @@ def _smoothed(rows, args):
 
 def main(argv=None):
     p = harness.parser(
-        __doc__,
-        out=OUT,
-        workers=[1, 2, 4, 8],
-        n_sync=[1, 10, 100, 900],
-        seeds=[0],
-        device_ms=[3.0],
+        __doc__, out=OUT, workers=[1, 2, 4, 8], n_sync=[1, 10, 100, 900], seeds=[0], device_ms=[3.0]
     )
-    p.add_argument("--data", default="digits", choices=("digits", "mnist1d", "mnist", "cifar10"))
     p.add_argument("--sweeps", default="nsync,workers,start")
     p.add_argument("--nsync-workers", type=int, default=2, help="workers of the n_sync sweep")
     p.add_argument("--workers-nsync", type=int, default=10, help="n_sync of the workers sweep")
@@ -170,7 +132,7 @@ def main(argv=None):
 
     import tf_asgd
 
-    data, model_name = load_data(args.data)
+    data = tf_asgd.data.load_digits()
     sweeps = args.sweeps.split(",")
     plan = {}  # workers -> [(sweep, n_sync, warm_steps)]
     if "nsync" in sweeps:
@@ -195,17 +157,8 @@ def main(argv=None):
                     "start": "warm start" if warm else "cold start",
                 }[sweep]
                 steps = max(args.steps, 2 * n * workers + warm)
-                rows, summary, hist = train_run(
-                    strategy,
-                    workers,
-                    n,
-                    steps,
-                    args,
-                    data,
-                    model_name,
-                    warm_steps=warm,
-                    name=f"{sweep}:{label}",
-                )
+                run = f"{sweep}:{label}"
+                rows, summary, hist = train_run(strategy, workers, n, steps, args, data, warm, run)
                 summary["sweep"] = sweep
                 for r in rows:
                     r["sweep"] = sweep
@@ -219,62 +172,58 @@ def main(argv=None):
     harness.write_csv(os.path.join(args.out, "summary.csv"), summaries)
     stale_rows = []
     for sweep in sweeps:
-        runs = [s["run"] for s in summaries if s["sweep"] == sweep]
-        if not runs:
-            continue
-        by_time, by_samples, stale = [], [], []
-        for run in runs:
-            rows = [r for r in windows if r["run"] == run]
-            if not rows:
-                continue
-            label = run.split(":", 1)[1]
-            sm = _smoothed(rows, args)
-            by_time.append((label, [r["time"] for r in rows], sm))
-            by_samples.append((label, [r["samples"] for r in rows], sm))
-            h = hists[(sweep, label)]
-            last = np.nonzero(h)[0]
-            h = h[: (last[-1] + 1) if len(last) else 1]
-            stale.append((label, np.arange(len(h)), h / max(1, h.sum())))
-            stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
-        title = (
-            f"{args.data}, {model_name}, batch {args.batch_size}, eta {args.eta}, "
-            f"emulated {args.device_ms} ms/step"
-        )
-        harness.plot_panels(
-            os.path.join(args.out, f"{sweep}_curves.png"),
-            [
-                dict(
-                    title=f"training error ({args.smooth}-minibatch window)",
-                    xlabel="wall time (s)",
-                    ylabel="training error",
-                    series=by_time,
-                    ylim=(0, 1),
-                ),
-                dict(
-                    title=f"training error ({args.smooth}-minibatch window)",
-                    xlabel="samples seen",
-                    ylabel="training error",
-                    series=by_samples,
-                    ylim=(0, 1),
-                ),
-            ],
-            ncols=2,
-            title=title,
-        )
-        harness.plot_panels(
-            os.path.join(args.out, f"{sweep}_staleness.png"),
-            [
-                dict(
-                    title="staleness of pushes",
-                    xlabel="staleness",
-                    ylabel="fraction of pushes",
-                    series=stale,
-                    kind="bar",
-                )
-            ],
-            ncols=1,
-            panel_size=(7, 4),
-        )
+        stale_rows += plot_sweep(sweep, summaries, windows, hists, args)
     harness.write_csv(os.path.join(args.out, "staleness.csv"), stale_rows)
     print(f"experiments took {time.time() - t0:.0f} s", flush=True)
     return 0
+
+
+def plot_sweep(sweep, summaries, windows, hists, args):
+    """Draws `<sweep>_curves.png` and `<sweep>_staleness.png`; returns the staleness rows."""
+    runs = [s["run"] for s in summaries if s["sweep"] == sweep]
+    by_time, by_samples, stale, stale_rows = [], [], [], []
+    for run in runs:
+        rows = [r for r in windows if r["run"] == run]
+        if not rows:
+            continue
+        label = run.split(":", 1)[1]
+        sm = _smoothed(rows, args)
+        by_time.append((label, [r["time"] for r in rows], sm))
+        by_samples.append((label, [r["samples"] for r in rows], sm))
+        h = hists[(sweep, label)]
+        last = np.nonzero(h)[0]
+        h = h[: (last[-1] + 1) if len(last) else 1]
+        stale.append((label, np.arange(len(h)), h / max(1, h.sum())))
+        stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
+    if not runs:
+        return stale_rows
+    error = dict(
+        title=f"training error ({args.smooth}-minibatch window)",
+        ylabel="training error",
+        ylim=(0, 1),
+    )
+    harness.plot_panels(
+        os.path.join(args.out, f"{sweep}_curves.png"),
+        [
+            dict(error, xlabel="wall time (s)", series=by_time),
+            dict(error, xlabel="samples seen", series=by_samples),
+        ],
+        ncols=2,
+        title=f"digits, digits_convnet, batch {args.batch_size}, eta {args.eta}, "
+        f"emulated {args.device_ms} ms/step",
+    )
+    harness.plot_panels(
+        os.path.join(args.out, f"{sweep}_staleness.png"),
+        [
+            dict(
+                title="staleness of pushes",
+                xlabel="staleness",
+                ylabel="fraction of pushes",
+                series=stale,
+                kind="bar",
+            )
+        ],
+        ncols=1,
+        panel_size=(7, 4),
+    )
+    return stale_rows

@@ -2,15 +2,15 @@
 
 At eta = 0.1, mu = 0.9, many workers and n_sync = 1, the paper expects plain Downpour to
 diverge or stall while GEM trains, and GEM to generalise at least as well as its
-single-worker momentum-SGD proxy. On the offline digits data and one local cluster it runs
-`proxy`, `downpour`, `dynsgd` and `gem` (kappa 1 and 2) for the same number of epochs
-(docs/benchmarks.md), and writes `results.csv`, `results.md` and `curves.png` to
-`--out` (default `results/gem_stability`).
+single-worker momentum-SGD proxy. On the offline digits and one local cluster it runs `proxy`,
+`downpour`, `dynsgd` and `gem` (kappa 1 and 2) for the same epochs (docs/benchmarks.md), and
+writes `results.csv`, `results.md` and `curves.png` to `--out`.
 
     python -m benchmarks.run gem_stability            # 8 workers, 20 epochs
     python -m benchmarks.run gem_stability --workers 4 --epochs 5 --out /tmp/gem
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -29,34 +29,27 @@ def run_method(method, cluster, data, args):
 
     (x, y), (xt, yt) = data
     keras.utils.set_random_seed(args.seed)
-
-    def sgd():
-        return keras.optimizers.SGD(args.eta, momentum=args.mu)
-
     started = time.time()
-    row = {
-        "method": method,
-        "workers": 1 if method == "proxy" else args.workers,
-        "n_sync": "" if method == "proxy" else args.n_sync,
-        "epochs": args.epochs,
-    }
-    if method == "proxy":
-        model = harness.compile_classifier(
-            tf_asgd.models.digits_convnet(), sgd(), metrics=["accuracy"]
-        )
-        strategy = None
-    else:
+    proxy = method == "proxy"
+    row = dict(
+        method=method,
+        workers=1 if proxy else args.workers,
+        n_sync="" if proxy else args.n_sync,
+        epochs=args.epochs,
+    )
+    strategy = None
+    if not proxy:  # the proxy is plain single-process Keras
         rule = "dynsgd" if method == "dynsgd" else "none"
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=args.n_sync, staleness=rule
         )
-        with strategy.scope():
-            opt = sgd()
-            if method.startswith("gem"):
-                opt = tf_asgd.optimizers.GEM(opt, kappa=float(method.split("_k")[1]))
-            model = harness.compile_classifier(
-                tf_asgd.models.digits_convnet(), opt, metrics=["accuracy"]
-            )
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        opt = keras.optimizers.SGD(args.eta, momentum=args.mu)
+        if method.startswith("gem"):
+            opt = tf_asgd.optimizers.GEM(opt, kappa=float(method.split("_k")[1]))
+        model = harness.compile_classifier(
+            tf_asgd.models.digits_convnet(), opt, metrics=["accuracy"]
+        )
     history, status = {}, "trained"
     try:
         history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0).history
@@ -88,12 +81,12 @@ def run_method(method, cluster, data, args):
 
 
 def write_results(rows, histories, args):
-    out = args.out
-    os.makedirs(out, exist_ok=True)
+    """Writes `results.csv`, `results.md` and `curves.png` (loss and accuracy per epoch)."""
+    os.makedirs(args.out, exist_ok=True)
     fields = harness.columns(rows)
-    harness.write_csv(os.path.join(out, "results.csv"), rows, fields)
+    harness.write_csv(os.path.join(args.out, "results.csv"), rows, fields)
     harness.write_lines(
-        os.path.join(out, "results.md"),
+        os.path.join(args.out, "results.md"),
         [
             f"Command: `python -m benchmarks.run gem_stability {' '.join(sys.argv[1:])}`",
             "",
@@ -101,57 +94,34 @@ def write_results(rows, histories, args):
         ],
     )
     runs = [(method, h) for method, h in histories.items() if h.get("loss")]
-    harness.plot_panels(
-        os.path.join(out, "curves.png"),
-        [
-            dict(
-                title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, "
-                f"n_sync={args.n_sync}",
-                xlabel="epoch",
-                ylabel="training loss",
-                logy=True,
-                series=[(m, range(1, len(h["loss"]) + 1), h["loss"]) for m, h in runs],
-            ),
-            dict(
-                xlabel="epoch",
-                ylabel="training accuracy",
-                series=[(m, range(1, len(h["accuracy"]) + 1), h["accuracy"]) for m, h in runs],
-            ),
-        ],
-        panel_size=(5.5, 4.0),
+    panels = [
+        dict(
+            xlabel="epoch",
+            ylabel=f"training {key}",
+            series=[(m, range(1, len(h[key]) + 1), h[key]) for m, h in runs],
+        )
+        for key in ("loss", "accuracy")
+    ]
+    panels[0].update(
+        title=f"digits, eta={args.eta}, mu={args.mu}, {args.workers} workers, n_sync={args.n_sync}",
+        logy=True,
     )
+    harness.plot_panels(os.path.join(args.out, "curves.png"), panels, panel_size=(5.5, 4.0))
 
 
 def main(argv=None):
     p = harness.parser(__doc__, out=OUT, workers=[8], n_sync=[1], seeds=[0])
+    p.add_argument("--epochs", type=int, default=20, help="passes over the data, every method")
+    p.add_argument("--batch-size", type=int, default=64, help="per-worker batch (the paper's)")
+    p.add_argument("--eta", type=float, default=0.1, help="rate of the proxy and every worker")
+    p.add_argument("--mu", type=float, default=0.9, help="momentum of the proxy and every worker")
     p.add_argument(
-        "--epochs",
-        type=int,
-        default=20,
-        help="epochs (passes over the training split) for every method",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=64,
-        help="per-worker batch size (the paper: 64)",
-    )
-    p.add_argument(
-        "--eta", type=float, default=0.1, help="learning rate of the proxy and of every worker"
-    )
-    p.add_argument(
-        "--mu", type=float, default=0.9, help="momentum of the proxy and of every worker"
-    )
-    p.add_argument(
-        "--methods",
-        type=harness.str_list,
-        default="proxy,downpour,dynsgd,gem_k1,gem_k2",
-        help="methods to run",
+        "--methods", type=harness.str_list, default="proxy,downpour,dynsgd,gem_k1,gem_k2"
     )
     args = p.parse_args(argv)
-    for name in ("workers", "n_sync"):
-        setattr(args, name, harness.single(p, args, name))
-    args.seed = harness.single(p, args, "seeds")
+    args.workers, args.n_sync, args.seed = (
+        harness.single(p, args, name) for name in ("workers", "n_sync", "seeds")
+    )
     import tf_asgd
 
     data = tf_asgd.data.load_digits(seed=args.seed)

@@ -25,7 +25,6 @@ SUITES = {
     "faults": ("faults", "snapshots' cost, lost PS and workers, the seeded chaos suite"),
     "compression": ("compression", "compressed pushes and pulls on a limited network"),
     "ceiling": ("ceiling", "the synchronous ceiling, in one process (an emulation)"),
-    "ceiling_share": ("ceiling_share", "a rule's share of the ceiling, from saved runs"),
     "evaluation": ("evaluation", "evaluate on the workers against on the chief"),
     "gem_stability": ("gem_stability", "GEM against Downpour on a real cluster"),
     "simulator": ("simulator", "GEM's paper at 16 to 100 workers (NumPy)"),

@@ -27,7 +27,7 @@ OUT = "results/simulator"  # the default --out
 
 
 def main(argv=None):
-    p = harness.parser(__doc__, out=OUT, workers=[16, 32, 100], n_sync=[1], seeds=None)
+    p = harness.parser(__doc__, out=OUT, workers=[16, 32, 100], n_sync=[1], seeds=[0])
     p.add_argument("--methods", default="downpour,dynsgd,gem")
     p.add_argument("--etas", type=harness.float_list, default=[0.05, 0.1, 0.3, 1.0])
     p.add_argument("--pushes", type=int, default=3000)
@@ -38,23 +38,12 @@ def main(argv=None):
     p.add_argument("--timing", default="exponential", choices=simulator.TIMINGS)
     p.add_argument("--delay", default=None, choices=simulator.DELAYS)
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument(
-        "--outer-study",
-        action="store_true",
-        help="instead: the user's optimizer (momentum SGD, Adam) under the outer "
-        "optimizers at --workers, n_sync --n-sync, over --seeds (default 0,1,2; the sweep's: 0) "
-        "(outer.csv, outer.md, outer.png)",
-    )
-    p.add_argument("--steps", type=int, default=4000, help="outer study: total local steps per run")
     args = p.parse_args(argv)
     args.n_sync = harness.single(p, args, "n_sync")
+    args.seed = harness.single(p, args, "seeds")
     methods = args.methods.split(",")
     os.makedirs(args.out, exist_ok=True)
     (x, y), (xt, yt) = simulator.digits_features()
-    if args.outer_study:
-        args.seeds = [0, 1, 2] if args.seeds is None else args.seeds
-        return outer_study(args, (x, y), (xt, yt))
-    args.seed = harness.single(p, args, "seeds") or 0
 
     t0 = time.time()
     stability, curves, pis, runs = _sweep(args, methods, (x, y), (xt, yt))
@@ -244,155 +233,3 @@ def _staleness_distributions(args, x, y):
         ncols=1,
         panel_size=(8, 4),
     )
-
-
-def outer_setups(workers):
-    """Outer optimizer setups of the outer study: name -> (staleness rule, outer, worker state)."""
-    from tf_asgd.rules import outer_optimizers
-
-    return {
-        "dynsgd, every push added": ("dynsgd", outer_optimizers.OuterSGD(), "keep"),
-        "average": ("none", outer_optimizers.OuterSGD(1.0 / workers), "keep"),
-        "sqrt": (
-            "none",
-            outer_optimizers.OuterSGD(harness.sqrt_outer_learning_rate(workers)),
-            "keep",
-        ),
-        "capped square-root rate, warm-up": (
-            "none",
-            harness.capped_outer_optimizer(workers),
-            "keep",
-        ),
-        "default (rise and fall, warm-up)": (
-            "none",
-            outer_optimizers.default_outer_optimizer(workers),
-            "keep",
-        ),
-        "average, reset": ("none", outer_optimizers.OuterSGD(1.0 / workers), "reset"),
-        "delayed Nesterov 0.7/0.9": ("none", outer_optimizers.DelayedNesterov(0.7, 0.9), "keep"),
-    }
-
-
-def outer_study(args, train, held_out):
-    """The user's optimizer, unchanged, on many simulated workers: held-out
-    accuracy per setup, against one sequential worker given the same samples."""
-    (x, y), (xt, yt) = train, held_out
-    rows, t0 = [], time.time()
-    inners = {"momentum SGD 0.05/0.9": ("sgd", 0.05, 0.9), "Adam 1e-3": ("adam", 1e-3, 0.0)}
-    for inner_name, (inner, eta, mu) in inners.items():
-        for seed in args.seeds:
-            plain = simulator.simulate(
-                x,
-                y,
-                method="downpour",
-                workers=1,
-                pushes=args.steps,
-                n_sync=1,
-                batch_size=args.batch_size,
-                eta=eta,
-                hidden=args.hidden,
-                eval_every=args.steps,
-                eval_data=(xt, yt),
-                seed=seed,
-                inner=inner,
-                inner_momentum=mu,
-            )
-            rows.append(
-                dict(
-                    inner=inner_name,
-                    workers=1,
-                    setup="sequential",
-                    seed=seed,
-                    accuracy=plain.records[-1]["accuracy"],
-                    loss=plain.records[-1]["loss"],
-                )
-            )
-            for workers in args.workers:
-                for name, (rule, outer, state) in outer_setups(workers).items():
-                    pushes = max(1, args.steps // args.n_sync)
-                    r = simulator.simulate(
-                        x,
-                        y,
-                        method="dynsgd" if rule == "dynsgd" else "downpour",
-                        workers=workers,
-                        pushes=pushes,
-                        n_sync=args.n_sync,
-                        batch_size=args.batch_size,
-                        eta=eta,
-                        hidden=args.hidden,
-                        timing=args.timing,
-                        eval_every=pushes,
-                        eval_data=(xt, yt),
-                        seed=seed,
-                        inner=inner,
-                        inner_momentum=mu,
-                        outer=outer,
-                        worker_state=state,
-                    )
-                    rows.append(
-                        dict(
-                            inner=inner_name,
-                            workers=workers,
-                            setup=name,
-                            seed=seed,
-                            accuracy=r.records[-1]["accuracy"],
-                            loss=r.records[-1]["loss"],
-                        )
-                    )
-                    print(json.dumps(rows[-1]), flush=True)
-    harness.write_csv(os.path.join(args.out, "outer.csv"), rows)
-    table, panels = [], []
-    for inner_name in inners:
-        base = [r["accuracy"] for r in rows if r["inner"] == inner_name and r["workers"] == 1]
-        series = []
-        for name in outer_setups(1):
-            accs = [
-                [
-                    r["accuracy"]
-                    for r in rows
-                    if r["inner"] == inner_name and r["workers"] == w and r["setup"] == name
-                ]
-                for w in args.workers
-            ]
-            series.append(
-                (
-                    name,
-                    args.workers,
-                    [np.mean(a) for a in accs],
-                    [np.min(a) for a in accs],
-                    [np.max(a) for a in accs],
-                )
-            )
-            table += [
-                [
-                    inner_name,
-                    w,
-                    name,
-                    f"{min(a):.3f}-{max(a):.3f}",
-                    f"{min(base):.3f}-{max(base):.3f}",
-                ]
-                for w, a in zip(args.workers, accs)
-            ]
-        panels.append(
-            dict(
-                title=f"{inner_name}, n_sync {args.n_sync}, {args.steps} steps",
-                xlabel="workers",
-                ylabel="held-out accuracy",
-                series=series,
-                logx=True,
-                ylim=(0, 1),
-                hline=(float(np.mean(base)), "one worker, same samples"),
-            )
-        )
-    harness.write_lines(
-        os.path.join(args.out, "outer.md"),
-        harness.markdown_table(
-            ["inner optimizer", "workers", "setup", "held-out accuracy (seeds)", "one worker"],
-            table,
-        ),
-    )
-    harness.plot_panels(os.path.join(args.out, "outer.png"), panels, ncols=2)
-    print(
-        f"wrote {args.out}/outer.csv, outer.md, outer.png in {time.time() - t0:.1f} s", flush=True
-    )
-    return 0

@@ -110,38 +110,6 @@ def test_simulator_suite(tmp_path):
         _png(tmp_path / name)
 
 
-def test_simulator_outer_study(tmp_path):
-    _run(
-        "simulator",
-        "--outer-study",
-        "--out",
-        str(tmp_path),
-        "--workers",
-        "3",
-        "--n-sync",
-        "10",
-        "--seeds",
-        "0",
-        "--steps",
-        "60",
-    )
-    rows = _csv(tmp_path / "outer.csv", ["inner", "workers", "setup", "seed", "accuracy", "loss"])
-    setups = {r["setup"] for r in rows}
-    assert {
-        "sequential",
-        "default (rise and fall, warm-up)",
-        "capped square-root rate, warm-up",
-        "delayed Nesterov 0.7/0.9",
-    } <= setups
-    assert len(rows) == 2 * len(setups)  # momentum SGD and Adam, one seed each
-    assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
-    assert (
-        "| Adam 1e-3 | 3 | default (rise and fall, warm-up) |"
-        in (tmp_path / "outer.md").read_text()
-    )
-    _png(tmp_path / "outer.png")
-
-
 def test_scaleout_suite_and_sleep_op(tmp_path):
     import time
 
@@ -517,9 +485,6 @@ def test_ceiling_suite(tmp_path):
     assert "| mnist1d_adam | local SGD, n_sync 10 |" in (tmp_path / "summary.md").read_text()
     assert "speed-up" in proc.stdout
     _png(tmp_path / "accuracy_vs_steps.png")
-    os.remove(tmp_path / "accuracy_vs_steps.png")
-    _run("ceiling", "--replot", "--out", str(tmp_path))  # from curves.csv alone
-    _png(tmp_path / "accuracy_vs_steps.png")
 
 
 def test_ceiling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
@@ -542,8 +507,7 @@ def test_ceiling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     assert all(np.isnan(none))  # asynchronous pushes: not measured
     synchronous = outer_optimizers.default_synchronous_outer_optimizer(4)
     assert tool.outer_rule("default", 4, True) == synchronous
-    assert tool.outer_rule("dn:0.5:0.8", 4, False) == outer_optimizers.DelayedNesterov(0.5, 0.8)
-    assert tool.outer_rule("gain:0.5", 4, False) == outer_optimizers.nesterov_with_gain(2.0, None)
+    assert tool.outer_rule("diloco", 4, False) == outer_optimizers.DelayedNesterov(0.7, 0.9)
     # A copy twice as slow: asynchronously the others end two windows to its one, and a
     # synchronous round waits for it.
     ends = tool.window_ends(3, 10, 9, 2.0, asynchronous=True)
