@@ -114,25 +114,6 @@ def single(p, args, name):
     return values[0]
 
 
-def sqrt_outer_learning_rate(workers):
-    """An outer rate without the default's cap at 1/4 and warm-up, for side-by-side
-    runs: `max(1, sqrt(N / 2)) / N`."""
-    return max(1.0, (workers / 2) ** 0.5) / workers
-
-
-def capped_outer_optimizer(workers):
-    """A baseline for side-by-side runs: the capped square-root rate
-    `max(1/N, min(1/4, 1/sqrt(2N)))`, warmed up from `1 / N` over `4 N` pushes where it
-    is above the average. From 8 workers on it is above the stability limit
-    (`outer_optimizers.stability_limit`)."""
-    from tf_asgd.rules import outer_optimizers
-
-    lr = max(1.0 / workers, min(0.25, (2.0 * workers) ** -0.5))
-    if lr > 1.0 / workers:
-        return outer_optimizers.OuterSGD(lr, schedule=((4 * workers, 1.0 / workers),))
-    return outer_optimizers.OuterSGD(lr)
-
-
 def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
     """A `tf_asgd.LocalCluster` on loopback, its loopback limited to `bandwidth` if
     given: every task in one child process (`processes="shared"`: 32 workers fit in
@@ -262,12 +243,6 @@ def _fmt(v):
     if isinstance(v, (float, np.floating)):
         return f"{float(v):.6g}"
     return v
-
-
-def read_csv(path):
-    """Reads a CSV written by `write_csv` as a list of dicts of strings."""
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
