@@ -466,7 +466,9 @@ def run_setup(setup, data, seed, args):
         rows.append(row)
         curves += [dict(row, step=s, accuracy=a) for s, a in points]
         noise_text = (
-            "" if math.isnan(noise[0]) else f"; noise scale {noise[0]:.3g} -> {noise[1]:.3g}"
+            ""
+            if math.isnan(noise[0])
+            else f"; noise scale {noise[0]:.3g} -> {noise[1]:.3g} windows"
         )
         print(
             f"{setup} seed {seed} {method} N={n} n_sync={h} lr {scaling}: final "

@@ -561,7 +561,10 @@ def _fmt_row(row):
 def main(argv=None):
     p = harness.parser(__doc__, out=OUT, workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0])
     p.add_argument(
-        "--mode", type=harness.str_list, default=list(MODES), help="comma-separated, of MODES"
+        "--mode",
+        type=harness.str_list,
+        default=list(MODES),
+        help="comma-separated, of: " + ",".join(MODES),
     )
     p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
     p.add_argument("--setups", type=harness.str_list, default=list(setups.FAULT_SETUPS))

@@ -43,7 +43,7 @@ def run_method(method, cluster, data, args):
         strategy = tf_asgd.AsyncParameterServerStrategy(
             cluster.resolver, n_sync=args.n_sync, staleness=rule
         )
-    with strategy.scope() if strategy else contextlib.nullcontext():
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         opt = keras.optimizers.SGD(args.eta, momentum=args.mu)
         if method.startswith("gem"):
             opt = tf_asgd.optimizers.GEM(opt, kappa=float(method.split("_k")[1]))
@@ -116,7 +116,10 @@ def main(argv=None):
     p.add_argument("--eta", type=float, default=0.1, help="rate of the proxy and every worker")
     p.add_argument("--mu", type=float, default=0.9, help="momentum of the proxy and every worker")
     p.add_argument(
-        "--methods", type=harness.str_list, default="proxy,downpour,dynsgd,gem_k1,gem_k2"
+        "--methods",
+        type=harness.str_list,
+        default="proxy,downpour,dynsgd,gem_k1,gem_k2",
+        help="of proxy, downpour, dynsgd, gem_kK (GEM with kappa K) (default: %(default)s)",
     )
     args = p.parse_args(argv)
     args.workers, args.n_sync, args.seed = (
