@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tf_asgd
 from tf_asgd.cluster import fault_points
+from tf_asgd.runtime import ps_recovery
 
 from helpers import dense_digits_model
 
@@ -105,20 +106,24 @@ def test_a_push_cut_at_each_point_is_applied_exactly_once(local_cluster, digits,
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-class _RestartOnGoBack(logging.Handler):
-    """SIGKILLs `task` and starts it again on its port when the chief logs that it goes
-    back to the snapshot for a cut push: inside that go-back, before its first write."""
+class _OnGoBack(logging.Handler):
+    """Calls `action` once, when the chief logs that it goes back to the snapshot for a
+    cut push: inside that go-back, before its first write."""
 
-    def __init__(self, cluster, task):
+    def __init__(self, action):
         super().__init__()
-        self.cluster, self.task, self.restarted = cluster, task, False
+        self.action, self.done = action, False
 
     def emit(self, record):
         text = record.getMessage()
-        if not self.restarted and "a push cut" in text and "going back to the snap" in text:
-            self.restarted = True
-            self.cluster.kill_task(self.task)
-            self.cluster.restart_task(self.task)
+        if not self.done and "a push cut" in text and "going back to the snap" in text:
+            self.done = True
+            self.action()
+
+
+def _restart(cluster, task):
+    cluster.kill_task(task)
+    cluster.restart_task(task)
 
 
 @pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
@@ -136,7 +141,7 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
         held = int(strategy.counters.version.numpy()) + 3
         thread = _kill_in_the_hold(cluster, strategy, held, {})
-        restart = _RestartOnGoBack(cluster, "ps:0")
+        restart = _OnGoBack(lambda: _restart(cluster, "ps:0"))
         logging.getLogger("tf_asgd").addHandler(restart)
         try:
             with caplog.at_level(logging.WARNING, logger="tf_asgd"):
@@ -146,7 +151,58 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
         finally:
             logging.getLogger("tf_asgd").removeHandler(restart)
         thread.join()
-        assert restart.restarted
+        assert restart.done
+        assert "Could not go back to the snapshot" in caplog.text  # the first attempt
+        assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
+        assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
+        log = [r for r in strategy.window_log(model) if not r.rolled_back]
+        applied = [r.window_id for r in log if r.pushed and not r.replayed]
+        assert len(applied) == len(set(applied))  # none twice
+        assert sorted(set(applied) | {r.window_id for r in log if r.replayed}) == list(
+            range(WINDOWS)
+        )
+        for got, want in zip(model.weights, reference):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
+def test_a_ps_lost_as_a_go_back_reaches_the_workers_is_gone_back_for_at_once(
+    local_cluster, digits, caplog, monkeypatch, synchronous
+):
+    """The push cut between the PS tasks' writes, as above. The chief's go-back writes the
+    snapshot's values; then, as it waits for every worker to read the PS again, ps:0 is
+    SIGKILLed, and restarted 1.5 s later. The workers' reads fail with TF's "Unable to
+    find a context_id": ps:0's new server knows nothing of this chief's context, and no
+    wait changes that. The attempt fails at once, and the chief goes back again, for ps:0
+    lost, reconnecting first. (Waiting there until `connect_timeout` passed stopped `fit`
+    with "Training stopped: a push cut ...; connect_timeout passed before every worker read
+    the PS again".) Each push is applied once: the central weights equal a fault-free run's."""
+    with local_cluster(1, 2, own=True, shared_process=False) as cluster:
+        strategy = _strategy(cluster, synchronous)
+        reference = [w.numpy() for w in _fit(strategy, digits).weights]
+        held = int(strategy.counters.version.numpy()) + 3
+        thread = _kill_in_the_hold(cluster, strategy, held, {})
+        reach_workers, restarts = ps_recovery._reach_workers, []
+
+        def reach_workers_losing_ps0(*args):
+            if armed.done and not restarts:  # the repair's first go-back, after its writes
+                cluster.kill_task("ps:0")
+                restarts.append(threading.Timer(1.5, cluster.restart_task, args=("ps:0",)))
+                restarts[0].start()
+            return reach_workers(*args)
+
+        monkeypatch.setattr(ps_recovery, "_reach_workers", reach_workers_losing_ps0)
+        armed = _OnGoBack(lambda: None)
+        logging.getLogger("tf_asgd").addHandler(armed)
+        try:
+            with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+                with fault_points.armed("between_ps_writes", 6.0, ticket=held):
+                    thread.start()
+                    model = _fit(strategy, digits)
+        finally:
+            logging.getLogger("tf_asgd").removeHandler(armed)
+        thread.join()
+        restarts[0].join()
         assert "Could not go back to the snapshot" in caplog.text  # the first attempt
         assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
         assert int(strategy.counters.version.numpy()) == 2 * WINDOWS

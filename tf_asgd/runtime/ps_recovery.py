@@ -230,6 +230,8 @@ class PSRecovery:
                 attempts += 1
                 if lost_now := self._lost(cause):  # a PS lost meanwhile: as for one from here
                     lost, words, reconnect = lost_now, _LOST_PS, True
+                elif _restarted(cause):  # a worker restarted since the chief's context
+                    reconnect = True
 
     def repair_if_cut(self, trainer, check=False):
         """Where a push was cut after it began (its worker lost after the ticket, or
@@ -536,9 +538,16 @@ def _reach_workers(strategy, deadline):
             for i, run in enumerate(runs):
                 _fetch_by(run, by, strategy.coordinator, worker=i)
             return
-        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError):
-            # A channel backing off; another error (a handle from before TF's own
-            # reconnection for a worker) fails the attempt, which goes back again.
+        except (
+            tf.errors.UnavailableError,
+            tf.errors.AbortedError,
+            tf.errors.CancelledError,
+        ) as e:
+            # A channel backing off. A task restarted since the chief's context (a PS lost
+            # again in this go-back) is reached only by a reconnection: that, or another
+            # error, fails the attempt, which goes back again.
+            if _restarted(e):
+                raise
             internals.wait_for_closures(strategy.coordinator, 5.0)
             if time.monotonic() > deadline:
                 raise
@@ -588,8 +597,12 @@ def _cancelled_by_coordinator(error):
 def _may_be_ps_loss(error):
     """Whether `error` can be a PS's loss that names no PS (`Socket closed`)."""
     kinds = (tf.errors.UnavailableError, tf.errors.AbortedError)
-    restarted = any(sign in str(error) for sign in lost_tasks.RESTARTED_SIGNS)
-    return isinstance(error, kinds) or restarted
+    return isinstance(error, kinds) or _restarted(error)
+
+
+def _restarted(error):
+    """Whether `error` says a task restarted since the chief's context was made."""
+    return any(sign in str(error) for sign in lost_tasks.RESTARTED_SIGNS)
 
 
 def _wait_for_closures(strategy, deadline):
