@@ -126,6 +126,37 @@ def _restart(cluster, task):
     cluster.restart_task(task)
 
 
+def _fit_cutting_a_push(cluster, strategy, digits, handler, caplog):
+    """`_fit` with its 4th push held between the PS tasks' writes and its worker killed
+    there (as above), and `handler` on the `tf_asgd` log; returns the model."""
+    held = int(strategy.counters.version.numpy()) + 3
+    thread = _kill_in_the_hold(cluster, strategy, held, {})
+    logging.getLogger("tf_asgd").addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tf_asgd"):
+            with fault_points.armed("between_ps_writes", 6.0, ticket=held):
+                thread.start()
+                model = _fit(strategy, digits)
+    finally:
+        logging.getLogger("tf_asgd").removeHandler(handler)
+    thread.join()
+    return model
+
+
+def _assert_gone_back_again_for_ps0(strategy, model, reference, log_text):
+    """A first go-back failed and a second, for ps:0 lost, recovered: every window applied
+    once, and the central weights equal to the fault-free run's `reference`."""
+    assert "Could not go back to the snapshot" in log_text  # the first attempt
+    assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
+    assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
+    log = [r for r in strategy.window_log(model) if not r.rolled_back]
+    applied = [r.window_id for r in log if r.pushed and not r.replayed]
+    assert len(applied) == len(set(applied))  # none twice
+    assert sorted(set(applied) | {r.window_id for r in log if r.replayed}) == list(range(WINDOWS))
+    for got, want in zip(model.weights, reference):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
 def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, caplog, synchronous):
     """The push cut between the PS tasks' writes, as above; then, as the chief goes back
@@ -139,30 +170,10 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
         strategy = _strategy(cluster, synchronous)
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
-        held = int(strategy.counters.version.numpy()) + 3
-        thread = _kill_in_the_hold(cluster, strategy, held, {})
         restart = _OnGoBack(lambda: _restart(cluster, "ps:0"))
-        logging.getLogger("tf_asgd").addHandler(restart)
-        try:
-            with caplog.at_level(logging.WARNING, logger="tf_asgd"):
-                with fault_points.armed("between_ps_writes", 6.0, ticket=held):
-                    thread.start()
-                    model = _fit(strategy, digits)
-        finally:
-            logging.getLogger("tf_asgd").removeHandler(restart)
-        thread.join()
+        model = _fit_cutting_a_push(cluster, strategy, digits, restart, caplog)
         assert restart.done
-        assert "Could not go back to the snapshot" in caplog.text  # the first attempt
-        assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
-        assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
-        log = [r for r in strategy.window_log(model) if not r.rolled_back]
-        applied = [r.window_id for r in log if r.pushed and not r.replayed]
-        assert len(applied) == len(set(applied))  # none twice
-        assert sorted(set(applied) | {r.window_id for r in log if r.replayed}) == list(
-            range(WINDOWS)
-        )
-        for got, want in zip(model.weights, reference):
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+        _assert_gone_back_again_for_ps0(strategy, model, reference, caplog.text)
 
 
 @pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
@@ -180,8 +191,6 @@ def test_a_ps_lost_as_a_go_back_reaches_the_workers_is_gone_back_for_at_once(
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
         strategy = _strategy(cluster, synchronous)
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
-        held = int(strategy.counters.version.numpy()) + 3
-        thread = _kill_in_the_hold(cluster, strategy, held, {})
         reach_workers, restarts = ps_recovery._reach_workers, []
 
         def reach_workers_losing_ps0(*args):
@@ -193,24 +202,6 @@ def test_a_ps_lost_as_a_go_back_reaches_the_workers_is_gone_back_for_at_once(
 
         monkeypatch.setattr(ps_recovery, "_reach_workers", reach_workers_losing_ps0)
         armed = _OnGoBack(lambda: None)
-        logging.getLogger("tf_asgd").addHandler(armed)
-        try:
-            with caplog.at_level(logging.WARNING, logger="tf_asgd"):
-                with fault_points.armed("between_ps_writes", 6.0, ticket=held):
-                    thread.start()
-                    model = _fit(strategy, digits)
-        finally:
-            logging.getLogger("tf_asgd").removeHandler(armed)
-        thread.join()
+        model = _fit_cutting_a_push(cluster, strategy, digits, armed, caplog)
         restarts[0].join()
-        assert "Could not go back to the snapshot" in caplog.text  # the first attempt
-        assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
-        assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
-        log = [r for r in strategy.window_log(model) if not r.rolled_back]
-        applied = [r.window_id for r in log if r.pushed and not r.replayed]
-        assert len(applied) == len(set(applied))  # none twice
-        assert sorted(set(applied) | {r.window_id for r in log if r.replayed}) == list(
-            range(WINDOWS)
-        )
-        for got, want in zip(model.weights, reference):
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+        _assert_gone_back_again_for_ps0(strategy, model, reference, caplog.text)
