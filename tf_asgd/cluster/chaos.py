@@ -120,13 +120,13 @@ class Chaos(keras.callbacks.Callback):
     def _pause(self):
         task = self.rng.choice([t for t in self.cluster.tasks() if t.startswith("ps:")])
         pid, seconds = self.cluster.pids()[task], self.rng.uniform(1.0, 4.0)
-        # Resumed by a process of its own: the chief may wait for the paused PS inside TF
-        # holding the GIL (a function registered on every task), and a thread of this
-        # process could not run to send SIGCONT.
-        resume = f"sleep {seconds:.3f}; kill -CONT {pid}"
-        os.kill(pid, signal.SIGSTOP)
+        # Paused and resumed by a process of its own, started before the pause: the chief
+        # may wait for the paused PS inside TF holding the GIL (a function registered on
+        # every task, a value written to it), and this thread could then neither start a
+        # process nor send SIGCONT.
+        pause = f"kill -STOP {pid}; sleep {seconds:.3f}; kill -CONT {pid}"
         try:
-            subprocess.run(["sh", "-c", resume], check=True, timeout=seconds + 30)
+            subprocess.run(["sh", "-c", pause], check=True, timeout=seconds + 30)
         finally:
             os.kill(pid, signal.SIGCONT)
         return [task]
