@@ -15,7 +15,6 @@ variant's (Shallue et al. 2019, arXiv:1811.03600). Writes `runs.csv`, `curves.cs
 """
 
 import functools
-import heapq
 import math
 import os
 
@@ -30,18 +29,16 @@ METHODS = ("large_batch", "local_sgd", "lr_only", "sync_outer", "async_outer")
 OUTER_HELP = (
     "outer rules of sync_outer/async_outer: default (the strategy's for N workers, "
     "synchronous or asynchronous), average (1/N a push) or diloco (DelayedNesterov(0.7, 0.9)); "
-    "each with +sqrt, +linear, +anneal, +none or +F for the workers' rate, +anneal:F (N "
-    "falling toward F) or +fits:K:F:MODE (the run as K fits: MODE first anneals over the "
-    "first only, each over every fit, eachw with a warm-up in each too) (lr_scaling; default: "
-    "the strategy's auto under default, else the user's rate)"
+    "each with +sqrt, +linear, +anneal, +none or +F for the workers' rate, or +anneal:F (N "
+    "falling toward F) (lr_scaling; default: the strategy's auto under default, else the "
+    "user's rate)"
 )
 
 
 def worker_rate(name, workers, synchronous, optimizer):
     """`(peak, final)`: the factor on the workers' rate after the warm-up and from the
     run's end on, under the outer rule `name`: its `+RULE` suffix, else the strategy's
-    `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1;
-    `(peak, final, K, mode)` for `+fits:K:F:MODE` (`workers_optimizer`)."""
+    `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1."""
     from tf_asgd.rules import worker_rate
     from tf_asgd.runtime import optimizer_options
 
@@ -53,9 +50,6 @@ def worker_rate(name, workers, synchronous, optimizer):
             if base == "default"
             else "none"
         )
-    if rule.startswith("fits:"):
-        _, k, final, mode = rule.split(":")
-        return float(workers), float(final), int(k), mode
     if rule.startswith("anneal:"):
         return float(workers), float(rule.split(":")[1])
     if rule not in worker_rate.WORKER_RATE_RULES:
@@ -107,11 +101,10 @@ def scaled_optimizer(name, scale):
     return _with_learning_rate(name, lambda rate: rate * scale)
 
 
-def workers_optimizer(name, scale, warmup_steps, anneal_steps):
+def workers_optimizer(name, scale, warmup_steps):
     """The setup's optimizer at its own rate times the factor `scale` = `(peak, final)`:
     from 1 to `peak` over the first `warmup_steps`, then falling toward `final`
-    (`worker_rate.annealed_rate_scale`, as the strategy does); `(peak, final, K, mode)`:
-    the run of `anneal_steps` as K fits (`worker_rate`)."""
+    (`worker_rate.annealed_rate_scale`, as the strategy does)."""
     import keras
     import tensorflow.experimental.numpy as tnp
 
@@ -122,23 +115,8 @@ def workers_optimizer(name, scale, warmup_steps, anneal_steps):
             self.rate = rate
 
         def __call__(self, step):
-            if len(scale) == 4:
-                return self.rate * _fits_factor(step)
             factor = worker_rate.annealed_rate_scale(*scale, step, warmup_steps, tnp)
             return self.rate * factor
-
-    def _fits_factor(step):
-        peak, final, k, mode = scale
-        period = max(1, anneal_steps // k)
-        t = tnp.asarray(step, dtype=tnp.float32)
-        first = worker_rate.annealed_rate_scale(peak, final, t, warmup_steps, tnp)
-        if mode == "first":
-            return first
-        local = tnp.mod(t, float(period))
-        again = worker_rate.annealed_rate_scale(
-            peak, final, local, warmup_steps if mode == "eachw" else 1, tnp
-        )
-        return tnp.where(t < period, first, again)
 
     return _with_learning_rate(name, WorkersRate)
 
@@ -211,24 +189,6 @@ def local_sgd(setup, data, workers, n_sync, seed, steps, eval_every):
     return points
 
 
-def window_ends(workers, n_sync, windows, slow, asynchronous):
-    """`(copy, time)` per window in the order they end, on a simulated clock in steps of
-    a fast copy; copy 0 takes `slow` times as long a step. Asynchronous: each copy starts
-    its next window when its last ends (equal copies end in round-robin order).
-    Synchronous: a round ends when its slowest window does."""
-    if not asynchronous:
-        length = n_sync * max(1.0, slow)
-        return [(k % workers, (k // workers + 1) * length) for k in range(windows)]
-    clock = [(n_sync * (slow if i == 0 else 1.0), i) for i in range(workers)]
-    heapq.heapify(clock)
-    ends = []
-    for _ in range(windows):
-        t, i = heapq.heappop(clock)
-        ends.append((i, t))
-        heapq.heappush(clock, (t + n_sync * (slow if i == 0 else 1.0), i))
-    return ends
-
-
 def _copies(setup, data, workers, n_sync, steps, worker_scale):
     """The `workers` Keras copies of `outer_rounds`, each at the setup's rate times
     `worker_scale` over its `steps` (`workers_optimizer`)."""
@@ -246,7 +206,7 @@ def _copies(setup, data, workers, n_sync, steps, worker_scale):
         *worker_scale[:2], steps, None if cap is None else max(1, cap // workers)
     )
     return [
-        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup, steps))
+        _model(setup, data, 1.0, n_sync, workers_optimizer(opt, worker_scale, warmup))
         for _ in range(workers)
     ]
 
@@ -261,7 +221,6 @@ def outer_rounds(
     eval_every,
     outer,
     asynchronous,
-    slow=1.0,
     worker_scale=(1.0, 1.0),
 ):
     """Held-out points of `workers` copies whose windows an outer rule applies.
@@ -273,8 +232,7 @@ def outer_rounds(
     push is `workers - 1` pushes stale, as homogeneous workers make it. Each copy's rate is
     the setup's times `worker_scale` = `(peak, final)`, warmed up to the peak and falling
     toward the final as the strategy does (`workers_optimizer`, `lr_scaling`). `steps`
-    counts steps per copy (device times). With copy 0 `slow` times slower (`window_ends`),
-    the windows end in simulated time and the points are at that time, in fast steps.
+    counts steps per copy (device times).
 
     Returns:
         `(points, noise)`: the held-out points, and (synchronous) the gradient noise scale
@@ -297,8 +255,8 @@ def outer_rounds(
     ]
     points, next_eval = [], eval_every
     sums, round_sum = [], 0.0  # per round: (pushes' squared norms, their sum's squared norm)
-    ends = window_ends(workers, n_sync, steps * workers // n_sync, slow, asynchronous)
-    for ticket, (i, end) in enumerate(ends):
+    for ticket in range(steps * workers // n_sync):
+        i = ticket % workers  # equal copies end their windows in round-robin order
         copies[i].set_weights(starts[i])
         copies[i].train_function(feeds[i])
         pushed = [s - e for s, e in zip(starts[i], copies[i].get_weights())]
@@ -319,7 +277,7 @@ def outer_rounds(
             starts[i] = center
         elif i == workers - 1:
             starts = [center] * workers
-        step = (ticket + 1) * n_sync // workers if slow == 1 else int(end)
+        step = (ticket + 1) * n_sync // workers
         if step >= next_eval:
             points.append((step, held_out(center)[0]))
             next_eval += eval_every
@@ -435,7 +393,6 @@ def run_setup(setup, data, seed, args):
                 every,
                 opt,
                 asynchronous,
-                args.slow_worker,
                 scale,
             )
         else:
@@ -461,7 +418,6 @@ def run_setup(setup, data, seed, args):
             speedup=base_steps / reached if math.isfinite(reached) else 0.0,
             noise_scale_first=noise[0],
             noise_scale_last=noise[1],
-            slow_worker=args.slow_worker,
         )
         rows.append(row)
         curves += [dict(row, step=s, accuracy=a) for s, a in points]
@@ -542,12 +498,6 @@ def summary(rows):
         "0 for a seed that never reached it; reached/seeds; finals at the same steps).",
         "",
     ]
-    slow = {r.get("slow_worker", 1.0) for r in rows} - {1.0}
-    if slow:
-        lines[-1:-1] = [
-            f"Copy 0 took {', '.join(f'{x:g}' for x in sorted(slow))} times as long a step: "
-            "the N-copy rows are in simulated time, in steps of a fast copy.",
-        ]
     lines += harness.markdown_table(["setup", "variant"] + [f"N={n}" for n in workers], table)
     lines += ["", "Plain Keras (batch B): final / steps to the target, per seed:", ""]
     lines += [
@@ -624,13 +574,6 @@ def main(argv=None):
     )
     p.add_argument("--steps", type=int, default=None, help="steps (default: each setup's)")
     p.add_argument("--evals", type=int, default=60, help="held-out points over a run")
-    p.add_argument(
-        "--slow-worker",
-        type=float,
-        default=1.0,
-        help="sync_outer/async_outer: copy 0 takes this many times as long a step, on a "
-        "simulated clock; points and speed-ups are then in simulated time (1: none)",
-    )
     p.add_argument("--quick", action="store_true", help="a smoke run")
     args = p.parse_args(argv)
     if args.quick:
