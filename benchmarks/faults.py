@@ -1,19 +1,18 @@
 """A parameter server recovered inside `fit`: what snapshots cost, and what faults cost.
 
-`--mode` (comma-separated): `cost` (samples/s and idle time, snapshots off, default and
-every 2 s); `faults` (ps:0 killed halfway through `fit` and restarted 2 s later, against
-the fault-free `fit`; 2 PS, variables split; 2 and 4 workers over `--seeds`);
-`ps_any_time` (ps:0 killed at each of `--kill-at` seconds of a `fit`); `worker_restarts`
-(4 workers, each in turn killed every `--periods` s, restarted 1 s later); `chaos_seeds`
-(`--runs` fits of 20 seeded faults each). The last three feed a user's seeded `tf.data`
-pipeline. `--synchronous`: rounds. Writes `<mode>.csv` and `tables.md` under `--out`.
+`--mode`, comma-separated: `cost` (samples/s and the workers' idle time, snapshots off, at
+the default 60 s and every 2 s); `faults` (ps:0 SIGKILLed halfway through `fit`, against
+the fault-free `fit`); `ps_any_time` (ps:0 killed at each of `--kill-at` s of a `fit`);
+`worker_restarts` (each of 4 workers in turn killed every `--periods` s); `chaos_seeds`
+(`--runs` fits of 20 seeded faults each). Writes `<mode>.csv` and `tables.md` under
+`--out`; docs/benchmarks.md has the details.
 
     python -m benchmarks.run faults --mode faults,cost --noise-floor
-    python -m benchmarks.run faults --mode ps_any_time,worker_restarts \
-        --out results/ps_recovery/user_faults
 """
 
 import faulthandler
+import itertools
+import operator
 import shutil
 import statistics
 import tempfile
@@ -21,11 +20,10 @@ import threading
 import time
 import traceback
 
-from benchmarks import harness, setups
+from benchmarks import harness, metrics, setups
 
 OUT = "results/ps_recovery"  # the default --out
-
-MODES = ("cost", "faults", "ps_any_time", "worker_restarts", "chaos_seeds")
+EVERIES = (None, 60.0, 2.0)  # cost: snapshots off, at the default (60 s), every 2 s
 
 
 def _sharded_strategy(cluster, device_ms=None, **options):
@@ -37,21 +35,37 @@ def _sharded_strategy(cluster, device_ms=None, **options):
 
     if device_ms is not None:
         options["per_worker_dataset_fn"] = tf_asgd.data.emulated_device_time(device_ms)
+    partitioner = tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=4096)
     return tf_asgd.AsyncParameterServerStrategy(
-        cluster.resolver,
-        variable_partitioner=tf.distribute.experimental.partitioners.MaxSizePartitioner(
-            max_shard_bytes=4096
-        ),
-        **options,
+        cluster.resolver, variable_partitioner=partitioner, **options
     )
 
 
 def _applied_twice(log):
+    """The windows of window log `log` whose push was applied more than once."""
     ids = [r.window_id for r in log if r.pushed and not r.replayed and not r.rolled_back]
     return len(ids) - len(set(ids))
 
 
-# ---- cost --------------------------------------------------------------------------
+def _restart_later(cluster, task, after=2.0):
+    time.sleep(after)
+    cluster.restart_task(task)
+
+
+def _append(rows, row):
+    """Appends `row` to `rows` and prints it: the run's log as it goes."""
+    rows.append(row)
+    print(", ".join(f"{k} {_fmt(v)}" for k, v in row.items()), flush=True)
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _table(rows):
+    """A Markdown table of `rows` (dicts with the same keys), one line each."""
+    keys = list(rows[0])
+    return harness.markdown_table(keys, [[_fmt(r[k]) for k in keys] for r in rows])
 
 
 def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64, synchronous=False):
@@ -72,27 +86,22 @@ def cost_cell(cluster, model_name, every, steps, n_sync=10, batch=64, synchronou
     t0 = time.perf_counter()
     model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     seconds = time.perf_counter() - t0
-    snaps = strategy.ps_recovery.snapshots[before:]
+    snaps = strategy.ps_recovery.snapshots[before:]  # each (read s, wait s, bytes, end)
     idle = _idle_at(strategy.window_log(model), [s[3] for s in snaps])
     return {
-        "model": model_name,
-        "synchronous": synchronous,
+        "model": model_name, "synchronous": synchronous,
         "snapshot_every": "off" if every is None else every,
-        "seconds": seconds,
-        "samples_per_s": steps * batch / seconds,
-        "snapshots": len(snaps),
+        "seconds": seconds, "samples_per_s": steps * batch / seconds, "snapshots": len(snaps),
         "read_s": statistics.mean(s[0] for s in snaps) if snaps else 0.0,
         "wait_s": statistics.mean(s[1] for s in snaps) if snaps else 0.0,
-        "mbytes": snaps[0][2] / 1e6 if snaps else 0.0,
-        "idle_s": idle,
-    }
+        "mbytes": snaps[0][2] / 1e6 if snaps else 0.0, "idle_s": idle,
+    }  # fmt: skip
 
 
 def _idle_at(log, ends):
-    """The workers' time lost to snapshots ending at `ends` (`time.time()`), in seconds of
-    one worker: for each snapshot and worker, the gap between its last window before the
-    snapshot's end and its first after, less its median gap between windows, averaged
-    over the workers."""
+    """The seconds of one worker lost to snapshots ending at `ends` (`time.time()`): per
+    snapshot and worker, the gap between its windows across the end less its median gap,
+    averaged over the workers."""
     lost = 0.0
     by_worker = {}
     for r in log:
@@ -112,98 +121,77 @@ def _idle_at(log, ends):
 
 def run_cost(args):
     rows = []
-    everies = [None if e == "off" else float(e) for e in args.everies]
     with harness.local_cluster(2) as cluster:
         for model_name in args.models:
             # Steps for about --seconds with snapshots off, measured once.
             probe = cost_cell(cluster, model_name, None, 200, synchronous=args.synchronous)
             steps = max(20, int(200 * args.seconds / probe["seconds"]) // 20 * 20)
-            for _ in range(args.rounds):
-                for every in everies:
-                    rows.append(
-                        cost_cell(cluster, model_name, every, steps, synchronous=args.synchronous)
-                    )
-                    print(_fmt_row(rows[-1]), flush=True)
+            for every in EVERIES * args.rounds:
+                row = cost_cell(cluster, model_name, every, steps, synchronous=args.synchronous)
+                _append(rows, row)
     return rows, _cost_summary(rows)
 
 
 def _cost_summary(rows):
-    """The cost table. The chief's share is its time in snapshots (its wait for the
-    windows in flight, then the read) over the fit's; the workers' idle share is what
-    the snapshots cost them (`_idle_at`): the overhead, which the noise of samples/s on
-    a shared machine cannot resolve."""
-    lines = [
-        "| model | snapshot_every | samples/s (median) | vs off | snapshots per fit "
-        "| read s | wait s | MB | chief's share | workers' idle share |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        cells = [r for r in rows if r["model"] == model]
-        off = statistics.median(r["samples_per_s"] for r in cells if r["snapshot_every"] == "off")
-        for every in dict.fromkeys(r["snapshot_every"] for r in cells):
-            mine = [r for r in cells if r["snapshot_every"] == every]
-            rate = statistics.median(r["samples_per_s"] for r in mine)
-            share = statistics.mean(
-                r["snapshots"] * (r["read_s"] + r["wait_s"]) / r["seconds"] for r in mine
-            )
-            idle = statistics.mean(r["idle_s"] / r["seconds"] for r in mine)
-            lines.append(
-                f"| {model} | {every} | {rate:.0f} | {rate / off:.3f} "
-                f"| {statistics.mean(r['snapshots'] for r in mine):.1f} "
-                f"| {statistics.mean(r['read_s'] for r in mine):.3f} "
-                f"| {statistics.mean(r['wait_s'] for r in mine):.3f} "
-                f"| {max(r['mbytes'] for r in mine):.1f} | {100 * share:.1f}% "
-                f"| {100 * idle:.1f}% |"
-            )
-    return lines
+    """The cost table. The chief's share: its time in snapshots (its wait for the windows in
+    flight, then the read) over the fit's; the workers' idle share (`_idle_at`): the
+    overhead, which the noise of samples/s on a shared machine cannot resolve."""
+    header = ["model", "snapshot_every", "samples/s (median)", "vs off", "snapshots per fit",
+              "read s", "wait s", "MB", "chief's share", "workers' idle share"]  # fmt: skip
+    table = []
+    for model, every in dict.fromkeys((r["model"], r["snapshot_every"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["snapshot_every"]) == (model, every)]
+        off = metrics.median_of(rows, "samples_per_s", model=model, snapshot_every="off")
+        rate = statistics.median(r["samples_per_s"] for r in mine)
+        share = statistics.mean(
+            r["snapshots"] * (r["read_s"] + r["wait_s"]) / r["seconds"] for r in mine
+        )
+        idle = statistics.mean(r["idle_s"] / r["seconds"] for r in mine)
+        table.append([
+            model, every, f"{rate:.0f}", f"{rate / off:.3f}",
+            f"{statistics.mean(r['snapshots'] for r in mine):.1f}",
+            f"{statistics.mean(r['read_s'] for r in mine):.3f}",
+            f"{statistics.mean(r['wait_s'] for r in mine):.3f}",
+            f"{max(r['mbytes'] for r in mine):.1f}", f"{100 * share:.1f}%", f"{100 * idle:.1f}%",
+        ])  # fmt: skip
+    return harness.markdown_table(header, table)
 
 
-# ---- faults ------------------------------------------------------------------------
-
-
-def _kill_halfway(cluster, task, at):
-    """A Keras callback: SIGKILLs `task` after `at` windows, restarts it 2 s later."""
+def _kill_halfway(cluster, at):
+    """A callback: SIGKILLs ps:0 after `at` windows, restarts it 2 s later (in `thread`)."""
     import keras
 
     class Kill(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.windows, self.thread = 0, None
+        windows, thread = 0, None
 
         def on_train_batch_end(self, batch, logs=None):
             self.windows += 1
             if self.thread is None and self.windows >= at:
-                cluster.kill_task(task)
-                self.thread = threading.Thread(target=_restart_later, args=(cluster, task))
+                cluster.kill_task("ps:0")
+                self.thread = threading.Thread(target=_restart_later, args=(cluster, "ps:0"))
                 self.thread.start()
 
     return Kill()
 
 
-def _restart_later(cluster, task, after=2.0):
-    time.sleep(after)
-    cluster.restart_task(task)
-
-
-def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10, synchronous=False):
-    """One `fit` of `setup` (with ps:0 killed halfway if `fault`); its row."""
+def fault_cell(cluster, setup, workers, seed, fault, data, synchronous=False, n_sync=10):
+    """One `fit` of `setup` with ps:0 killed halfway if `fault` (None: the fault-free `fit`
+    again, how far two fits of one seed differ anyway); its row."""
     import keras
 
     recipe = setups.FAULT_SETUPS[setup]
-    model_name, opt, batch = recipe.model, recipe.optimizer, recipe.batch
-    epochs = recipe.epochs
     (x, y), (xt, yt) = data
     strategy = _sharded_strategy(cluster, n_sync=n_sync, synchronous=synchronous)
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        model = setups.build_model(model_name, data)
-        harness.compile_classifier(model, setups.make_optimizer(opt), metrics=["accuracy"])
-    steps = len(x) // batch
-    windows = epochs * -(-steps // n_sync)
-    # fault None: the fault-free run again (how far two runs of one seed differ anyway).
-    callbacks = [_kill_halfway(cluster, "ps:0", windows // 2)] if fault else []
+        model = setups.build_model(recipe.model, data)
+        optimizer = setups.make_optimizer(recipe.optimizer)
+        harness.compile_classifier(model, optimizer, metrics=["accuracy"])
+    steps = len(x) // recipe.batch
+    windows = recipe.epochs * -(-steps // n_sync)
+    callbacks = [_kill_halfway(cluster, windows // 2)] if fault else []
     t0 = time.perf_counter()
-    model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=callbacks, verbose=0)
+    model.fit(x, y, batch_size=recipe.batch, epochs=recipe.epochs, callbacks=callbacks, verbose=0)
     seconds = time.perf_counter() - t0
     for c in callbacks:
         c.thread.join()
@@ -211,70 +199,50 @@ def fault_cell(cluster, setup, workers, seed, fault, data, n_sync=10, synchronou
     stats = strategy.model_stats(model)
     rec = strategy.recoveries
     return {
-        "setup": setup,
-        "workers": workers,
-        "seed": seed,
-        "synchronous": synchronous,
-        "fault": fault,
-        "seconds": seconds,
-        "test_accuracy": accuracy,
-        "recoveries": len(rec),
-        "rolled_back": sum(r.rolled_back for r in rec),
+        "setup": setup, "workers": workers, "seed": seed, "synchronous": synchronous,
+        "fault": fault, "seconds": seconds, "test_accuracy": accuracy,
+        "recoveries": len(rec), "rolled_back": sum(r.rolled_back for r in rec),
         "in_flight": sum(r.in_flight for r in rec),
         "recovery_s": sum(r.waited_s + r.restore_s for r in rec),
+        # The counters are the strategy's: one strategy per fit here.
         "version_is_applied": int(strategy.counters.version.numpy()) == stats.applied
-        or not fault,  # the counters are the strategy's: one strategy per fit here
+        or not fault,
         "applied_twice": _applied_twice(strategy.window_log(model)),
-    }
+    }  # fmt: skip
 
 
 def run_faults(args):
-    import tf_asgd
-
-    rows = []
+    rows, faults = [], (False, True) + ((None,) if args.noise_floor else ())
     for setup in args.setups:
         data = setups.load_data(setups.FAULT_SETUPS[setup].data)
         for workers in args.workers:
-            with tf_asgd.LocalCluster(workers, 2, shared_process=False) as cluster:
-                for seed in args.seeds:
-                    for fault in (False, True) + ((None,) if args.noise_floor else ()):
-                        row = fault_cell(
-                            cluster, setup, workers, seed, fault, data, synchronous=args.synchronous
-                        )
-                        rows.append(row)
-                        print(_fmt_row(rows[-1]), flush=True)
+            with harness.local_cluster(workers, 2, "separate") as cluster:
+                for seed, fault in itertools.product(args.seeds, faults):
+                    row = fault_cell(cluster, setup, workers, seed, fault, data, args.synchronous)
+                    _append(rows, row)
     return rows, _faults_summary(rows)
 
 
 def _faults_summary(rows):
-    lines = [
-        "| setup | workers | seed | accuracy, fault-free | accuracy, PS killed | difference "
-        "| fault-free again: difference | pushes rolled back | in flight | recovery s "
-        "| version = applied | applied twice |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    free = {_cell(r): r for r in rows if r["fault"] is False}
-    again = {_cell(r): r for r in rows if r["fault"] is None}
+    header = ["setup", "workers", "seed", "accuracy, fault-free", "accuracy, PS killed",
+              "difference", "fault-free again: difference", "pushes rolled back", "in flight",
+              "recovery s", "version = applied", "applied twice"]  # fmt: skip
+    cell = operator.itemgetter("setup", "workers", "seed")
+    free = {cell(r): r for r in rows if r["fault"] is False}
+    again = {cell(r): r for r in rows if r["fault"] is None}
+    table = []
     for r in rows:
-        f = free.get(_cell(r))
+        f, a = free.get(cell(r)), again.get(cell(r))
         if r["fault"] is not True or f is None:
             continue
-        a = again.get(_cell(r))
-        floor = f"{a['test_accuracy'] - f['test_accuracy']:+.3f}" if a else "-"
-        lines.append(
-            f"| {r['setup']} | {r['workers']} | {r['seed']} | {f['test_accuracy']:.3f} "
-            f"| {r['test_accuracy']:.3f} | {r['test_accuracy'] - f['test_accuracy']:+.3f} "
-            f"| {floor} | {r['rolled_back']} | {r['in_flight']} | {r['recovery_s']:.1f} "
-            f"| {r['version_is_applied']} | {r['applied_twice']} |"
-        )
-    return lines
-
-
-def _cell(row):
-    return row["setup"], row["workers"], row["seed"]
-
-
-# ---- a PS killed at any time; workers killed and restarted ----------------------------
+        table.append([
+            r["setup"], r["workers"], r["seed"], f"{f['test_accuracy']:.3f}",
+            f"{r['test_accuracy']:.3f}", f"{r['test_accuracy'] - f['test_accuracy']:+.3f}",
+            f"{a['test_accuracy'] - f['test_accuracy']:+.3f}" if a else "-",
+            r["rolled_back"], r["in_flight"], f"{r['recovery_s']:.1f}",
+            r["version_is_applied"], r["applied_twice"],
+        ])  # fmt: skip
+    return harness.markdown_table(header, table)
 
 
 def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
@@ -298,9 +266,17 @@ def _user_fit(strategy, data, epochs, steps, callbacks, seed=0):
     return model, seconds, float(model.evaluate(xt, yt, verbose=0)[1])
 
 
+def _fit_or_error(strategy, data, epochs, steps, callbacks):
+    """`_user_fit`'s `(model, seconds, accuracy)` and "", or `(None, nan, nan)` and its error."""
+    try:
+        return (*_user_fit(strategy, data, epochs, steps, callbacks), "")
+    except Exception as e:  # noqa: BLE001 - the row reports it
+        return None, float("nan"), float("nan"), repr(e)[:200]
+
+
 def _kill_at(cluster, at):
-    """A callback: SIGKILLs ps:0 `at` seconds after `on_train_begin` ("end": at the last
-    epoch's end), restarts it 2 s later."""
+    """A callback that SIGKILLs ps:0 `at` seconds after `on_train_begin` ("end": at the last
+    epoch's end) and restarts it 2 s later (in its `thread`)."""
     import keras
 
     class Kill(keras.callbacks.Callback):
@@ -327,24 +303,18 @@ def _kill_at(cluster, at):
 def run_ps_any_time(args):
     """ps:0 SIGKILLed at each of `--kill-at` seconds of a `fit` (2 workers, 2 PS with
     variables split), restarted 2 s later, against the fault-free `fit`."""
-    import tf_asgd
-
     data, rows = setups.load_data("digits"), []
     for at in ["none"] + args.kill_at:
-        with tf_asgd.LocalCluster(2, 2, shared_process=False) as cluster:
+        with harness.local_cluster(2, 2, "separate") as cluster:
             strategy = _sharded_strategy(cluster, args.device_ms, n_sync=10)
             callbacks = [] if at == "none" else [_kill_at(cluster, at)]
-            try:
-                model, seconds, accuracy = _user_fit(strategy, data, 6, 400, callbacks)
-                error = ""
-            except Exception as e:  # noqa: BLE001 - the row reports it
-                model, seconds, accuracy, error = None, float("nan"), float("nan"), repr(e)[:200]
+            model, seconds, accuracy, error = _fit_or_error(strategy, data, 6, 400, callbacks)
             for c in callbacks:
                 if c.thread is not None:
                     c.thread.join()
             rec = strategy.recoveries
             stats = strategy.model_stats(model) if model is not None else None
-            rows.append({
+            row = {
                 "killed_at_s": at, "completed": model is not None, "seconds": seconds,
                 "test_accuracy": accuracy, "recoveries": len(rec),
                 "rolled_back": sum(r.rolled_back for r in rec),
@@ -352,15 +322,14 @@ def run_ps_any_time(args):
                 and int(strategy.counters.version.numpy()) == stats.applied == stats.windows,
                 "applied_twice": _applied_twice(strategy.window_log(model)) if model else "",
                 "error": error,
-            })  # fmt: skip
-        print(_fmt_row(rows[-1]), flush=True)
-    lines = _table(rows)
-    return rows, lines
+            }  # fmt: skip
+        _append(rows, row)
+    return rows, _table(rows)
 
 
 def _restart_workers(cluster, stop, period, kills):
     """Until `stop`: every `period` s the next worker in turn is SIGKILLed, and restarted
-    on its port 1 s later (in its own thread, so kills keep their pace)."""
+    on its port 1 s later (in its own thread, so that kills keep their pace)."""
     i = 0
     while not stop.wait(period):
         task = f"worker:{i % cluster.num_workers}"
@@ -371,13 +340,10 @@ def _restart_workers(cluster, stop, period, kills):
 
 
 def run_worker_restarts(args):
-    """4 workers, 2 PS with variables split; each worker in turn SIGKILLed every
-    `--period` s and restarted 1 s later, for a `fit` of about 75 s fault-free; against
-    the fault-free `fit` on the same cluster."""
-    import tf_asgd
-
+    """4 workers, 2 PS with variables split: each worker in turn SIGKILLed every `--periods`
+    s and restarted 1 s later in a `fit` of about 75 s, against the fault-free `fit`."""
     data, rows = setups.load_data("digits"), []
-    with tf_asgd.LocalCluster(4, 2, shared_process=False) as cluster:
+    with harness.local_cluster(4, 2, "separate") as cluster:
         for period in [None] + args.periods:
             strategy = _sharded_strategy(cluster, args.device_ms, n_sync=10)
             stop, kills = threading.Event(), []
@@ -385,16 +351,13 @@ def run_worker_restarts(args):
             if period is not None:
                 chaos.start()
             try:
-                model, seconds, accuracy = _user_fit(strategy, data, 15, 1000, [])
-                error = ""
-            except Exception as e:  # noqa: BLE001 - the row reports it
-                model, seconds, accuracy, error = None, float("nan"), float("nan"), repr(e)[:200]
+                model, seconds, accuracy, error = _fit_or_error(strategy, data, 15, 1000, [])
             finally:
                 stop.set()
                 if period is not None:
                     chaos.join()
             time.sleep(3.0)  # the last restart
-            rows.append({
+            _append(rows, {
                 "period_s": period or "fault-free", "kills": len(kills),
                 "completed": model is not None, "seconds": seconds,
                 "samples_per_s": 15 * 1000 * 32 / seconds, "test_accuracy": accuracy,
@@ -403,38 +366,27 @@ def run_worker_restarts(args):
                 "applied_twice": _applied_twice(strategy.window_log(model)) if model else "",
                 "error": error,
             })  # fmt: skip
-            print(_fmt_row(rows[-1]), flush=True)
-    lines = _table(rows)
-    return rows, lines
+    return rows, _table(rows)
 
 
 # (PS tasks, workers, synchronous) of the chaos runs, in turn.
 CHAOS_CONFIGS = (
-    (2, 2, False),
-    (3, 2, False),
-    (2, 4, False),
-    (2, 2, True),
-    (3, 3, True),
-    (3, 4, False),
-)
+    (2, 2, False), (3, 2, False), (2, 4, False), (2, 2, True), (3, 3, True), (3, 4, False),
+)  # fmt: skip
 
 
 def run_chaos_seeds(args):
-    """`--runs` fits, each with 20 seeded faults (`tf_asgd.cluster.chaos.Chaos`: a task
-    killed and restarted, a PS paused, a PS and then a worker killed, every worker killed
-    while a push is held at a point of `fault_points.POINTS`; the seed is the
-    run's index) on a configuration of `CHAOS_CONFIGS` in turn, as
-    tests/cluster/test_chaos_on_cluster.py runs one: per run the faults by kind, the
-    recoveries and the invariant's violations."""
-    import tf_asgd
+    """`--runs` fits of 20 faults (`chaos.Chaos`, seeded with the run's index) on each of
+    `CHAOS_CONFIGS` in turn, as tests/cluster/test_chaos_on_cluster.py runs one: per run the
+    faults by kind and point, the recoveries, the invariant's violations, a NumPy replay."""
     from tf_asgd.cluster import chaos, fault_points
     from tf_asgd.runtime import push_journal
 
     data, rows = setups.load_data("digits"), []
     for seed in range(args.first_run, args.first_run + args.runs):
-        faulthandler.dump_traceback_later(args.hang_s, exit=True)  # 0 hung runs, or shown
+        faulthandler.dump_traceback_later(args.hang_s, exit=True)  # a hung run shows its stacks
         ps, workers, synchronous = CHAOS_CONFIGS[seed % len(CHAOS_CONFIGS)]
-        with tf_asgd.LocalCluster(workers, ps, shared_process=False) as cluster:
+        with harness.local_cluster(workers, ps, "separate") as cluster:
             pids = set(cluster.pids().values())
             strategy = _sharded_strategy(
                 cluster, args.device_ms, n_sync=5, snapshot_every=2.0, connect_timeout=60,
@@ -465,9 +417,9 @@ def run_chaos_seeds(args):
             finally:
                 shutil.rmtree(journal, ignore_errors=True)
                 pids |= set(cluster.pids().values())  # the tasks restarted too
-        left = _left(pids)
+        left = _left(pids)  # its wait counts in the row's seconds
         done = faults.done if faults else []
-        rows.append({
+        _append(rows, {
             "seed": seed, "ps": ps, "workers": workers, "synchronous": synchronous,
             "seconds": time.perf_counter() - t0, "faults": len(done),
             **{k: sum(kind == k for kind, _ in done) for k in chaos.KINDS},
@@ -481,15 +433,12 @@ def run_chaos_seeds(args):
             "processes_left": len(left),
             "error": error or repr((faults and faults.error) or "")[:200],
         })  # fmt: skip
-        print(_fmt_row(rows[-1]), flush=True)
     faulthandler.cancel_dump_traceback_later()
-    lines = _table(rows)
-    total = sum(r["faults"] for r in rows)
     by_kind = ", ".join(f"{k} {sum(r[k] for r in rows)}" for k in chaos.KINDS)
     by_kind += " (" + ", ".join(f"{p} {sum(r[p] for r in rows)}" for p in fault_points.POINTS) + ")"
-    lines += [
+    return rows, _table(rows) + [
         "",
-        f"{total} faults ({by_kind}) over {len(rows)} runs: "
+        f"{sum(r['faults'] for r in rows)} faults ({by_kind}) over {len(rows)} runs: "
         f"{sum(bool(r['violations']) for r in rows)} run(s) broke the invariant, "
         f"{sum(not r['completed'] for r in rows)} stopped with an error, "
         f"{sum(r['stalled'] for r in rows)} stalled, "
@@ -498,12 +447,10 @@ def run_chaos_seeds(args):
         f"{sum(r['replay'] == '' and r['completed'] and not r['synchronous'] for r in rows)}"
         f" of {sum(not r['synchronous'] for r in rows)}.",
     ]
-    return rows, lines
 
 
 def _initial_values_callback():
-    """A callback that keeps the central variables' values as `fit` begins
-    (`push_journal.initial_values`), before any push: the replay's start."""
+    """A callback that keeps the central variables' values as `fit` begins: the replay's start."""
     import keras
 
     from tf_asgd.runtime import push_journal
@@ -517,90 +464,58 @@ def _initial_values_callback():
     return Initial()
 
 
-def _alive(pid):
-    """Whether process `pid` runs: a zombie (dead, not yet reaped) does not."""
-    import os
-
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # Linux: the state follows the name
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: whether a signal reaches it
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-
-
 def _left(pids, wait_s=10.0):
     """The processes of `pids` still running `wait_s` after a cluster's close (a task
-    stopped by SIGTERM takes a moment to exit)."""
+    stopped by SIGTERM takes a moment to exit); a zombie (exited, not reaped) is not."""
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # Linux: the state follows the name
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
     deadline = time.monotonic() + wait_s
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
 
-def _table(rows):
-    """A Markdown table of `rows` (dicts with the same keys), one line each."""
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-    return lines + ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
-
-
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def _fmt_row(row):
-    return ", ".join(f"{k} {_fmt(v)}" for k, v in row.items())
+RUNNERS = {
+    "cost": run_cost,
+    "faults": run_faults,
+    "ps_any_time": run_ps_any_time,
+    "worker_restarts": run_worker_restarts,
+    "chaos_seeds": run_chaos_seeds,
+}
 
 
 def main(argv=None):
     p = harness.parser(__doc__, out=OUT, workers=[2, 4], seeds=[0, 1, 2], device_ms=[20.0])
-    p.add_argument(
-        "--mode",
-        type=harness.str_list,
-        default=list(MODES),
-        help="comma-separated, of: " + ",".join(MODES),
-    )
+    p.add_argument("--mode", type=harness.str_list, default=list(RUNNERS),
+                   help="comma-separated, of: " + ",".join(RUNNERS))  # fmt: skip
     p.add_argument("--models", type=harness.str_list, default=["gem_convnet", "mlp"])
     p.add_argument("--setups", type=harness.str_list, default=list(setups.FAULT_SETUPS))
-    p.add_argument("--everies", type=harness.str_list, default=["off", "60", "2"],
-                   help="cost: the snapshot_every settings, off = None")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="cost: rounds of each setting")
     p.add_argument("--seconds", type=float, default=20.0, help="cost: seconds per fit")
-    p.add_argument("--noise-floor", action="store_true",
-                   help="faults: each fault-free run again, to compare")  # fmt: skip
+    p.add_argument("--noise-floor", action="store_true", help="faults: each fault-free fit again")
     p.add_argument("--kill-at", type=harness.str_list,
                    default=["0", "0.5", "1", "2", "4", "8", "12", "16", "20", "end"],
                    help="ps_any_time: seconds after on_train_begin, or end")  # fmt: skip
     p.add_argument("--runs", type=int, default=25, help="chaos_seeds: fits of 20 faults")
     p.add_argument("--first-run", type=int, default=0, help="chaos_seeds: the first run's seed")
     p.add_argument("--hang-s", type=float, default=900.0,
-                   help="chaos_seeds: a run longer than this is hung: every thread's "
-                        "stack is printed and the process exits 1")  # fmt: skip
+                   help="chaos_seeds: a run this long is hung: stacks printed, exit 1")  # fmt: skip
     p.add_argument("--periods", type=harness.float_list, default=[12.0, 4.0],
                    help="worker_restarts: seconds between worker kills")  # fmt: skip
-    p.add_argument("--synchronous", action="store_true",
-                   help="cost and faults: synchronous rounds (synchronous=True)")  # fmt: skip
+    p.add_argument("--synchronous", action="store_true", help="cost, faults: synchronous rounds")
     args = p.parse_args(argv)
     args.device_ms = harness.single(p, args, "device_ms")  # emulated device ms a batch
-    bad = set(args.mode) - set(MODES)
-    if bad:
-        p.error(f"unknown --mode {sorted(bad)}; choose from {MODES}")
-    runners = {
-        "cost": run_cost,
-        "faults": run_faults,
-        "ps_any_time": run_ps_any_time,
-        "worker_restarts": run_worker_restarts,
-        "chaos_seeds": run_chaos_seeds,
-    }
+    if bad := set(args.mode) - set(RUNNERS):
+        p.error(f"unknown --mode {sorted(bad)}; choose from {tuple(RUNNERS)}")
     report = ["# PS recovery: snapshot cost, faults and chaos", ""]
     for mode in args.mode:
-        rows, lines = runners[mode](args)
+        rows, lines = RUNNERS[mode](args)
         harness.write_csv(f"{args.out}/{mode}.csv", rows)
         report += [f"## {mode}", "", *lines, ""]
     harness.write_lines(f"{args.out}/tables.md", report)

@@ -1,17 +1,10 @@
 """The benchmark harness: what every suite shares, apart from its metrics (`metrics.py`).
 
-Each suite builds its flags with `parser(__doc__, out=..., workers=..., ...)`: the
-output folder (`--out`) and the sweep flags (`SWEEP_FLAGS`: `--workers`, `--n-sync`,
-`--seeds`, `--device-ms`) are defined here once, with one type each; a suite picks
-their defaults. Also: `local_cluster`, `compile_classifier`, `write_csv`,
-`markdown_table` and `plot_panels`. The accuracy studies' setups are in `setups.py`.
-TensorFlow, Keras, tf_asgd and matplotlib load inside the helpers: the throughput
-suite's stock-PS child sets `TF_USE_LEGACY_KERAS` first, and `--help` needs none of them.
-
-Example:
->>> from benchmarks import harness
->>> harness.int_list("1,2,4")
-[1, 2, 4]
+Each suite builds its flags with `parser(__doc__, out=..., workers=..., ...)`: `--out` and
+the sweep flags (`SWEEP_FLAGS`) are defined here once, with one type each. Also: clusters,
+compiling, CSV, Markdown and plots; the accuracy studies' setups are in `setups.py`.
+TensorFlow, Keras, tf_asgd and matplotlib load inside the helpers: the throughput suite's
+stock-PS child sets `TF_USE_LEGACY_KERAS` first, and `--help` needs none of them.
 """
 
 import argparse
@@ -57,17 +50,8 @@ SWEEP_FLAGS = {
 
 
 def parser(doc, out, **defaults):
-    """The argparse parser of a suite, with the shared flags.
-
-    Args:
-        doc: the help text (the suite's module docstring).
-        out: the default output folder (`--out`).
-        **defaults: a default for each sweep flag the suite takes, by its name
-            in `SWEEP_FLAGS` (`workers=[1, 2]`, `device_ms=None`, ...).
-
-    Returns:
-        An `argparse.ArgumentParser` the suite adds its own flags to.
-    """
+    """A suite's parser, described by `doc`, with `--out` (default `out`) and each sweep
+    flag named in `defaults` (`workers=[1, 2]`, `device_ms=None`, ...) with its default."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -84,6 +68,12 @@ def parser(doc, out, **defaults):
     return p
 
 
+def _shown(default):
+    if isinstance(default, (list, tuple)):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
+    return str(default)
+
+
 def apply_quick(args, argv, quick):
     """A `--quick` smoke run: sets each of `quick`'s values on `args` unless its flag was
     given on the command line (`argv`, else `sys.argv`)."""
@@ -95,12 +85,6 @@ def apply_quick(args, argv, quick):
     for k, v in quick.items():
         if k not in given:
             setattr(args, k, v)
-
-
-def _shown(default):
-    if isinstance(default, (list, tuple)):
-        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
-    return str(default)
 
 
 def single(p, args, name):
@@ -115,11 +99,9 @@ def single(p, args, name):
 
 
 def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
-    """A `tf_asgd.LocalCluster` on loopback, its loopback limited to `bandwidth` if
-    given: every task in one child process (`processes="shared"`: 32 workers fit in
-    memory) or one process per task (`"separate"`: what a real cluster of machines
-    looks like to TF's runtime, each task with its own threads and gRPC server). Use
-    it as a context manager; leaving the block stops every process."""
+    """A `tf_asgd.LocalCluster` (a context manager), its loopback limited to `bandwidth` if
+    given: every task in one child process (`processes="shared"`: 32 workers fit) or one
+    process per task (`"separate"`: each with its own threads, as on real machines)."""
     import tf_asgd
 
     if processes not in ("shared", "separate"):
@@ -130,8 +112,8 @@ def local_cluster(workers, num_ps=1, processes="shared", bandwidth=None):
 
 
 def throughput_model(name):
-    """A model of the throughput suites: `gem_convnet` (`models.gem_mnist_convnet`, 164k
-    parameters) or `mlp` (784-2048-1024-10, 3.7M parameters: bandwidth-bound)."""
+    """`gem_convnet` (`models.gem_mnist_convnet`, 164k parameters) or `mlp`
+    (784-2048-1024-10, 3.7M parameters: bandwidth-bound)."""
     import keras
 
     import tf_asgd
@@ -159,21 +141,10 @@ def synthetic_images(batch=64):
 
 
 def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_per_execution=1):
-    """Compiles `model` (logits out) with `optimizer` and sparse categorical
-    cross-entropy, the loss of every suite. Call it under `strategy.scope()`
-    when the model is built there, with the optimizer created there too.
-
-    Args:
-        model: a Keras model.
-        optimizer: a Keras optimizer instance.
-        metrics: Keras `compile` metrics, e.g. `["accuracy"]` (None: none).
-        keras_module: the Keras that built `model`; `tf_keras` for stock
-            ParameterServerStrategy runs (default: Keras 3).
-        steps_per_execution: steps per call of the model's `train_function`.
-
-    Returns:
-        `model`.
-    """
+    """Compiles `model` (logits out) with `optimizer` and sparse categorical cross-entropy,
+    the loss of every suite, and returns it. `keras_module`: the Keras that built `model`
+    (`tf_keras` for stock PS runs; default Keras 3). Call it under `strategy.scope()` when
+    the model and optimizer are built there."""
     if keras_module is None:
         import keras as keras_module
 
@@ -187,8 +158,7 @@ def compile_classifier(model, optimizer, metrics=None, keras_module=None, steps_
 
 
 def columns(rows):
-    """The keys of a list of dicts, in order of first appearance (the
-    columns `plots.write_csv` writes)."""
+    """The keys of a list of dicts, in order of first appearance (`write_csv`'s columns)."""
     out = []
     for row in rows:
         out += [k for k in row if k not in out]
@@ -196,16 +166,8 @@ def columns(rows):
 
 
 def markdown_table(header, rows):
-    """A Markdown table as a list of lines.
-
-    Args:
-        header: column titles.
-        rows: one list of cells per row, formatted by the caller (`str` is
-            applied to each).
-
-    Returns:
-        `["| a | b |", "| --- | --- |", "| 1 | 2 |", ...]`.
-    """
+    """A Markdown table as lines, `["| a | b |", "| --- | --- |", "| 1 | 2 |", ...]`, of
+    `header` and `rows` (lists of cells, `str` applied to each)."""
 
     def line(cells):
         return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -232,10 +194,9 @@ def write_csv(path, rows, fields=None):
         fields = columns(rows)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(row.get(k, "")) for k in fields})
+        writer.writerows({k: _fmt(row.get(k, "")) for k in fields} for row in rows)
     return path
 
 
@@ -246,13 +207,10 @@ def _fmt(v):
 
 
 def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
-    """Saves a grid of line or bar panels as a PNG.
-
-    Each panel is a dict: `title`, `xlabel`, `ylabel`, `series` (a list of
-    `(label, x, y)`, or `(label, x, y, y_min, y_max)` for a line with a
-    shaded min-max band), optional `kind` (`"line"`, `"bar"` or `"scatter"`),
-    `logx`, `logy`, `ylim`, `hline` (`(y, label)`: a dashed reference line).
-    """
+    """Saves a grid of panels as a PNG. A panel is a dict: `title`, `xlabel`, `ylabel`,
+    `series` (a list of `(label, x, y)`, or `(label, x, y, y_min, y_max)` for a line with a
+    shaded min-max band), optional `kind` (`"line"` or `"bar"`), `logx`, `logy`, `ylim`,
+    `hline` (`(y, label)`: a dashed reference line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,8 +232,6 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
                 ax.fill_between(x, band[0], band[1], alpha=0.2)
             if kind == "bar":
                 ax.bar(x + (k - (len(series) - 1) / 2) * width, y, width=width, label=label)
-            elif kind == "scatter":
-                ax.scatter(x, y, label=label, s=10, alpha=0.7)
             else:
                 ax.plot(x, y, label=label, lw=1.2)
         ax.set_title(panel.get("title", ""), fontsize=9)
@@ -290,7 +246,7 @@ def plot_panels(path, panels, ncols=2, title=None, panel_size=(5.0, 3.6)):
         if panel.get("hline"):
             ax.axhline(panel["hline"][0], ls="--", color="k", lw=0.8, label=panel["hline"][1])
         ax.grid(alpha=0.3)
-        if (series and any(s[0] for s in series)) or panel.get("hline"):
+        if any(s[0] for s in series) or panel.get("hline"):
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")

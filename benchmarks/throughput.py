@@ -30,20 +30,20 @@ from benchmarks import harness, metrics
 
 OUT = "results/throughput"  # the default --out
 
-RESULT = "BENCH_RESULT "
+RESULT = "BENCH_RESULT "  # starts a child's output line that holds a measurement
 _BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 
 
-# ---- child side ------------------------------------------------------------
-
-
-def _synthetic(shape, batch_size, num_classes=10, batches=8, seed=0):
+# The child side: one configuration, measured in a process of its own.
+def _synthetic(shape, batch_size):
+    """A function that makes a dataset of 8 fixed batches of random images (10 classes)."""
     import numpy as np
+    import tensorflow as tf
 
-    rng = np.random.default_rng(seed)
-    x = rng.random((batches * batch_size,) + tuple(shape), dtype=np.float32)
-    y = rng.integers(0, num_classes, batches * batch_size).astype("int64")
-    return x, y
+    rng = np.random.default_rng(0)
+    x = rng.random((8 * batch_size, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, 8 * batch_size).astype("int64")
+    return lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
 
 def _keras3_model(name):
@@ -89,27 +89,18 @@ def _timed_fit(model, data, steps):
     return time.perf_counter() - t
 
 
-def _plan_steps(rate, seconds, unit, min_units=2):
-    """Steps for about `seconds` at `rate` steps/s, a multiple of `unit`."""
-    units = max(min_units, int(round(rate * seconds / unit)))
-    return units * unit
+def _plan_steps(rate, seconds, unit):
+    """Steps for about `seconds` at `rate` steps/s: a multiple of `unit`, at least two."""
+    return max(2, int(round(rate * seconds / unit))) * unit
 
 
-def _measure(fit, rate, seconds, unit, attempts=3):
-    """Times `fit(steps)` (returns seconds) for about `seconds`.
-
-    Steps are planned from `rate` (steps/s, an estimate) as multiples of
-    `unit`. A `fit` sometimes stalls for seconds at its start (separate
-    processes: the previous fit's per-worker iterators being deleted,
-    results/throughput/README.md), so an estimate from a stalled warm-up is too low and
-    plans a run so short that a stall would be most of it: a run shorter than
-    half of `seconds` is planned again from the faster rate and repeated, up
-    to `attempts` runs; the last one counts.
-
-    Returns:
-        `(steps, seconds taken)` of the run that counts.
-    """
-    for _ in range(attempts):
+def _measure(fit, rate, seconds, unit):
+    """`(steps, seconds taken)` of `fit(steps)` (which returns seconds) for about `seconds`,
+    steps planned from `rate` (steps/s) in multiples of `unit`. A fit can stall for seconds
+    at its start (results/throughput/README.md), so a rate estimated in a stall plans too
+    short a run: one under half of `seconds` is planned again at the faster rate, up to 3
+    runs; the last one counts."""
+    for _ in range(3):
         steps = _plan_steps(rate, seconds, unit)
         dt = fit(steps)
         rate = max(rate, steps / dt)
@@ -119,9 +110,8 @@ def _measure(fit, rate, seconds, unit, attempts=3):
 
 
 def _child_main(args):
-    """Runs one child's measurement. A child with a cluster forks its tasks' fork server
-    from itself, once TensorFlow is imported and before its runtime starts: one import of
-    TensorFlow per child, not two."""
+    """Runs one child's measurement. A cluster's fork server is forked from the child once
+    TensorFlow is imported, before its runtime starts: one import of TensorFlow per child."""
     if args.child == "keras":
         child_keras(args)
         return
@@ -137,11 +127,9 @@ def _child_main(args):
 
 def child_keras(args):
     import keras
-    import tensorflow as tf
 
     model = _keras3_model(args.model)
-    x, y = _synthetic(model.input_shape[1:], args.batch_size)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size).repeat()
+    ds = _synthetic(model.input_shape[1:], args.batch_size)().repeat()
     harness.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
     _timed_fit(model, ds, 20)
     rate = 50 / _timed_fit(model, ds, 50)
@@ -157,30 +145,22 @@ def child_pss(args):
         strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver)
         with strategy.scope():
             model, nparams = _tf_keras_model(args.model)
+            optimizer = tf_keras.optimizers.SGD(0.05, momentum=0.9)
             harness.compile_classifier(
-                model,
-                tf_keras.optimizers.SGD(0.05, momentum=0.9),
-                keras_module=tf_keras,
-                steps_per_execution=args.spe,
+                model, optimizer, keras_module=tf_keras, steps_per_execution=args.spe
             )
-        x, y = _synthetic(model.input_shape[1:], args.batch_size)
-        batch_size = args.batch_size
-
-        def dataset_fn(input_context):
-            return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
-
-        data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+        batches = _synthetic(model.input_shape[1:], args.batch_size)
+        data = tf_keras.utils.experimental.DatasetCreator(lambda context: batches().repeat())
         _timed_fit(model, data, 20)
         rate = 40 / _timed_fit(model, data, 40)
         unit = 10 if args.spe == 1 else args.spe
         steps, seconds = _measure(lambda n: _timed_fit(model, data, n), rate, args.seconds, unit)
-        per_sample = 4.0 * nparams / batch_size  # the whole model each way, every step
+        per_sample = 4.0 * nparams / args.batch_size  # the whole model each way, every step
         _emit(args, "pss", args.spe, steps, seconds, per_sample, per_sample)
 
 
 def child_asgd(args):
     import keras
-    import tensorflow as tf
 
     import tf_asgd
 
@@ -191,18 +171,17 @@ def child_asgd(args):
         with strategy.scope():
             model = _keras3_model(args.model)
             harness.compile_classifier(model, keras.optimizers.SGD(0.05, momentum=0.9))
-        x, y = _synthetic(model.input_shape[1:], args.batch_size)
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
+        ds = _synthetic(model.input_shape[1:], args.batch_size)()
         rate = {}
         for n in args.n_sync:  # warm-up (traces once) and a first rate estimate
             strategy.n_sync = n
-            unit = n * args.workers
-            _timed_fit(model, ds, unit)
-            rate[n] = unit / _timed_fit(model, ds, unit)
-            # A second estimate over more windows (automatic K adapts here);
-            # the faster one counts (a stall at a fit's start only slows it).
-            unit = _plan_steps(rate[n], min(1.0, args.seconds), n * args.workers)
-            rate[n] = max(rate[n], unit / _timed_fit(model, ds, unit))
+            window = n * args.workers
+            _timed_fit(model, ds, window)
+            rate[n] = window / _timed_fit(model, ds, window)
+            # A second estimate over more windows (automatic K adapts here); the faster
+            # one counts (a stall at a fit's start only slows it).
+            steps = _plan_steps(rate[n], min(1.0, args.seconds), window)
+            rate[n] = max(rate[n], steps / _timed_fit(model, ds, steps))
         for n in args.n_sync:
             strategy.n_sync = n
             stats = {}
@@ -221,9 +200,7 @@ def child_asgd(args):
             )
 
 
-# ---- parent side -----------------------------------------------------------
-
-
+# The parent side: runs the children, then writes the tables.
 @functools.cache
 def _benchmarks_only():
     """A folder that holds only a link to these benchmarks: first on a child's path, it
@@ -253,14 +230,10 @@ def _run_child(args, mode, workers, processes, spe, tree):
     # The child runs these benchmarks' code, whatever the tree holds, against the tree's
     # package (else the one beside them), before the installed one.
     package = os.path.abspath(tree[1]) if tree is not None else os.path.dirname(_BENCHMARKS)
-    env["PYTHONPATH"] = os.pathsep.join([_benchmarks_only(), package, env.get("PYTHONPATH", "")])
+    folder = _benchmarks_only()  # also the working folder: `-m` puts it first on the path
+    env["PYTHONPATH"] = os.pathsep.join([folder, package, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=args.child_timeout,
-        cwd=_benchmarks_only(),  # `-m` puts the working folder first
+        cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout, cwd=folder
     )
     rows = [
         dict(json.loads(line[len(RESULT) :]), tree=tree[0] if tree else "")
@@ -366,7 +339,7 @@ COLUMNS = (
 
 
 def markdown(rows, args):
-    """summary.md: what was run, then one table row per configuration."""
+    """summary.md's lines: what was run, then one table row per configuration."""
     intro = (
         f"Model `{args.model}`, synthetic batches of {args.batch_size}, one PS, `LocalCluster` "
         "with every task in one process (`shared`) or one process per task (`separate`); "
@@ -378,7 +351,7 @@ def markdown(rows, args):
     table = harness.markdown_table(
         [title for title, _ in COLUMNS], [[cell(r) for _, cell in COLUMNS] for r in rows]
     )
-    return "\n".join([intro, "", *table]) + "\n"
+    return [intro, "", *table]
 
 
 def _parser():
@@ -417,27 +390,24 @@ def main(argv=None):
 
     modes = args.modes.split(",")
     spes = harness.int_list(args.pss_spe)
-    plan = [("keras", 0, "one", 1)] if "keras" in modes else []
-    for processes in harness.str_list(args.processes):
-        plan += [("pss", w, processes, s) for w in args.workers for s in spes if "pss" in modes]
-        plan += [("asgd", w, processes, 1) for w in args.workers if "asgd" in modes]
     trees = [tuple(t.split("=", 1)) for t in args.trees] or [None]
+    # (mode, workers, processes, steps_per_execution, tree): asgd runs once per tree.
+    runs = [("keras", 0, "one", 1, None)]
+    for processes in harness.str_list(args.processes):
+        runs += [("pss", w, processes, s, None) for w in args.workers for s in spes]
+        runs += [("asgd", w, processes, 1, t) for w in args.workers for t in trees]
+    runs = [c for c in runs if c[0] in modes]
     raw, failures = [], []
     t0 = time.time()
     # Each round visits every configuration; odd rounds backwards.
-    runs = [(*c, t) for c in plan for t in (trees if c[0] == "asgd" else [None])]
     for rnd, (mode, w, processes, spe, tree) in metrics.alternating(runs, args.rounds):
         try:
             rows = _run_child(args, mode, w, processes, spe, tree)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            # One failed child (e.g. a server that did not come up) must not
-            # lose the other measurements: report it and go on.
-            print(
-                f"FAILED {mode} x{w} {processes} in round {rnd}: {str(e)[-500:]}",
-                file=sys.stderr,
-                flush=True,
-            )
-            failures.append(f"{mode} x{w} {processes} round {rnd}")
+            # A failed child (e.g. a server that did not come up) loses only its own run.
+            run = f"{mode} x{w} {processes}"
+            print(f"FAILED {run} in round {rnd}: {str(e)[-500:]}", file=sys.stderr, flush=True)
+            failures.append(f"{run} round {rnd}")
             continue
         for r in rows:
             r["round"] = rnd
@@ -447,14 +417,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "raw.csv"), raw)
     harness.write_csv(os.path.join(args.out, "summary.csv"), rows)
-    text = markdown(rows, args)
+    lines = markdown(rows, args)
     if failures:
-        text += "\nFailed runs (not in the medians): " + ", ".join(failures) + "\n"
+        lines += ["", "Failed runs (not in the medians): " + ", ".join(failures)]
     if len(trees) > 1:
-        text += "\n" + "\n".join(tree_ratios(raw, [t[0] for t in trees])) + "\n"
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(text)
-    print(text)
+        lines += ["", *tree_ratios(raw, [t[0] for t in trees])]
+    harness.write_lines(os.path.join(args.out, "summary.md"), lines)
+    print("\n".join(lines) + "\n")
     print(f"bench took {time.time() - t0:.0f} s", flush=True)
     if not raw:
         print("bench: every run failed (above); nothing was measured.", file=sys.stderr)

@@ -13,6 +13,8 @@ limits the cluster's loopback, `--slow-worker` slows worker 0. Writes `runs.csv`
 """
 
 import collections
+import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -42,27 +44,14 @@ MAX_FINAL_GAP = 0.02  # `final_ok`: the final accuracy at most this far below pl
 def curve_callback(
     held_out, eval_every, batch_size, committed_steps=None, pids=(), pause_clock=True
 ):
-    """A Keras callback that evaluates the model every `eval_every` steps.
+    """A Keras callback that takes a `held_out` point every `eval_every` scheduled steps.
 
-    Args:
-        held_out: a `setups.HeldOut`.
-        eval_every: steps between points (scheduled steps under tf_asgd).
-        batch_size: samples per step.
-        committed_steps: `fn(scheduled) -> steps in the central weights`
-            (tf_asgd); None: every scheduled step is done (plain Keras).
-        pids: processes besides this one whose CPU time counts (the
-            cluster's task process).
-        pause_clock: whether evaluations are left out of the clock and of the
-            CPU seconds (plain Keras, which stops meanwhile). tf_asgd's workers
-            train on: its clock runs on, and evaluating is charged to it.
-
-    Returns:
-        The callback; call its `start(model)` right before `fit` and
-        `finish(steps)` after it. Its `points` are dicts: step, samples,
-        wall_s (seconds since `start`), cpu_s (CPU seconds since `start`),
-        accuracy, loss; a point whose step equals the one before is not taken.
-        `clock(t)` turns a `time.perf_counter()` reading into the clock of
-        `wall_s`; `first_step_end` is that clock at the first step's end.
+    `committed_steps(scheduled)` is the steps in the central weights (tf_asgd; None: all).
+    `pids`: other processes whose CPU time counts. `pause_clock`: leave evaluations out of
+    the clock and the CPU time (plain Keras stops meanwhile; tf_asgd's workers train on).
+    Call `start(model)` right before `fit` and `finish(steps)` after it. `points`: dicts of
+    step, samples, wall_s and cpu_s (since `start`), accuracy, loss; none repeats a step.
+    `clock(t)` turns a `time.perf_counter()` reading into `wall_s`'s clock.
     """
     import keras
 
@@ -123,47 +112,22 @@ def _cpu(pids):
     return time.process_time() + sum(harness.cpu_seconds(p) for p in pids)
 
 
-def _timings(curve, end, startup, steps, workers, device_ms, cores):
-    """Run-row timings; sets each point's `time_s` (training time: `wall_s`
-    less the start-up, the time before the first step ran)."""
-    points = curve.points
-    for pt in points:
-        pt["time_s"] = max(0.0, pt["wall_s"] - startup)
-    train_s = end - startup
-    # CPU share over the points taken while training ran (tracing at the
-    # start is CPU-heavy and is not what the run measures).
-    trained = [pt for pt in points if pt["step"] > 0]
-    first, last = (trained[0], trained[-1]) if len(trained) > 1 else (points[0], points[-1])
-    span = max(last["wall_s"] - first["wall_s"], 1e-9)
-    util = (last["cpu_s"] - first["cpu_s"]) / (span * cores)
-    return dict(
-        startup_s=startup,
-        train_s=train_s,
-        total_s=end,
-        eval_s=sum(d for _, d in curve.evals),
-        evals=len(points),
-        cpu_s=curve.cpu(),
-        cpu_util=util,
-        device_fraction=steps / workers * device_ms / 1000.0 / train_s,
-    )
-
-
 def run_plain(setup, seed, args):
     """Plain Keras on one emulated device; returns (run row, curve points)."""
     import keras
 
     import tf_asgd
 
-    recipe, data = _recipe(setup)
-    steps, device_ms = _steps(setup, args), _device_ms(setup, args)
+    recipe, data = _recipe(setup, args)
+    steps = recipe.steps
     keras.utils.set_random_seed(seed)
     model = setups.build_model(recipe.model, data)
     harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer))
-    ds = tf_asgd.data.emulated_device_time(device_ms)(
+    ds = tf_asgd.data.emulated_device_time(recipe.device_ms)(
         setups.train_dataset(data, recipe.batch, seed), 0
     ).repeat()
     held_out = setups.HeldOut(recipe.model, data)
-    curve = curve_callback(held_out, _eval_every(setup, args), recipe.batch)
+    curve = curve_callback(held_out, _eval_every(recipe, args), recipe.batch)
     curve.start(model)
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[curve], shuffle=False)
     end = curve.clock(time.perf_counter())
@@ -171,8 +135,8 @@ def run_plain(setup, seed, args):
     # Start-up: the first step's excess over the others (tracing).
     step_s = (end - curve.first_step_end) / max(1, steps - 1)
     startup = max(0.0, curve.first_step_end - step_s)
-    row = _row(setup, "plain", 1, 0, seed, steps, args)
-    row.update(_timings(curve, end, startup, steps, 1, device_ms, args.cores))
+    row = _row(setup, "plain", 1, 0, seed, steps, recipe)
+    row.update(_timings(row, curve, end, startup, args.cores))
     return row, curve.points
 
 
@@ -185,24 +149,9 @@ def parse_outer(spec):
     return rate, bool(star)
 
 
-def _is_outer_rate(spec):
-    try:
-        return spec in ("default", "sync", "rise") or bool(parse_outer(spec))
-    except ValueError:
-        return False
-
-
 def _outer_options(outer, workers, optimizer):
-    """The strategy's keyword arguments for an `--outer-rates` value.
-
-    Args:
-        outer: `default` (none), `sync` (synchronous rounds under their default outer
-            optimizer), `rise` (the first-round rise on 3 and 4 workers, whatever the
-            workers' rate) or a constant `OuterSGD` rate: `"0.5"`, or `"0.667*limit"`
-            (that fraction of `outer_optimizers.stability_limit(workers)`).
-        workers: the worker count.
-        optimizer: the setup's optimizer, whose kind sets the workers' rate under `rise`.
-    """
+    """The strategy's keyword arguments for an `--outer-rates` value on `workers` workers;
+    under `rise` the setup's `optimizer` sets the workers' rate."""
     from tf_asgd.rules import outer_optimizers, worker_rate
     from tf_asgd.runtime import optimizer_options
 
@@ -225,35 +174,22 @@ def _outer_options(outer, workers, optimizer):
 def variant(row):
     """A run's cell label beside its setup, workers and n_sync: its compression (push+pull)
     and, where not the default, its outer rate ("none", "int8+bf16", "outer 0.667")."""
-    codec, outer = row.get("compression", "none"), row.get("outer", "default")
+    codec, outer = row["compression"], row["outer"]
     if outer == "default":
         return codec
     return f"outer {outer}" if codec == "none" else f"{codec}, outer {outer}"
 
 
-def run_asgd(
-    cluster, setup, workers, n_sync, seed, args, compression="none", outer="default", budget=None
-):
-    """tf_asgd on `workers` emulated devices; returns (run row, curve points).
-
-    Args:
-        cluster: a `harness.local_cluster` of `workers` workers.
-        setup: a name in `setups.SETUPS`.
-        workers: the worker count.
-        n_sync: steps per window.
-        seed: the run's seed.
-        args: the parsed flags.
-        compression: the push codec, optionally `+` the pull codec (`"int8+bf16"`).
-        outer: an `--outer-rates` value (`_outer_options`).
-        budget: tf_asgd's samples over plain's (default: the first of `--budget`).
-    """
+def run_asgd(cluster, setup, workers, n_sync, seed, args, compression, outer, budget):
+    """tf_asgd on the `workers` emulated devices of `cluster`, with `compression` (push, then
+    optionally `+` pull codec), an `--outer-rates` value and `budget` times plain's samples;
+    returns (run row, curve points)."""
     import keras
 
     import tf_asgd
 
-    recipe, data = _recipe(setup)
-    budget = args.budget[0] if budget is None else budget
-    steps = int(round(budget * _steps(setup, args)))
+    recipe, data = _recipe(setup, args)
+    steps = int(round(budget * recipe.steps))
     # Worker 0 a straggler at `--slow-worker` times the device time (1: none).
     slow = {0: args.slow_worker} if args.slow_worker != 1 else None
     push, _, pull = compression.partition("+")
@@ -262,7 +198,7 @@ def run_asgd(
         n_sync=n_sync,
         # Fed as a user feeds fit: the seeded pipeline as it is (fit shards it over the
         # workers); per_worker_dataset_fn only emulates each worker's device.
-        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(_device_ms(setup, args), slow),
+        per_worker_dataset_fn=tf_asgd.data.emulated_device_time(recipe.device_ms, slow),
         compression=push,
         pull_compression=pull or "none",
         **_outer_options(outer, workers, recipe.optimizer),
@@ -277,7 +213,7 @@ def run_asgd(
 
     curve = curve_callback(
         setups.HeldOut(recipe.model, data),
-        _eval_every(setup, args),
+        _eval_every(recipe, args),
         recipe.batch,
         committed,
         pids=list(cluster.pids().values()),
@@ -290,13 +226,12 @@ def run_asgd(
     end = curve.clock(time.perf_counter())
     curve.finish(steps)
     stats = strategy.model_stats(model)
-    # Start-up: until the first window started on a worker (worker and chief
-    # share this machine's clock).
+    # Start-up: until the first window started on a worker (same machine, same clock).
     log = strategy.window_log(model)
     first = min((r.started_at for r in log if math.isfinite(r.started_at)), default=wall0)
     startup = curve.clock(curve.t0 + first - wall0)
-    row = _row(setup, "tf_asgd", workers, n_sync, seed, steps, args, compression, outer, budget)
-    row.update(_timings(curve, end, startup, steps, workers, row["device_ms"], args.cores))
+    row = _row(setup, "tf_asgd", workers, n_sync, seed, steps, recipe, compression, outer, budget)
+    row.update(_timings(row, curve, end, startup, args.cores))
     row.update(
         windows=stats.windows,
         mean_staleness=stats.mean_staleness,
@@ -309,16 +244,12 @@ def run_asgd(
 
 def summarize(points, plain_points):
     """The time-to-accuracy figures of a run against its plain-Keras twin."""
-    plain_final = plain_points[-1]["accuracy"]
+    plain_final, final = plain_points[-1]["accuracy"], points[-1]["accuracy"]
     target = plain_final - 0.01
-    final = points[-1]["accuracy"]
-    t = metrics.first_reaching(points, target, "time_s")
-    tp = metrics.first_reaching(plain_points, target, "time_s")
-    s = metrics.first_reaching(points, target, "samples")
-    sp = metrics.first_reaching(plain_points, target, "samples")
+    t, tp = (metrics.first_reaching(p, target, "time_s") for p in (points, plain_points))
+    s, sp = (metrics.first_reaching(p, target, "samples") for p in (points, plain_points))
     drop = metrics.worst_drop(points)
-    stable = drop <= MAX_DROP
-    final_ok = final >= plain_final - MAX_FINAL_GAP
+    stable, final_ok = drop <= MAX_DROP, final >= plain_final - MAX_FINAL_GAP
     return dict(
         final_accuracy=final,
         plain_final_accuracy=plain_final,
@@ -338,8 +269,7 @@ def summarize(points, plain_points):
 
 
 def _ratio(plain_s, asgd_s):
-    """Plain's time over tf_asgd's; 0 when tf_asgd never reached the target,
-    and 1 when both reached it at once (time 0)."""
+    """Plain's time over tf_asgd's; 0 if tf_asgd never reached the target, 1 if both at 0."""
     if not math.isfinite(asgd_s):
         return 0.0
     return plain_s / asgd_s if asgd_s > 0 else (1.0 if plain_s == 0 else math.inf)
@@ -388,8 +318,8 @@ def _range(values, fmt):
     return f"{fmt.format(mean)} ({fmt.format(lo)}-{fmt.format(hi)})"
 
 
-# speedups.md's figures per cell: (title, run field, format). Times to the target and
-# samples ratios are over the runs that reached it (the others' are infinite).
+# speedups.md's figures per cell: (title, run field, format). `_range` skips the infinite
+# times and ratios of runs that never reached the target.
 FIGURES = (
     ("plain final", "plain_final_accuracy", "{:.3f}"),
     ("plain s to target", "plain_time_to_target_s", "{:.1f}"),
@@ -400,10 +330,16 @@ FIGURES = (
     ("worst drop (pts)", "worst_drop_points", "{:.1f}"),
 )
 
+TABLE_NOTE = (
+    "Target: plain Keras's final held-out accuracy minus 1 point. Speed-up: plain's "
+    "time to target over tf_asgd's (0: never reached). Must hold: after the first "
+    "quarter, accuracy never 5 points below its running best, and the final at most "
+    "2 points below plain's. Mean (min-max) over seeds."
+)
+
 
 def write_table(out, runs):
-    """`speedups.md`: a row per (setup, n_sync, workers, variant, budget), mean (min-max)
-    over seeds."""
+    """`speedups.md`: a row per (setup, n_sync, workers, variant, budget) over seeds."""
     groups = collections.defaultdict(list)
     for r in runs:
         if r["method"] == "tf_asgd":
@@ -425,43 +361,39 @@ def write_table(out, runs):
     header += ["compression (push+pull), outer rate"] if compressed else []
     header += ["samples", "seeds", "device ms", *(title for title, _, _ in FIGURES)]
     header += ["must hold", "CPU share", "CPU-bound runs"]
-    lines = [
-        (
-            "Target: plain Keras's final held-out accuracy minus 1 point. Speed-up: plain's "
-            "time to target over tf_asgd's (0: never reached). Must hold: after the first "
-            "quarter, accuracy never 5 points below its running best, and the final at most "
-            "2 points below plain's. Mean (min-max) over seeds."
-        ),
-        "",
-        *harness.markdown_table(header, rows),
-    ]
+    lines = [TABLE_NOTE, "", *harness.markdown_table(header, rows)]
     harness.write_lines(os.path.join(out, "speedups.md"), lines)
 
 
+# The two figures: (x field, x label, file).
+PLOTS = (
+    ("time_s", "training time (s)", "accuracy_vs_time.png"),
+    ("samples", "samples seen", "accuracy_vs_samples.png"),
+)
+
+
 def plot(out, runs, curves):
-    """The two figures: a panel per (setup, n_sync), a line per worker count."""
+    """The two figures: a panel per (setup, n_sync), a line per worker count and variant."""
     by_run = collections.defaultdict(list)
     for p in curves:
         by_run[(p["setup"], p["method"], p["workers"], p["n_sync"], variant(p))].append(p)
-    panels = {"time_s": [], "samples": []}
-    keys = sorted({(r["setup"], r["n_sync"]) for r in runs if r["method"] == "tf_asgd"})
-    for setup, n_sync in keys:
-        plain = [r for r in runs if r["method"] == "plain" and r["setup"] == setup]
-        target = sum(r["final_accuracy"] for r in plain) / len(plain) - 0.01
-        for x_key, xlabel in (("time_s", "training time (s)"), ("samples", "samples seen")):
+    cells = collections.defaultdict(set)  # (setup, n_sync): {(workers, variant)}
+    for r in runs:
+        if r["method"] == "tf_asgd":
+            cells[(r["setup"], r["n_sync"])].add((r["workers"], variant(r)))
+    for x_key, xlabel, name in PLOTS:
+        panels = []
+        for (setup, n_sync), lines in sorted(cells.items()):
+            plain = [r for r in runs if r["method"] == "plain" and r["setup"] == setup]
+            target = sum(r["final_accuracy"] for r in plain) / len(plain) - 0.01
             plain_run = by_run[(setup, "plain", 1, 0, "none")]
             series = [_mean_line("plain Keras, 1 device", plain_run, x_key)]
-            cells = {
-                (r["workers"], variant(r))
-                for r in runs
-                if r["method"] == "tf_asgd" and (r["setup"], r["n_sync"]) == (setup, n_sync)
-            }
-            for w, codec in sorted(cells):
+            for w, codec in sorted(lines):
                 label = f"{w} workers" + ("" if codec == "none" else f", {codec}")
                 run = by_run[(setup, "tf_asgd", w, n_sync, codec)]
                 series.append(_mean_line(label, run, x_key))
             lo = min(min(s[2]) for s in series if len(s[2]))
-            panels[x_key].append(
+            panels.append(
                 dict(
                     title=f"{setup}, n_sync {n_sync}, {plain[0]['device_ms']:g} ms/batch device",
                     xlabel=xlabel,
@@ -471,16 +403,13 @@ def plot(out, runs, curves):
                     hline=(target, "target"),
                 )
             )
-    for x_key, name in (("time_s", "accuracy_vs_time.png"), ("samples", "accuracy_vs_samples.png")):
-        if panels[x_key]:
-            harness.plot_panels(
-                os.path.join(out, name), panels[x_key], ncols=min(3, len(panels[x_key]))
-            )
+        if panels:
+            harness.plot_panels(os.path.join(out, name), panels, ncols=min(3, len(panels)))
 
 
 def _mean_line(label, points, x_key):
-    """`(label, x, y, y_min, y_max)`: the k-th point of every seed averaged
-    (seeds share their evaluation steps)."""
+    """`(label, x, y, y_min, y_max)`: the k-th point of every seed averaged (seeds share
+    their evaluation steps)."""
     seeds = collections.defaultdict(list)
     for p in points:
         seeds[p["seed"]].append(p)
@@ -490,22 +419,31 @@ def _mean_line(label, points, x_key):
     return (label, xs, [np.mean(a) for a in accs], [min(a) for a in accs], [max(a) for a in accs])
 
 
-_DATA = {}
+@functools.cache
+def _data(name):
+    """A data set of `setups.load_data`, loaded once per process."""
+    return setups.load_data(name)
 
 
-def _recipe(setup):
-    """The `setups.Setup` of `setup` and its data, loaded once per process."""
+def _recipe(setup, args):
+    """The `setups.Setup` of `setup` under `--plain-steps` and `--device-ms`, and its data."""
     recipe = setups.SETUPS[setup]
-    if recipe.data not in _DATA:
-        _DATA[recipe.data] = setups.load_data(recipe.data)
-    return recipe, _DATA[recipe.data]
+    recipe = dataclasses.replace(
+        recipe,
+        steps=args.plain_steps or recipe.steps,
+        device_ms=recipe.device_ms if args.device_ms is None else args.device_ms,
+    )
+    return recipe, _data(recipe.data)
+
+
+def _eval_every(recipe, args):
+    return max(1, recipe.steps // args.evals)
 
 
 def _row(
-    setup, method, workers, n_sync, seed, steps, args, codec="none", outer="default", budget=1.0
+    setup, method, workers, n_sync, seed, steps, recipe, codec="none", outer="default", budget=1.0
 ):
     """The columns that name a run (plain Keras: budget 1, its own samples)."""
-    batch = setups.SETUPS[setup].batch
     return dict(
         setup=setup,
         method=method,
@@ -514,24 +452,36 @@ def _row(
         compression=codec,
         outer=outer,
         seed=seed,
-        device_ms=_device_ms(setup, args),
-        batch_size=batch,
+        device_ms=recipe.device_ms,
+        batch_size=recipe.batch,
         steps=steps,
-        samples=steps * batch,
+        samples=steps * recipe.batch,
         budget=budget,
     )
 
 
-def _steps(setup, args):
-    return args.plain_steps or setups.SETUPS[setup].steps
-
-
-def _device_ms(setup, args):
-    return setups.SETUPS[setup].device_ms if args.device_ms is None else args.device_ms
-
-
-def _eval_every(setup, args):
-    return max(1, _steps(setup, args) // args.evals)
+def _timings(row, curve, end, startup, cores):
+    """A run's timings. Sets each point's `time_s`, training time: `wall_s` less the
+    start-up (the time before the first step ran)."""
+    points = curve.points
+    for pt in points:
+        pt["time_s"] = max(0.0, pt["wall_s"] - startup)
+    train_s = end - startup
+    # CPU share over the points taken while training ran (tracing at the start is
+    # CPU-heavy and is not what the run measures).
+    trained = [pt for pt in points if pt["step"] > 0]
+    first, last = (trained[0], trained[-1]) if len(trained) > 1 else (points[0], points[-1])
+    span = max(last["wall_s"] - first["wall_s"], 1e-9)
+    return dict(
+        startup_s=startup,
+        train_s=train_s,
+        total_s=end,
+        eval_s=sum(d for _, d in curve.evals),
+        evals=len(points),
+        cpu_s=curve.cpu(),
+        cpu_util=(last["cpu_s"] - first["cpu_s"]) / (span * cores),
+        device_fraction=row["steps"] / row["workers"] * row["device_ms"] / 1000.0 / train_s,
+    )
 
 
 def _parser():
@@ -588,7 +538,10 @@ def main(argv=None):
     args.device_ms = harness.single(p, args, "device_ms")
     args.cores = len(os.sched_getaffinity(0))
     for rate in args.outer_rates:
-        if not _is_outer_rate(rate):
+        try:
+            if rate not in ("default", "sync", "rise"):
+                parse_outer(rate)
+        except ValueError:
             p.error(f"--outer-rates: {rate!r} is not 'default', 'sync', 'rise' or a number > 0")
     for s in args.setups:
         if s not in setups.SETUPS:
@@ -604,7 +557,8 @@ def main(argv=None):
     runs, curves, plain = [], [], {}
     t0 = time.time()
 
-    def record(row, points):
+    def record(row, points, plain_points):
+        row.update(summarize(points, plain_points))
         row.update(cores=args.cores, cpu_bound=int(metrics.cpu_bound(row["cpu_util"])))
         runs.append(row)
         tags = ("setup", "method", "workers", "n_sync", "seed", "compression", "outer")
@@ -618,22 +572,17 @@ def main(argv=None):
         for seed in args.seeds:
             row, points = run_plain(setup, seed, args)
             plain[(setup, seed)] = points
-            row.update(summarize(points, points))
-            record(row, points)
+            record(row, points, points)
     for workers in args.workers:
         with harness.local_cluster(workers, bandwidth=args.bandwidth) as cluster:
             for setup, n_sync, codec, outer, seed, budget in cells:
                 row, points = run_asgd(
                     cluster, setup, workers, n_sync, seed, args, codec, outer, budget
                 )
-                row.update(summarize(points, plain[(setup, seed)]))
-                record(row, points)
+                record(row, points, plain[(setup, seed)])
                 write_table(args.out, runs)
     plot(args.out, runs, curves)
     flagged = sum(r["cpu_bound"] for r in runs)
-    print(
-        f"wrote {args.out} in {time.time() - t0:.0f} s; {flagged} CPU-bound run(s)"
-        + (": raise --device-ms" if flagged else ""),
-        flush=True,
-    )
+    note = f"{flagged} CPU-bound run(s)" + (": raise --device-ms" if flagged else "")
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s; {note}", flush=True)
     return 0
