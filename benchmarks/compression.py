@@ -1,27 +1,29 @@
 """Compressed pushes and pulls on an emulated bandwidth-limited network: throughput, bytes.
 
 For each workers x bandwidth x model x n_sync x codec x pull codec, the workers and 1 PS
-(one process per task) train `model.fit` on synthetic 28x28 batches of 64 for
-`--windows` windows per worker after a warm-up fit, and report samples/s and the bytes
-that crossed each way per sample (`strategy.model_stats`). A bandwidth other than `none`
-limits the loopback of this run's own network namespace (`LocalCluster(bandwidth=...)`):
-the suite re-executes itself in one. Models: `gem_convnet` (`models.gem_mnist_convnet`,
-164k parameters) and `mlp` (784-2048-1024-10, 3.7M parameters: bandwidth-bound).
-Writes `runs.jsonl`, `runs.csv`, `summary.md` and `speedup.png` under `--out`.
+(one process per task) train `model.fit` on synthetic 28x28 batches of 64 for `--windows`
+windows per worker after a warm-up fit, and report samples/s and the bytes that crossed
+each way per sample. A bandwidth other than `none` limits the loopback of this run's own
+network namespace (the suite re-executes itself in one). Models: `gem_convnet` (164k
+parameters) and `mlp` (3.7M: bandwidth-bound), as in `harness.throughput_model`. Writes
+`runs.jsonl`, `runs.csv`, `summary.md` and `speedup.png` under `--out`.
 
     python -m benchmarks.run compression --models mlp,gem_convnet --bandwidths none,1gbit,100mbit
 """
 
+import itertools
 import json
+import operator
 import os
 import time
 
 from benchmarks import harness
 
 OUT = "results/compression"  # the default --out
+BATCH = 64  # synthetic 28x28 images a batch
 
 
-def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls="none"):
+def run(cluster, model_name, codec, pulls, n_sync, workers, windows):
     """One cell: samples/s and bytes per sample each way, after a warm-up fit."""
     import keras
 
@@ -34,7 +36,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
     with strategy.scope():
         model = harness.throughput_model(model_name)
         harness.compile_classifier(model, keras.optimizers.SGD(0.01))
-    data = harness.synthetic_images(batch)
+    data = harness.synthetic_images(BATCH)
     steps = n_sync * workers * windows
     model.fit(data, epochs=1, steps_per_epoch=n_sync * workers, verbose=0)  # warm-up
     before = strategy.model_stats(model)
@@ -42,7 +44,7 @@ def run(cluster, model_name, codec, n_sync, windows, workers=2, batch=64, pulls=
     model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     seconds = time.perf_counter() - t0
     after = strategy.model_stats(model)
-    samples = steps * batch
+    samples = steps * BATCH
     return {
         "model": model_name,
         "params": int(sum(v.numpy().size for v in model.trainable_variables)),
@@ -81,18 +83,15 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     rows = []
     with open(os.path.join(args.out, "runs.jsonl"), "a") as log:
-        for workers in args.workers:
-            for bandwidth in args.bandwidths:
-                limit = None if bandwidth == "none" else bandwidth
-                with tf_asgd.LocalCluster(workers, num_ps=1, bandwidth=limit) as cluster:
-                    for model_name, codec, n_sync, pulls in _cells(args):
-                        row = run(
-                            cluster, model_name, codec, n_sync, args.windows, workers, pulls=pulls
-                        )
-                        row["bandwidth"] = bandwidth
-                        print(json.dumps(row), flush=True)
-                        log.write(json.dumps(row) + "\n")
-                        rows.append(row)
+        for workers, bandwidth in itertools.product(args.workers, args.bandwidths):
+            limit = None if bandwidth == "none" else bandwidth
+            with tf_asgd.LocalCluster(workers, num_ps=1, bandwidth=limit) as cluster:
+                for model_name, codec, n_sync, pulls in _cells(args):
+                    row = run(cluster, model_name, codec, pulls, n_sync, workers, args.windows)
+                    row["bandwidth"] = bandwidth
+                    print(json.dumps(row), flush=True)
+                    log.write(json.dumps(row) + "\n")
+                    rows.append(row)
     add_ratios(rows)
     harness.write_csv(os.path.join(args.out, "runs.csv"), rows)
     write_summary(rows, os.path.join(args.out, "summary.md"))
@@ -115,10 +114,7 @@ def _cells(args):
 def add_ratios(rows):
     """Sets each row's `x_none`: its samples/s over the same cell's (workers, model,
     bandwidth, n_sync) with nothing compressed, None where that run is absent."""
-
-    def key(r):
-        return r["model"], r["bandwidth"], r["n_sync"], r["workers"]
-
+    key = operator.itemgetter("model", "bandwidth", "n_sync", "workers")
     base = {key(r): r["samples_per_s"] for r in rows if r["codec"] == r["pulls"] == "none"}
     for r in rows:
         r["x_none"] = r["samples_per_s"] / base[key(r)] if key(r) in base else None

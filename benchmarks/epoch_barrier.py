@@ -6,7 +6,6 @@ Medians of `fit`'s time, samples/s, the workers' busy share, the device's share 
 (near 1: the emulated device is the bottleneck, not the CPU) and held-out accuracy after
 `fit` (without the barrier an epoch ends before its windows do), with the ratios.
 
-    python -m benchmarks.run epoch_barrier                      # 8 workers, n_sync 100
     python -m benchmarks.run epoch_barrier --workers 2 --n-sync 10 --epochs 2 --rounds 1
 """
 
@@ -75,11 +74,7 @@ def report(rows, args):
     header = ["epoch_barrier", "epochs", "fit seconds", "samples/s", "workers busy"]
     header += ["device share", "windows", "test accuracy"]
     cells = [[str(b), str(e)] + [f"{median(b, e, k):.3g}" for k in keys] for b, e in configs]
-    (barrier, same, more) = configs
-
-    def ratio(key, a, b):
-        return median(*a, key) / median(*b, key)
-
+    barrier, same, more = configs
     return [
         f"{args.workers} workers, 1 PS, all tasks in one process; MNIST-1D CNN on {args.data}, "
         f"{args.optimizer}, batch {BATCH}, emulated device time {args.device_ms:g} ms "
@@ -89,10 +84,11 @@ def report(rows, args):
         *harness.markdown_table(header, cells),
         "",
         "- samples/s without the barrier over with it: "
-        f"{ratio('samples_per_s', same, barrier):.2f}",
+        f"{median(*same, 'samples_per_s') / median(*barrier, 'samples_per_s'):.2f}",
         f"- the same epochs: accuracy {median(*same, 'test_accuracy'):.3f} without the barrier, "
         f"{median(*barrier, 'test_accuracy'):.3f} with it",
-        f"- {more[1]} epochs without the barrier: {ratio('seconds', more, barrier):.2f} times the "
+        f"- {more[1]} epochs without the barrier: "
+        f"{median(*more, 'seconds') / median(*barrier, 'seconds'):.2f} times the "
         f"time of {barrier[1]} with it, accuracy {median(*more, 'test_accuracy'):.3f}",
     ]
 

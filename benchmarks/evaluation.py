@@ -1,16 +1,15 @@
 """Evaluation on the workers against evaluation on the chief, side by side.
 
-For each worker count of `--workers`, one `LocalCluster` and one seeded digits convnet
-whose forward pass costs `--device-ms` of emulated device time per batch wherever it runs;
-`model.evaluate` on `--examples` images with `evaluation="chief"` and `"workers"` in
-alternating rounds. Writes `evaluation.csv` (one row per timed call) and `evaluation.md`
-(the median seconds of each mode, the speed-up and the largest difference between the
-modes' metrics) to `--out`. Method: docs/benchmarks.md (How each suite measures).
+Per worker count, one `LocalCluster` and a seeded digits convnet whose forward pass costs
+`--device-ms` of emulated device time per batch wherever it runs; `model.evaluate` on
+`--examples` images with `evaluation="chief"` and `"workers"` in alternating rounds. Writes
+`evaluation.csv` (a row per timed call) and `evaluation.md` (each mode's median seconds, the
+speed-up, the largest difference between the modes' metrics). Method: docs/benchmarks.md.
 
-    python -m benchmarks.run evaluation                        # the default run
     python -m benchmarks.run evaluation --workers 1,2 --device-ms 20 --examples 200 --rounds 1
 """
 
+import itertools
 import os
 import time
 
@@ -97,15 +96,14 @@ def _table(rows, args):
     header = ["step ms", "workers", "chief s", "workers s", "chief ms/batch"]
     header += ["workers ms/batch", "speed-up", "max metric diff"]
     cells = []
-    for step_ms in args.device_ms:
-        for workers in args.workers:
-            mine = [r for r in rows if r["workers"] == workers and r["step_ms"] == step_ms]
-            chief, on_workers = (metrics.median_of(mine, "seconds", mode=m) for m in MODES)
-            cells.append(
-                [f"{step_ms:g}", workers, f"{chief:.2f}", f"{on_workers:.2f}"]
-                + [f"{1000 * s / batches:.1f}" for s in (chief, on_workers)]
-                + [f"{chief / on_workers:.2f}", f"{mine[0]['max_metric_diff']:.1e}"]
-            )
+    for step_ms, workers in itertools.product(args.device_ms, args.workers):
+        mine = [r for r in rows if r["workers"] == workers and r["step_ms"] == step_ms]
+        chief, on_workers = (metrics.median_of(mine, "seconds", mode=m) for m in MODES)
+        cells.append(
+            [f"{step_ms:g}", workers, f"{chief:.2f}", f"{on_workers:.2f}"]
+            + [f"{1000 * s / batches:.1f}" for s in (chief, on_workers)]
+            + [f"{chief / on_workers:.2f}", f"{mine[0]['max_metric_diff']:.1e}"]
+        )
     return harness.markdown_table(header, cells)
 
 
@@ -124,10 +122,7 @@ def main(argv=None):
     x, y = np.concatenate([x, xt]), np.concatenate([y, yt])
     reps = -(-args.examples // len(x))
     data = (np.tile(x, (reps, 1, 1, 1))[: args.examples], np.tile(y, reps)[: args.examples])
-    rows = []
-    for workers in args.workers:
-        rows += run_workers(workers, data, args)
-
+    rows = [row for workers in args.workers for row in run_workers(workers, data, args)]
     harness.write_csv(os.path.join(args.out, "evaluation.csv"), rows)
     batches = rows[0]["batches"]
     lines = [

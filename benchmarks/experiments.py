@@ -1,15 +1,12 @@
 """The GPU A-SGD paper's experiments on a local cluster: n_sync, workers, cold against warm start.
 
-Each run trains a fresh model with Keras 3 `fit` under `AsyncParameterServerStrategy` on a
-`LocalCluster` and records every window as it finishes; curves are the training error
-smoothed over the last 400 minibatches, against wall time and samples seen. Sweeps
-(`--sweeps`): `nsync` (`--n-sync` at `--nsync-workers`), `workers` (`--workers` at
+Each run trains a fresh digits convnet on the digits with Keras 3 `fit` under
+`AsyncParameterServerStrategy` and records every window as it finishes; curves are the
+training error over the last `--smooth` minibatches against wall time and samples seen.
+Sweeps (`--sweeps`): `nsync` (`--n-sync` at `--nsync-workers`), `workers` (`--workers` at
 `--workers-nsync`), `start` (cold against warm start, `--warm-steps`). `--device-ms` adds
-emulated device time per minibatch. On the digits and the digits convnet; method:
-docs/benchmarks.md (How each suite measures).
-
-Writes `windows.csv` (one row per window), `summary.csv`, and
-`<sweep>_curves.png`, `<sweep>_staleness.png` to `--out`.
+emulated device time per minibatch. Method: docs/benchmarks.md. Writes `windows.csv` (a row
+per window), `summary.csv`, `staleness.csv`, `<sweep>_curves.png` and `<sweep>_staleness.png`.
 
     python -m benchmarks.run experiments --sweeps nsync --n-sync 1,10 --steps 200
 """
@@ -25,6 +22,7 @@ OUT = "results/experiments"  # the default --out
 
 
 def _metric_index(model):
+    """Where the loss's and the accuracy's total and count are in `model.metrics_variables`."""
     paths = [v.path for v in model.metrics_variables]
 
     def find(*words):
@@ -33,12 +31,11 @@ def _metric_index(model):
                 return i
         raise KeyError(f"no metric variable with {words} in {paths}")
 
-    words = [("loss", "total"), ("loss", "count"), ("accuracy", "total"), ("accuracy", "count")]
-    return tuple(find(*w) for w in words)
+    return tuple(find(m, part) for m in ("loss", "accuracy") for part in ("total", "count"))
 
 
 def train_run(strategy, workers, n_sync, steps, args, data, warm_steps=0, name=""):
-    """One training run; returns (window rows, summary row)."""
+    """One training run; returns (window rows, summary row, staleness histogram)."""
     import keras
     import tensorflow as tf
 
@@ -60,21 +57,21 @@ def train_run(strategy, workers, n_sync, steps, args, data, warm_steps=0, name="
         harness.compile_classifier(
             model, keras.optimizers.SGD(args.eta, momentum=args.momentum), metrics=["accuracy"]
         )
-    stats0 = strategy.counters.stats(0, 0)
+    hist0 = strategy.counters.stats(0, 0).staleness_histogram
     t0, wall0 = time.perf_counter(), time.time()
     strategy.n_sync = n_sync
     if warm_steps:  # warm start: one window at a time (each epoch joins), then all workers
         model.fit(ds, steps_per_epoch=n_sync, epochs=max(1, warm_steps // n_sync), verbose=0)
     model.fit(ds, steps_per_epoch=steps - warm_steps, epochs=1, verbose=0)
     wall = time.perf_counter() - t0
-    stats1 = strategy.counters.stats(0, 0)
+    hist = strategy.counters.stats(0, 0).staleness_histogram - hist0
     test_loss, test_acc = model.evaluate(xt, yt, verbose=0, batch_size=256)
     li, lc, ai, ac = _metric_index(model)
     key = dict(run=name, workers=workers, n_sync=n_sync, warm_steps=warm_steps)
     rows, samples = [], 0
     # Every window, in the order its push landed (the worker's clock).
     for record in sorted(strategy.window_log(model), key=lambda r: r.finished_at):
-        t, v = record.finished_at, record.state
+        v = record.state
         count = float(v[ac])
         if count <= 0:
             continue
@@ -82,22 +79,20 @@ def train_run(strategy, workers, n_sync, steps, args, data, warm_steps=0, name="
         rows.append(
             dict(
                 key,
-                time=t - wall0,
+                time=record.finished_at - wall0,
                 samples=samples,
                 minibatches=count / args.batch_size,
                 loss=float(v[li]) / float(v[lc]),
                 error=1.0 - float(v[ai]) / count,
             )
         )
-    hist = stats1.staleness_histogram - stats0.staleness_histogram
-    pushes = int(hist.sum())
     summary = dict(
         key,
         steps=steps,
         wall_s=wall,
         samples_per_s=steps * args.batch_size / wall,
         windows=len(rows),
-        mean_staleness=float((np.arange(len(hist)) * hist).sum() / max(1, pushes)),
+        mean_staleness=metrics.mean_staleness(hist),
         final_train_error_400=_smoothed(rows, args)[-1] if rows else float("nan"),
         test_accuracy=float(test_acc),
         test_loss=float(test_loss),
@@ -134,40 +129,34 @@ def main(argv=None):
 
     data = tf_asgd.data.load_digits()
     sweeps = args.sweeps.split(",")
-    plan = {}  # workers -> [(sweep, n_sync, warm_steps)]
+    plan = {}  # workers -> [(sweep, label, n_sync, warm_steps)]
     if "nsync" in sweeps:
         for n in args.n_sync:
-            plan.setdefault(args.nsync_workers, []).append(("nsync", n, 0))
+            plan.setdefault(args.nsync_workers, []).append(("nsync", f"n_sync={n}", n, 0))
     if "workers" in sweeps:
         for w in args.workers:
-            plan.setdefault(w, []).append(("workers", args.workers_nsync, 0))
+            plan.setdefault(w, []).append(("workers", f"{w} workers", args.workers_nsync, 0))
     if "start" in sweeps:
         for warm in (0, args.warm_steps):
-            plan.setdefault(args.start_workers, []).append(("start", args.start_nsync, warm))
+            label = "warm start" if warm else "cold start"
+            plan.setdefault(args.start_workers, []).append(("start", label, args.start_nsync, warm))
 
     windows, summaries, hists = [], [], {}
     t0 = time.time()
     for workers in sorted(plan):
         with harness.local_cluster(workers) as cluster:
             strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=1)
-            for sweep, n, warm in plan[workers]:
-                label = {
-                    "nsync": f"n_sync={n}",
-                    "workers": f"{workers} workers",
-                    "start": "warm start" if warm else "cold start",
-                }[sweep]
+            for sweep, label, n, warm in plan[workers]:
                 steps = max(args.steps, 2 * n * workers + warm)
                 run = f"{sweep}:{label}"
                 rows, summary, hist = train_run(strategy, workers, n, steps, args, data, warm, run)
-                summary["sweep"] = sweep
-                for r in rows:
+                hists[run] = hist
+                for r in rows + [summary]:
                     r["sweep"] = sweep
                 windows += rows
                 summaries.append(summary)
-                hists[(sweep, label)] = hist
                 print(summary, flush=True)
 
-    os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "windows.csv"), windows)
     harness.write_csv(os.path.join(args.out, "summary.csv"), summaries)
     stale_rows = []
@@ -190,9 +179,9 @@ def plot_sweep(sweep, summaries, windows, hists, args):
         sm = _smoothed(rows, args)
         by_time.append((label, [r["time"] for r in rows], sm))
         by_samples.append((label, [r["samples"] for r in rows], sm))
-        h = hists[(sweep, label)]
+        h = hists[run]
         last = np.nonzero(h)[0]
-        h = h[: (last[-1] + 1) if len(last) else 1]
+        h = h[: (last[-1] + 1) if len(last) else 1]  # up to the largest staleness seen
         stale.append((label, np.arange(len(h)), h / max(1, h.sum())))
         stale_rows += [dict(run=run, staleness=i, count=int(c)) for i, c in enumerate(h)]
     if not runs:

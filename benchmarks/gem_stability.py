@@ -82,7 +82,6 @@ def run_method(method, cluster, data, args):
 
 def write_results(rows, histories, args):
     """Writes `results.csv`, `results.md` and `curves.png` (loss and accuracy per epoch)."""
-    os.makedirs(args.out, exist_ok=True)
     fields = harness.columns(rows)
     harness.write_csv(os.path.join(args.out, "results.csv"), rows, fields)
     harness.write_lines(

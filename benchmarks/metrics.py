@@ -1,5 +1,5 @@
 """What the suites measure with, defined once: first reach, falls, smoothing, medians of
-alternating rounds, and the CPU-bound flag.
+alternating rounds, the CPU-bound flag and a staleness histogram's mean.
 
 Example:
 >>> from benchmarks import metrics
@@ -55,23 +55,19 @@ def median_of(rows, value, **where):
     return statistics.median(r[value] for r in rows if all(r[k] == v for k, v in where.items()))
 
 
-def sliding_mean(values, window, weights=None):
-    """Mean over the last `window` points (fewer at the start), optionally weighted.
+def mean_staleness(histogram):
+    """The mean staleness of a histogram of pushes by staleness (0 if it counts none)."""
+    return float((np.arange(len(histogram)) * histogram).sum() / max(1, histogram.sum()))
 
-    With `weights`, point i stands for `weights[i]` minibatches and the mean
-    covers the last `window` minibatches (the A-SGD paper smooths training
-    error over 400 minibatches).
-    """
+
+def sliding_mean(values, window, weights=None):
+    """Mean over the last `window` points (fewer at the start), optionally weighted: with
+    `weights`, point i stands for `weights[i]` minibatches and the mean covers the last
+    `window` minibatches (the A-SGD paper smooths training error over 400 minibatches)."""
     values = np.asarray(values, np.float64)
-    if weights is None:
-        weights = np.ones_like(values)
-    weights = np.asarray(weights, np.float64)
+    weights = np.ones_like(values) if weights is None else np.asarray(weights, np.float64)
     cw = np.concatenate([[0.0], np.cumsum(weights)])
     cv = np.concatenate([[0.0], np.cumsum(values * weights)])
-    out = np.empty_like(values)
-    for i in range(len(values)):
-        # Earliest start j with cw[i+1] - cw[j] <= window, at least the point itself.
-        j = int(np.searchsorted(cw, cw[i + 1] - window, side="left"))
-        j = min(j, i)
-        out[i] = (cv[i + 1] - cv[j]) / (cw[i + 1] - cw[j])
-    return out
+    # Each point's earliest start j with cw[i+1] - cw[j] <= window, at least the point itself.
+    j = np.minimum(np.searchsorted(cw, cw[1:] - window, side="left"), np.arange(len(values)))
+    return (cv[1:] - cv[j]) / (cw[1:] - cw[j])

@@ -1,14 +1,12 @@
 """Scale-out with emulated GPU workers: speed-up over 1 worker, and where time goes.
 
-Each worker's minibatch costs `--device-ms` of device time that uses no CPU (tf.data's
-`SleepDataset`, via `tf_asgd.data.sleep_transformation`); the rest is real Keras 3 `fit`
-under `tf_asgd.AsyncParameterServerStrategy`, all tasks in one child process. For each
-worker count and `n_sync` it reports samples/s, the speed-up over 1 worker at the same
-`n_sync`, the fraction of the device limit, and the coordinator's and the task host's CPU
-time per push. `--ceiling` also measures the maximal push rate with no device time.
-Method: docs/benchmarks.md (How each suite measures).
-
-Writes `scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
+Each worker's minibatch costs `--device-ms` of device time that uses no CPU
+(`tf_asgd.data.sleep_transformation`); the rest is real Keras 3 `fit` under
+`AsyncParameterServerStrategy`, all tasks in one child process. Per worker count and
+`n_sync`: samples/s, the speed-up over 1 worker at the same `n_sync`, the fraction of the
+device limit, and the coordinator's and the task host's CPU time per push. `--ceiling` also
+measures the maximal push rate with no device time. Method: docs/benchmarks.md. Writes
+`scaleout.csv`, `scaleout.md`, `scaleout.png` to `--out`.
 
     python -m benchmarks.run scaleout --workers 1,2 --n-sync 10 --device-ms 5 --seconds 1
 """
@@ -51,11 +49,8 @@ def _plan_steps(model, ds, workers, n, step_ms, args):
     window_s = max(n * step_ms / 1000.0, 1e-3)
     probe = max(2 * workers, min(workers * int(round(0.5 / window_s)), 200)) * n
     window_s = max(window_s, _fit_seconds(model, ds, probe) / (probe / n) * workers)
-    windows_per_worker = max(
-        args.min_windows,
-        min(int(round(args.seconds / window_s)), -(-args.max_pushes // workers)),
-    )
-    return windows_per_worker * workers * n
+    most = -(-args.max_pushes // workers)  # windows per worker within --max-pushes
+    return max(args.min_windows, min(int(round(args.seconds / window_s)), most)) * workers * n
 
 
 def _measure_one(strategy, model, ds, host_pid, workers, n, step_ms, args):
@@ -172,30 +167,21 @@ def main(argv=None):
     p.add_argument("--ps", type=int, default=1)
     p.add_argument("--seconds", type=float, default=4.0, help="target length of one measurement")
     p.add_argument("--min-windows", type=int, default=2, help="windows per worker at least")
-    p.add_argument(
-        "--max-pushes",
-        type=int,
-        default=3000,
-        help="pushes per measurement at most (unless min-windows needs more)",
-    )
+    p.add_argument("--max-pushes", type=int, default=3000, help="pushes per measurement at most")
     p.add_argument("--ceiling", action="store_true", help="also measure the push-rate ceiling")
     args = p.parse_args(argv)
     args.device_ms = harness.single(p, args, "device_ms")
     t0 = time.time()
     rows = [row for w in args.workers for row in measure(w, args)]
     wmin = min(r["workers"] for r in rows)
-    base = {
-        r["n_sync"]: r["samples_per_s"]
-        for r in rows
-        if r["workers"] == wmin and r["kind"] == "emulated"
-    }
-    for r in rows:
-        if r["kind"] == "emulated" and r["n_sync"] in base:
+    emulated = [r for r in rows if r["kind"] == "emulated"]
+    base = {r["n_sync"]: r["samples_per_s"] for r in emulated if r["workers"] == wmin}
+    for r in emulated:
+        if r["n_sync"] in base:
             r["speedup"] = r["samples_per_s"] / base[r["n_sync"]] * wmin
-        if r["kind"] == "emulated" and r["ideal_samples_per_s"]:
+        if r["ideal_samples_per_s"]:
             # Robust to a slow baseline: throughput as a fraction of the device limit.
             r["of_ideal"] = r["samples_per_s"] / r["ideal_samples_per_s"]
-    os.makedirs(args.out, exist_ok=True)
     harness.write_csv(os.path.join(args.out, "scaleout.csv"), rows)
     rows.sort(key=lambda r: (r["kind"], r["n_sync"], r["workers"]))
     lines = [

@@ -14,75 +14,42 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """One recipe, named in `SETUPS`.
+    """One recipe, named in `SETUPS`."""
 
-    Args:
-        data: a data set of `load_data`.
-        model: a `tf_asgd.models` builder.
-        optimizer: an optimizer of `make_optimizer`.
-        batch: the batch size.
-        steps: plain Keras's steps, which set the target (0: the suite's own).
-        device_ms: the emulated device time of one batch, in milliseconds.
-        epochs: the epochs of a `fit` where a suite runs epochs, not steps.
-    """
-
-    data: str
-    model: str
-    optimizer: str
+    data: str  # a data set of `load_data`
+    model: str  # a `tf_asgd.models` builder
+    optimizer: str  # an optimizer of `make_optimizer`
     batch: int
-    steps: int = 0
-    device_ms: float = 0.0
-    epochs: int = 0
+    steps: int = 0  # plain Keras's steps, which set the target (0: the suite's own)
+    device_ms: float = 0.0  # the emulated device time of one batch
+    epochs: int = 0  # the epochs of a `fit` where a suite runs epochs, not steps
 
 
+# One a line: Setup(data, model, optimizer, batch, steps, device_ms).
 SETUPS = {
-    "mnist1d_adam": Setup(
-        "mnist1d", "mnist1d_cnn", "adam_1e-2", batch=100, steps=3000, device_ms=50.0
-    ),
-    "mnist1d_sgd": Setup(
-        "mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", batch=100, steps=3000, device_ms=50.0
-    ),
-    "mnist1d16k_adam": Setup(
-        "mnist1d16k", "mnist1d_cnn", "adam_1e-2", batch=100, steps=3000, device_ms=50.0
-    ),
+    "mnist1d_adam": Setup("mnist1d", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
+    "mnist1d_sgd": Setup("mnist1d", "mnist1d_cnn", "sgd_0.05_m0.9", 100, 3000, 50.0),
+    "mnist1d16k_adam": Setup("mnist1d16k", "mnist1d_cnn", "adam_1e-2", 100, 3000, 50.0),
     # Large enough that batches of N x 32 keep paying (nothing memorised); Adam's rate is
     # the best final of a grid at batch 32 (docs/defaults.md).
-    "mnist1d64k_adam": Setup(
-        "mnist1d64k", "mnist1d_cnn", "adam_4e-3", batch=32, steps=8000, device_ms=20.0
-    ),
+    "mnist1d64k_adam": Setup("mnist1d64k", "mnist1d_cnn", "adam_4e-3", 32, 8000, 20.0),
     # Another model family (attention, LayerNorm) at Keras's default Adam rate.
     "mnist1d_transformer_adam": Setup(
-        "mnist1d", "mnist1d_transformer", "adam_1e-3", batch=32, steps=1500, device_ms=20.0
+        "mnist1d", "mnist1d_transformer", "adam_1e-3", 32, 1500, 20.0
     ),
-    "digits_sgd": Setup(
-        "digits", "digits_convnet", "sgd_0.05_m0.9", batch=32, steps=900, device_ms=50.0
-    ),
-    "digits_adam": Setup(
-        "digits", "digits_convnet", "adam_1e-3", batch=32, steps=900, device_ms=50.0
-    ),
-    "resnet_sgd": Setup(
-        "digits32", "resnet_bn", "sgd_resnet", batch=32, steps=450, device_ms=400.0
-    ),
+    "digits_sgd": Setup("digits", "digits_convnet", "sgd_0.05_m0.9", 32, 900, 50.0),
+    "digits_adam": Setup("digits", "digits_convnet", "adam_1e-3", 32, 900, 50.0),
+    "resnet_sgd": Setup("digits32", "resnet_bn", "sgd_resnet", 32, 450, 400.0),
     # Adam's kin other than Adam, at Keras's default rates (Lion's: 3x below AdamW's,
     # as its paper advises): the rules' checks beyond the recipes they were chosen on.
-    "digits_adamw": Setup(
-        "digits", "digits_convnet", "adamw_1e-3", batch=32, steps=900, device_ms=50.0
-    ),
-    "digits_rmsprop": Setup(
-        "digits", "digits_convnet", "rmsprop_1e-3", batch=32, steps=900, device_ms=50.0
-    ),
-    "digits_lion": Setup(
-        "digits", "digits_convnet", "lion_3e-4", batch=32, steps=900, device_ms=50.0
-    ),
-    "digits_nadam": Setup(
-        "digits", "digits_convnet", "nadam_1e-3", batch=32, steps=900, device_ms=50.0
-    ),
+    "digits_adamw": Setup("digits", "digits_convnet", "adamw_1e-3", 32, 900, 50.0),
+    "digits_rmsprop": Setup("digits", "digits_convnet", "rmsprop_1e-3", 32, 900, 50.0),
+    "digits_lion": Setup("digits", "digits_convnet", "lion_3e-4", 32, 900, 50.0),
+    "digits_nadam": Setup("digits", "digits_convnet", "nadam_1e-3", 32, 900, 50.0),
     # Rates well above Keras's default, where N times them may pass the edge.
-    "digits_adam_hot": Setup(
-        "digits", "digits_convnet", "adam_1e-2", batch=32, steps=900, device_ms=50.0
-    ),
+    "digits_adam_hot": Setup("digits", "digits_convnet", "adam_1e-2", 32, 900, 50.0),
     "mnist1d_transformer_adam_hot": Setup(
-        "mnist1d", "mnist1d_transformer", "adam_3e-3", batch=32, steps=1500, device_ms=20.0
+        "mnist1d", "mnist1d_transformer", "adam_3e-3", 32, 1500, 20.0
     ),
 }
 
@@ -115,15 +82,10 @@ def load_data(name):
 
 
 def make_optimizer(name):
-    """A fresh Keras optimizer of a setup."""
+    """A fresh Keras optimizer of a setup: `sgd_0.05_m0.9`, `sgd_resnet`, or `KIND_RATE`
+    (`adam_1e-3`: Adam at rate 1e-3; also adamw, rmsprop, lion and nadam)."""
     import keras
 
-    if name == "adam_1e-2":
-        return keras.optimizers.Adam(1e-2)
-    if name == "adam_4e-3":
-        return keras.optimizers.Adam(4e-3)
-    if name == "adam_1e-3":
-        return keras.optimizers.Adam(1e-3)
     if name == "sgd_0.05_m0.9":
         return keras.optimizers.SGD(0.05, momentum=0.9)
     if name == "sgd_resnet":
@@ -131,13 +93,7 @@ def make_optimizer(name):
         # rate for batch 32, without its step decay.
         return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     kind, _, rate = name.partition("_")
-    kinds = {
-        "adam": "Adam",
-        "adamw": "AdamW",
-        "rmsprop": "RMSprop",
-        "lion": "Lion",
-        "nadam": "Nadam",
-    }
+    kinds = {k.lower(): k for k in ("Adam", "AdamW", "RMSprop", "Lion", "Nadam")}
     if kind in kinds and rate:
         return getattr(keras.optimizers, kinds[kind])(float(rate))
     raise ValueError(f"Unknown optimizer {name!r}.")

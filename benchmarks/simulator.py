@@ -1,7 +1,8 @@
 """Many-worker simulator runs: GEM's stability claim at 16 to 100 workers.
 
-Runs `tf_asgd.sim.simulator` (the very update rules of the cluster, with NumPy) for every
-method x worker count x learning rate, and writes to `--out`:
+Runs `tf_asgd.sim.simulator` (the very update rules of the cluster, with NumPy, on its
+default MLP, batch and momentum) for every method x worker count x learning rate, and
+writes to `--out`:
 
 - `stability.csv`, `stability.png`: final and best held-out loss per run, and whether it
   stayed stable (finite final loss at most half the initial);
@@ -9,18 +10,17 @@ method x worker count x learning rate, and writes to `--out`:
 - `pi.csv`, `pi.png`: GEM's pi per tensor (mean and median) over time;
 - `staleness.csv`, `staleness.png`: staleness histograms per timing / delay distribution.
 
-Example (a few seconds):
-
-    python -m benchmarks.run simulator --workers 16,100 --etas 0.1 --pushes 500
+    python -m benchmarks.run simulator --workers 16,100 --etas 0.1 --pushes 500  # seconds
 """
 
+import itertools
 import json
 import os
 import time
 
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import harness, metrics
 from tf_asgd.sim import simulator
 
 OUT = "results/simulator"  # the default --out
@@ -31,10 +31,6 @@ def main(argv=None):
     p.add_argument("--methods", default="downpour,dynsgd,gem")
     p.add_argument("--etas", type=harness.float_list, default=[0.05, 0.1, 0.3, 1.0])
     p.add_argument("--pushes", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--mu", type=float, default=0.9)
-    p.add_argument("--kappa", type=float, default=1.0)
-    p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--timing", default="exponential", choices=simulator.TIMINGS)
     p.add_argument("--delay", default=None, choices=simulator.DELAYS)
     p.add_argument("--eval-every", type=int, default=50)
@@ -42,76 +38,62 @@ def main(argv=None):
     args.n_sync = harness.single(p, args, "n_sync")
     args.seed = harness.single(p, args, "seeds")
     methods = args.methods.split(",")
-    os.makedirs(args.out, exist_ok=True)
-    (x, y), (xt, yt) = simulator.digits_features()
+    (x, y), held_out = simulator.digits_features()
 
     t0 = time.time()
-    stability, curves, pis, runs = _sweep(args, methods, (x, y), (xt, yt))
+    stability, curves, pis, runs = _sweep(args, methods, x, y, held_out)
     harness.write_csv(os.path.join(args.out, "stability.csv"), stability)
     harness.write_csv(os.path.join(args.out, "curves.csv"), curves)
     if pis:
         harness.write_csv(os.path.join(args.out, "pi.csv"), pis)
+        _plot_pi(args, runs)
     _plot_curves(args, methods, runs)
     _plot_stability(args, methods, stability)
-    if pis:
-        _plot_pi(args, runs)
     _staleness_distributions(args, x, y)
     print(f"wrote {args.out} in {time.time() - t0:.1f} s", flush=True)
     return 0
 
 
-def _sweep(args, methods, train, held_out):
+def _sweep(args, methods, x, y, held_out):
     """Every eta x worker count x method; returns (stability, curves, pi rows, runs)."""
-    (x, y), (xt, yt) = train, held_out
     stability, curves, pis, runs = [], [], [], {}
-    for eta in args.etas:
-        for workers in args.workers:
-            for method in methods:
-                r = simulator.simulate(
-                    x,
-                    y,
-                    method=method,
-                    workers=workers,
-                    pushes=args.pushes,
-                    n_sync=args.n_sync,
-                    batch_size=args.batch_size,
-                    eta=eta,
-                    mu=args.mu,
-                    kappa=args.kappa,
-                    hidden=args.hidden,
-                    timing=args.timing,
-                    delay=args.delay,
-                    eval_every=args.eval_every,
-                    eval_data=(xt, yt),
-                    seed=args.seed,
-                )
-                runs[(eta, workers, method)] = r
-                losses = [rec["loss"] for rec in r.records]
-                final, initial = losses[-1], losses[0]
-                # Stable: it learned (held-out loss at most half the initial one), finite.
-                stable = bool(np.isfinite(final) and final <= 0.5 * initial and not r.diverged)
-                hist = r.staleness_histogram
-                stability.append(
-                    dict(
-                        method=method,
-                        workers=workers,
-                        eta=eta,
-                        pushes=r.records[-1]["push"],
-                        initial_loss=initial,
-                        final_loss=final,
-                        best_loss=float(np.min(losses)),
-                        final_accuracy=r.records[-1]["accuracy"],
-                        mean_staleness=float(
-                            (np.arange(len(hist)) * hist).sum() / max(1, hist.sum())
-                        ),
-                        stable=int(stable),
-                    )
-                )
-                for rec in r.records:
-                    curves.append(dict(method=method, workers=workers, eta=eta, **rec))
-                for row in r.pi:
-                    pis.append(dict(workers=workers, eta=eta, **row))
-                print(json.dumps(stability[-1]), flush=True)
+    for eta, workers, method in itertools.product(args.etas, args.workers, methods):
+        r = simulator.simulate(
+            x,
+            y,
+            method=method,
+            workers=workers,
+            pushes=args.pushes,
+            n_sync=args.n_sync,
+            eta=eta,
+            timing=args.timing,
+            delay=args.delay,
+            eval_every=args.eval_every,
+            eval_data=held_out,
+            seed=args.seed,
+        )
+        runs[(eta, workers, method)] = r
+        losses = [rec["loss"] for rec in r.records]
+        final, initial = losses[-1], losses[0]
+        # Stable: it learned (held-out loss at most half the initial one), finite.
+        stable = bool(np.isfinite(final) and final <= 0.5 * initial and not r.diverged)
+        stability.append(
+            dict(
+                method=method,
+                workers=workers,
+                eta=eta,
+                pushes=r.records[-1]["push"],
+                initial_loss=initial,
+                final_loss=final,
+                best_loss=float(np.min(losses)),
+                final_accuracy=r.records[-1]["accuracy"],
+                mean_staleness=metrics.mean_staleness(r.staleness_histogram),
+                stable=int(stable),
+            )
+        )
+        curves += [dict(method=method, workers=workers, eta=eta, **rec) for rec in r.records]
+        pis += [dict(workers=workers, eta=eta, **row) for row in r.pi]
+        print(json.dumps(stability[-1]), flush=True)
     return stability, curves, pis, runs
 
 
@@ -173,15 +155,14 @@ def _plot_pi(args, runs):
     panels = []
     wmax = max(args.workers)
     for eta in args.etas:
-        rows = [r for r in runs[(eta, wmax, "gem")].pi] if (eta, wmax, "gem") in runs else []
+        rows = runs[(eta, wmax, "gem")].pi if (eta, wmax, "gem") in runs else []
         if not rows:
             continue
         names = [k[: -len(":mean")] for k in rows[0] if k.endswith(":mean")]
+        pushes = [r["push"] for r in rows]
         series = [
-            (f"{n} mean", [r["push"] for r in rows], [r[n + ":mean"] for r in rows]) for n in names
-        ]
-        series += [
-            (f"{n} median", [r["push"] for r in rows], [r[n + ":median"] for r in rows])
+            (f"{n} {stat}", pushes, [r[f"{n}:{stat}"] for r in rows])
+            for stat in ("mean", "median")
             for n in names
         ]
         panels.append(
@@ -201,7 +182,6 @@ def _staleness_distributions(args, x, y):
     rows, series = [], []
     settings = [("timing", t) for t in simulator.TIMINGS] + [("delay", d) for d in simulator.DELAYS]
     for kind, value in settings:
-        kw = {"timing": value} if kind == "timing" else {"delay": value}
         r = simulator.simulate(
             x,
             y,
@@ -211,7 +191,7 @@ def _staleness_distributions(args, x, y):
             eta=0.01,
             eval_every=10**9,
             seed=args.seed,
-            **kw,
+            **{kind: value},
         )
         h = r.staleness_histogram
         for tau, count in enumerate(h):
