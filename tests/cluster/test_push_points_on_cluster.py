@@ -148,6 +148,11 @@ def _assert_gone_back_again_for_ps0(strategy, model, reference, log_text):
     once, and the central weights equal to the fault-free run's `reference`."""
     assert "Could not go back to the snapshot" in log_text  # the first attempt
     assert any("ps:0" in task for task in strategy.recoveries[-1].lost)  # the second
+    _assert_each_push_once(strategy, model, reference)
+
+
+def _assert_each_push_once(strategy, model, reference):
+    """Every window applied once, and the central weights equal the fault-free run's."""
     assert int(strategy.counters.version.numpy()) == 2 * WINDOWS
     log = [r for r in strategy.window_log(model) if not r.rolled_back]
     applied = [r.window_id for r in log if r.pushed and not r.replayed]
@@ -205,3 +210,31 @@ def test_a_ps_lost_as_a_go_back_reaches_the_workers_is_gone_back_for_at_once(
         model = _fit_cutting_a_push(cluster, strategy, digits, armed, caplog)
         restarts[0].join()
         _assert_gone_back_again_for_ps0(strategy, model, reference, caplog.text)
+
+
+@pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
+def test_a_worker_restarted_as_a_go_back_reaches_it_leaves_each_push_applied_once(
+    local_cluster, digits, caplog, monkeypatch, synchronous
+):
+    """As above, but no PS is touched: the worker is SIGKILLed as the repair's go-back
+    waits for it to read the PS, and restarted 1.5 s later. TF's coordinator reconnects
+    the restarted worker; the fit completes with no PS recovered beyond the repair, and
+    each push is applied once: the central weights equal a fault-free run's."""
+    with local_cluster(1, 2, own=True, shared_process=False) as cluster:
+        strategy = _strategy(cluster, synchronous)
+        reference = [w.numpy() for w in _fit(strategy, digits).weights]
+        reach_workers, restarts = ps_recovery._reach_workers, []
+
+        def reach_workers_restarting_worker0(*args):
+            if armed.done and not restarts:  # the repair's first go-back, after its writes
+                cluster.kill_task("worker:0")
+                restarts.append(threading.Timer(1.5, cluster.restart_task, args=("worker:0",)))
+                restarts[0].start()
+            return reach_workers(*args)
+
+        monkeypatch.setattr(ps_recovery, "_reach_workers", reach_workers_restarting_worker0)
+        armed = _OnGoBack(lambda: None)
+        model = _fit_cutting_a_push(cluster, strategy, digits, armed, caplog)
+        restarts[0].join()
+        assert restarts and "Lost parameter server" not in caplog.text  # no PS taken as lost
+        _assert_each_push_once(strategy, model, reference)
