@@ -181,6 +181,26 @@ def test_a_repair_whose_go_back_fails_goes_back_again(local_cluster, digits, cap
         _assert_gone_back_again_for_ps0(strategy, model, reference, caplog.text)
 
 
+def _fit_restarting_in_the_go_back(cluster, strategy, digits, caplog, monkeypatch, task):
+    """`_fit_cutting_a_push`, with `task` SIGKILLed as the repair's first go-back (after its
+    writes) waits for every worker to read the PS, and restarted 1.5 s later."""
+    reach_workers, restarts = ps_recovery._reach_workers, []
+
+    def reach_workers_restarting(*args):
+        if armed.done and not restarts:
+            cluster.kill_task(task)
+            restarts.append(threading.Timer(1.5, cluster.restart_task, args=(task,)))
+            restarts[0].start()
+        return reach_workers(*args)
+
+    monkeypatch.setattr(ps_recovery, "_reach_workers", reach_workers_restarting)
+    armed = _OnGoBack(lambda: None)
+    model = _fit_cutting_a_push(cluster, strategy, digits, armed, caplog)
+    assert restarts, f"{task} was not restarted in a go-back"
+    restarts[0].join()
+    return model
+
+
 @pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "rounds"])
 def test_a_ps_lost_as_a_go_back_reaches_the_workers_is_gone_back_for_at_once(
     local_cluster, digits, caplog, monkeypatch, synchronous
@@ -196,19 +216,9 @@ def test_a_ps_lost_as_a_go_back_reaches_the_workers_is_gone_back_for_at_once(
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
         strategy = _strategy(cluster, synchronous)
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
-        reach_workers, restarts = ps_recovery._reach_workers, []
-
-        def reach_workers_losing_ps0(*args):
-            if armed.done and not restarts:  # the repair's first go-back, after its writes
-                cluster.kill_task("ps:0")
-                restarts.append(threading.Timer(1.5, cluster.restart_task, args=("ps:0",)))
-                restarts[0].start()
-            return reach_workers(*args)
-
-        monkeypatch.setattr(ps_recovery, "_reach_workers", reach_workers_losing_ps0)
-        armed = _OnGoBack(lambda: None)
-        model = _fit_cutting_a_push(cluster, strategy, digits, armed, caplog)
-        restarts[0].join()
+        model = _fit_restarting_in_the_go_back(
+            cluster, strategy, digits, caplog, monkeypatch, "ps:0"
+        )
         _assert_gone_back_again_for_ps0(strategy, model, reference, caplog.text)
 
 
@@ -223,18 +233,8 @@ def test_a_worker_restarted_as_a_go_back_reaches_it_leaves_each_push_applied_onc
     with local_cluster(1, 2, own=True, shared_process=False) as cluster:
         strategy = _strategy(cluster, synchronous)
         reference = [w.numpy() for w in _fit(strategy, digits).weights]
-        reach_workers, restarts = ps_recovery._reach_workers, []
-
-        def reach_workers_restarting_worker0(*args):
-            if armed.done and not restarts:  # the repair's first go-back, after its writes
-                cluster.kill_task("worker:0")
-                restarts.append(threading.Timer(1.5, cluster.restart_task, args=("worker:0",)))
-                restarts[0].start()
-            return reach_workers(*args)
-
-        monkeypatch.setattr(ps_recovery, "_reach_workers", reach_workers_restarting_worker0)
-        armed = _OnGoBack(lambda: None)
-        model = _fit_cutting_a_push(cluster, strategy, digits, armed, caplog)
-        restarts[0].join()
-        assert restarts and "Lost parameter server" not in caplog.text  # no PS taken as lost
+        model = _fit_restarting_in_the_go_back(
+            cluster, strategy, digits, caplog, monkeypatch, "worker:0"
+        )
+        assert "Lost parameter server" not in caplog.text  # no PS taken as lost
         _assert_each_push_once(strategy, model, reference)
