@@ -51,6 +51,11 @@ SETUPS = {
     "mnist1d_transformer_adam_hot": Setup(
         "mnist1d", "mnist1d_transformer", "adam_3e-3", 32, 1500, 20.0
     ),
+    # A decoder with causal attention on a synthetic language task, under a Transformer's
+    # usual recipe: AdamW, a linear warm-up over 10% of the fit, then cosine decay to 0.
+    "lookup_decoder_adamw": Setup(
+        "lookup64", "causal_decoder", "adamw_cosine_1e-3", 32, 2000, 20.0
+    ),
 }
 
 
@@ -78,13 +83,28 @@ def load_data(name):
         return tf_asgd.data.load_digits()
     if name == "digits32":
         return tf_asgd.data.load_digits_images(32)
+    if name == "lookup64":
+        return tf_asgd.data.load_lookup_sequences(vocab=64)
     raise ValueError(f"Unknown data set {name!r}.")
 
 
-def make_optimizer(name):
-    """A fresh Keras optimizer of a setup: `sgd_0.05_m0.9`, `sgd_resnet`, or `KIND_RATE`
-    (`adam_1e-3`: Adam at rate 1e-3; also adamw, rmsprop, lion and nadam)."""
+def make_optimizer(name, steps=None):
+    """A fresh Keras optimizer of a setup: `sgd_0.05_m0.9`, `sgd_resnet`, `KIND_RATE`
+    (`adam_1e-3`: Adam at rate 1e-3; also adamw, rmsprop, lion and nadam), or
+    `adamw_cosine_RATE` (warm-up over 10% of the fit's `steps` to RATE, then cosine
+    decay to 0 at its last step, as a user sets it for the `fit` they plan)."""
     import keras
+
+    if name.startswith("adamw_cosine_"):
+        if not steps:
+            raise ValueError(f"{name!r} needs the fit's steps.")
+        schedule = keras.optimizers.schedules.CosineDecay(
+            0.0,
+            steps,
+            warmup_target=float(name.rsplit("_", 1)[1]),
+            warmup_steps=max(1, steps // 10),
+        )
+        return keras.optimizers.AdamW(schedule)
 
     if name == "sgd_0.05_m0.9":
         return keras.optimizers.SGD(0.05, momentum=0.9)
@@ -106,6 +126,10 @@ def build_model(name, data):
     import tf_asgd
 
     builder = getattr(tf_asgd.models, name)
+    if name == "causal_decoder":
+        (x, y), _ = data
+        tokens = int(max(x.max(), y.max())) + 1
+        return builder(x.shape[1], y.shape[1], vocab=tokens, classes=tokens)
     if "input_shape" in inspect.signature(builder).parameters:
         return builder(input_shape=data[0][0].shape[1:])
     return builder()
@@ -126,7 +150,8 @@ def train_dataset(data, batch_size, seed):
 
 class HeldOut:
     """Held-out accuracy and loss of a model's weights, on a plain Keras twin
-    of the model on the chief (one forward pass over the whole set)."""
+    of the model on the chief (one forward pass over the whole set); per token where the
+    model predicts a sequence."""
 
     def __init__(self, model_name, data):
         import tensorflow as tf
@@ -134,12 +159,13 @@ class HeldOut:
         _, (x_test, y_test) = data
         self.twin = build_model(model_name, data)
         self.x = tf.constant(x_test)
-        self.y = np.asarray(y_test)
+        self.y = np.asarray(y_test).reshape(-1)
         self._forward = tf.function(lambda x: self.twin(x, training=False))
 
     def __call__(self, weights):
         self.twin.set_weights(weights)
         logits = self._forward(self.x).numpy().astype(np.float64)
+        logits = logits.reshape(-1, logits.shape[-1])
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         loss = -log_p[np.arange(len(self.y)), self.y].mean()

@@ -122,7 +122,7 @@ def run_plain(setup, seed, args):
     steps = recipe.steps
     keras.utils.set_random_seed(seed)
     model = setups.build_model(recipe.model, data)
-    harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer))
+    harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer, steps))
     ds = tf_asgd.data.emulated_device_time(recipe.device_ms)(
         setups.train_dataset(data, recipe.batch, seed), 0
     ).repeat()
@@ -206,7 +206,7 @@ def run_asgd(cluster, setup, workers, n_sync, seed, args, compression, outer, bu
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = setups.build_model(recipe.model, data)
-        harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer))
+        harness.compile_classifier(model, setups.make_optimizer(recipe.optimizer, steps))
 
     def committed(scheduled):
         return min(scheduled, strategy.stats().windows * n_sync)
@@ -259,7 +259,7 @@ def summarize(points, plain_points):
         speedup=_ratio(tp, t),
         samples_to_target=s,
         plain_samples_to_target=sp,
-        samples_ratio=s / sp,
+        samples_ratio=s / sp if sp > 0 else math.nan,  # nan: plain there at its start
         final_gap_points=100 * (plain_final - final),
         worst_drop_points=100 * drop,
         stable=int(stable),

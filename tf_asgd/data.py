@@ -4,7 +4,8 @@
 inside the package), the offline default of the tests and the launcher;
 `load_digits_images` the same images upsampled to RGB squares (for convnets
 built for CIFAR-sized inputs). `load_mnist1d` generates MNIST-1D (Greydanus
-2020) on this machine with the `mnist1d` package.
+2020) on this machine with the `mnist1d` package; `load_lookup_sequences` a
+synthetic language-modelling task for causal decoders.
 `emulated_device_time` makes workers behave like GPUs of a given speed on a
 CPU-only machine (benchmarks, stragglers).
 """
@@ -155,6 +156,57 @@ def load_mnist1d(num_train=4000, num_test=1000, seed=42):
         np.random.set_state(np_state)
     x = np.asarray(d["x"], "float32")[..., None]
     y = np.asarray(d["y"], "int64")
+    return (x[:num_train], y[:num_train]), (x[num_train:], y[num_train:])
+
+
+def load_lookup_sequences(
+    num_train=32000, num_test=2000, length=24, vocab=32, lags=(1, 3), noise=0.1, seed=0
+):
+    """A synthetic language-modelling task for causal decoders: a hidden lookup table.
+
+    Each sequence starts with `max(lags)` random tokens (0 to `vocab - 1`); every later
+    token is a fixed random table's entry for the tokens `lags` positions back (with
+    `(1, 3)`: the previous token and the one three back), or, with probability `noise`,
+    a uniform draw. A decoder predicts each next token from the ones before it (teacher
+    forcing); only the tokens the table sets are targets. The best accuracy is about
+    `1 - noise + noise / vocab`, reached by learning the table and where to look.
+
+    Args:
+        num_train: training sequences.
+        num_test: held-out sequences (the same table).
+        length: tokens in a sequence.
+        vocab: distinct tokens.
+        lags: how far back the table looks.
+        noise: the share of tokens drawn uniformly instead.
+        seed: NumPy's seed for the table and the draw.
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`: int32 inputs of shape
+        `(n, length - 1)` and int64 targets of shape `(n, length - max(lags))`, the next
+        token at each of the inputs' last `length - max(lags)` positions.
+
+    Example:
+
+    ```python
+    (x, y), _ = tf_asgd.data.load_lookup_sequences()  # x: (32000, 23), y: (32000, 21)
+    model = tf_asgd.models.causal_decoder(x.shape[1], y.shape[1], vocab=32, classes=32)
+    ```
+    """
+    for name, n in (("num_train", num_train), ("num_test", num_test), ("length", length)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}.")
+    first = max(lags)
+    if length <= first + 1 or min(lags) < 1:
+        raise ValueError(f"length must exceed max(lags) + 1 and lags be >= 1, got {length}.")
+    rng = np.random.default_rng(seed)
+    table = rng.integers(0, vocab, size=(vocab,) * len(lags))
+    n = num_train + num_test
+    seq = rng.integers(0, vocab, size=(n, length))
+    uniform = rng.random((n, length)) < noise
+    for t in range(first, length):
+        looked_up = table[tuple(seq[:, t - lag] for lag in lags)]
+        seq[:, t] = np.where(uniform[:, t], seq[:, t], looked_up)
+    x, y = seq[:, :-1].astype("int32"), seq[:, first:].astype("int64")
     return (x[:num_train], y[:num_train]), (x[num_train:], y[num_train:])
 
 

@@ -357,3 +357,47 @@ def mnist1d_transformer(input_shape=(40, 1), num_classes=10, width=64, heads=4, 
         )
     x = L.GlobalAveragePooling1D(name="pool")(x)
     return keras.Model(inputs, L.Dense(num_classes, name="logits")(x), name="mnist1d_transformer")
+
+
+def causal_decoder(
+    length, outputs, vocab, classes, width=64, heads=4, blocks=2, name="causal_decoder"
+):
+    """A small GPT-style decoder: causal self-attention over tokens, a third model family
+    for the benchmarks (sequence outputs, pre-norm blocks, no convolution).
+
+    Token and learned position embeddings of width `width`, then `blocks` pre-norm
+    blocks (`heads`-head self-attention with a causal mask, a GELU MLP of `4 * width`,
+    each added back), a final `LayerNormalization` and Dense logits for the last
+    `outputs` positions (`data.load_lookup_sequences`'s targets).
+
+    Args:
+        length: tokens in a sequence.
+        outputs: trailing positions whose logits the model returns.
+        vocab: input tokens (embedding rows).
+        classes: logits per position.
+        width: the embedding width.
+        heads: attention heads of each block.
+        blocks: decoder blocks.
+        name: the model's name.
+
+    Returns:
+        A functional `keras.Model` from `(batch, length)` tokens to
+        `(batch, outputs, classes)` logits.
+
+    Examples:
+        >>> causal_decoder(23, 21, vocab=32, classes=32).output_shape
+        (None, 21, 32)
+    """
+    L = keras.layers
+    inputs = keras.Input((length,), dtype="int32")
+    x = PositionEmbedding(name="positions")(L.Embedding(vocab, width, name="embed")(inputs))
+    for b in range(blocks):
+        h = L.LayerNormalization(name=f"block{b + 1}_norm1")(x)
+        attention = L.MultiHeadAttention(heads, width // heads, name=f"block{b + 1}_attention")
+        x = x + attention(h, h, use_causal_mask=True)
+        h = L.LayerNormalization(name=f"block{b + 1}_norm2")(x)
+        h = L.Dense(4 * width, activation="gelu", name=f"block{b + 1}_mlp1")(h)
+        x = x + L.Dense(width, name=f"block{b + 1}_mlp2")(h)
+    x = L.LayerNormalization(name="final_norm")(x)
+    logits = L.Dense(classes, name="logits")(x[:, length - outputs :, :])
+    return keras.Model(inputs, logits, name=name)
