@@ -318,7 +318,9 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             averaged windows moves about as far as a batch N times larger
             would: with Adam and its kin (`optimizer_options.is_adaptive`) N
             times it, falling toward the rate itself as 1/t of each
-            `fit`'s steps (`"anneal"`); with others `sqrt(N)` times it.
+            `fit`'s steps (`"anneal"`), or staying N where the rate is a
+            `LearningRateSchedule` (`"linear"`: the schedule lowers it);
+            with others `sqrt(N)` times it.
             With an `outer_optimizer` given, synchronous rounds or GEM, the
             rate is the user's. `"sqrt"`, `"anneal"`, `"linear"` (times N) or
             a number set the factor for any optimizer; `"none"` keeps the
@@ -735,6 +737,7 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             self.synchronous,
             outer_given=self.outer_optimizer is not None,
             adaptive=optimizer_options.is_adaptive(optimizer),
+            scheduled=internals.has_rate_schedule(optimizer),
         )
 
     def _outer_optimizer_for(self, optimizer):

@@ -116,7 +116,8 @@ def test_an_annealed_factor_equals_plain_keras_at_the_annealed_rate(
 
 def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(local_cluster):
     """Where the PS averages the pushes: Adam's kin (a loss-scaling wrapper unwrapped) at
-    N after the warm-up, falling to the user's rate; SGD and any other optimizer at sqrt(N)."""
+    N after the warm-up, falling to the user's rate, or staying N on a schedule; SGD and
+    any other optimizer at sqrt(N)."""
     cluster = local_cluster(4)
     adam, sgd = keras.optimizers.Adam(1e-3), keras.optimizers.SGD(0.05, momentum=0.9)
     strategy = tf_asgd.AsyncParameterServerStrategy(cluster.resolver, n_sync=10)
@@ -131,6 +132,11 @@ def test_the_default_anneals_from_n_for_adams_kin_and_scales_by_sqrt_n_for_sgd(l
     ):
         assert strategy.worker_rate_peak(kin) == 4.0, kin
     assert strategy.worker_rate_peak(keras.optimizers.Muon(1e-3)) == 2.0
+    # On a schedule of the user's, Adam's kin keep N: the schedule lowers the rate itself.
+    cosine = keras.optimizers.schedules.CosineDecay(0.0, 1000, warmup_target=1e-3, warmup_steps=100)
+    for scheduled in (keras.optimizers.AdamW(cosine), keras.optimizers.Adam(cosine)):
+        assert strategy.worker_rate_peak(scheduled) == strategy.worker_rate_scale(scheduled) == 4.0
+    assert strategy.worker_rate_scale(keras.optimizers.SGD(cosine, momentum=0.9)) == 2.0
     # The PS's first-round rise stays where the workers' peak leaves room for it.
     outer_for = strategy._outer_optimizer_for  # private: the outer a model would get
     assert outer_for(adam) == tf_asgd.OuterSGD(0.25)
@@ -157,3 +163,26 @@ def test_a_bad_lr_scaling_is_refused_before_connecting(bad):
     resolver = tf_config.make_resolver(spec)
     with pytest.raises(ValueError, match="lr_scaling must be one of"):
         tf_asgd.AsyncParameterServerStrategy(resolver, n_sync=2, lr_scaling=bad)
+
+
+def test_adam_on_a_schedule_keeps_n_on_it_and_says_so(local_cluster, flat, caplog):
+    """2 workers, the default, AdamW on a warm-up and cosine schedule: the factor rises to
+    N over 5% of the fit and stays there (the schedule lowers the rate); `History`'s
+    `workers_learning_rate` is N times the schedule at each epoch's global step, and the
+    fit's log line says the factor is kept on the schedule."""
+    (x, y), _ = flat
+    x, y = x[:640], y[:640]  # 10 steps an epoch per worker, 20 global; 3 epochs
+    strategy = tf_asgd.AsyncParameterServerStrategy(local_cluster(2).resolver, n_sync=5)
+    cosine = keras.optimizers.schedules.CosineDecay(0.0, 60, warmup_target=0.01, warmup_steps=6)
+    with strategy.scope():
+        model = _linear()
+        model.compile(keras.optimizers.AdamW(cosine), LOSS)
+    with caplog.at_level("INFO", logger="tf_asgd"):
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    stats = strategy.model_stats(model)
+    assert (stats.lr_scale_peak, stats.lr_scale, stats.lr_scale_end) == (2.0, 2.0, 2.0)
+    assert stats.lr_warmup_steps == 3  # 5% of the fit's 60 steps
+    ends = [int(s) for s in np.cumsum([20] * 3)]
+    want = [2.0 * float(cosine(t)) for t in ends]
+    np.testing.assert_allclose(history.history["workers_learning_rate"], want, atol=1e-6)
+    assert caplog.text.count("kept on the optimizer's schedule") == 1

@@ -67,22 +67,28 @@ def validate_worker_rate(scaling):
     )
 
 
-def auto_worker_rate(synchronous=False, outer_given=False, adaptive=False):
+def auto_worker_rate(synchronous=False, outer_given=False, adaptive=False, scheduled=False):
     """The rule `lr_scaling="auto"` stands for: where the PS averages the pushes (the
-    asynchronous default outer optimizer), `"anneal"` for an adaptive optimizer (Adam
-    and its kin: `optimizer_options.is_adaptive`) and `"sqrt"` for others; else
-    `"none"` (an outer optimizer given, or synchronous rounds, sets the round's gain on
-    the PS). Why: docs/defaults.md.
+    asynchronous default outer optimizer), for an adaptive optimizer (Adam and its kin:
+    `optimizer_options.is_adaptive`) `"anneal"`, or `"linear"` where its rate is a
+    `LearningRateSchedule` (`scheduled`: the user's schedule already lowers the rate late
+    in the fit, which is what the anneal is for, so N stays on it as on the large batch's),
+    and `"sqrt"` for others; else `"none"` (an outer optimizer given, or synchronous
+    rounds, sets the round's gain on the PS). Why: docs/defaults.md.
 
     Examples:
         >>> auto_worker_rate(), auto_worker_rate(adaptive=True)
         ('sqrt', 'anneal')
+        >>> auto_worker_rate(adaptive=True, scheduled=True), auto_worker_rate(scheduled=True)
+        ('linear', 'sqrt')
         >>> auto_worker_rate(synchronous=True, adaptive=True)
         'none'
     """
     if synchronous or outer_given:
         return "none"
-    return "anneal" if adaptive else "sqrt"
+    if adaptive:
+        return "linear" if scheduled else "anneal"
+    return "sqrt"
 
 
 def worker_rate_scale(num_workers, rule):

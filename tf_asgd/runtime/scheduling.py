@@ -464,6 +464,8 @@ def _say_workers_rate(trainer, start, steps):
     if peak != final:
         end = _factor(trainer, steps - 1)
         shape += f", then falling as 1/t toward x{final:g} (x{end:.3g} at this fit's end)"
+    elif internals.has_rate_schedule(trainer.optimizer):
+        shape += ", kept on the optimizer's schedule (which lowers the rate itself)"
     log.warning(
         "tf_asgd: workers' learning rate: the optimizer's rate times a factor rising "
         "from 1 over this fit's first %d steps to %s (global steps %d to %d; "
