@@ -96,9 +96,10 @@ def _with_learning_rate(name, rate_of):
     return opt.__class__.from_config(config)
 
 
-def scaled_optimizer(name, scale):
-    """The setup's optimizer with its learning rate times `scale`."""
-    return _with_learning_rate(name, lambda rate: rate * scale)
+def scaled_optimizer(name, scale, steps=None):
+    """The setup's optimizer with its learning rate (a schedule's over `steps`) times
+    `scale`."""
+    return setups.make_optimizer(name, steps, scale)
 
 
 def workers_optimizer(name, scale, warmup_steps):
@@ -152,7 +153,10 @@ def large_batch(setup, data, multiple, scale, seed, steps, eval_every, optimizer
 
     batch = setups.SETUPS[setup].batch * multiple
     keras.utils.set_random_seed(seed)
-    model = _model(setup, data, scale, eval_every, optimizer and optimizer())
+    opt = (
+        optimizer() if optimizer else scaled_optimizer(setups.SETUPS[setup].optimizer, scale, steps)
+    )
+    model = _model(setup, data, scale, eval_every, opt)
     held_out = setups.HeldOut(setups.SETUPS[setup].model, data)
     batches = iter(setups.train_dataset(data, batch, seed).repeat())
     points = []

@@ -88,34 +88,33 @@ def load_data(name):
     raise ValueError(f"Unknown data set {name!r}.")
 
 
-def make_optimizer(name, steps=None):
-    """A fresh Keras optimizer of a setup: `sgd_0.05_m0.9`, `sgd_resnet`, `KIND_RATE`
-    (`adam_1e-3`: Adam at rate 1e-3; also adamw, rmsprop, lion and nadam), or
-    `adamw_cosine_RATE` (warm-up over 10% of the fit's `steps` to RATE, then cosine
-    decay to 0 at its last step, as a user sets it for the `fit` they plan)."""
+def make_optimizer(name, steps=None, scale=1.0):
+    """A fresh Keras optimizer of a setup at `scale` times its rate: `sgd_0.05_m0.9`,
+    `sgd_resnet`, `KIND_RATE` (`adam_1e-3`: Adam at rate 1e-3; also adamw, rmsprop, lion
+    and nadam), or `adamw_cosine_RATE` (warm-up over 10% of the fit's `steps` to RATE,
+    then cosine decay to 0 at its last step, as a user sets it for the `fit` they plan)."""
     import keras
 
+    if name == "sgd_0.05_m0.9":
+        return keras.optimizers.SGD(0.05 * scale, momentum=0.9)
+    if name == "sgd_resnet":
+        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
+        # rate for batch 32, without its step decay.
+        return keras.optimizers.SGD(0.05 * scale, momentum=0.9, nesterov=True, weight_decay=5e-4)
     if name.startswith("adamw_cosine_"):
         if not steps:
             raise ValueError(f"{name!r} needs the fit's steps.")
         schedule = keras.optimizers.schedules.CosineDecay(
             0.0,
             steps,
-            warmup_target=float(name.rsplit("_", 1)[1]),
+            warmup_target=float(name.rsplit("_", 1)[1]) * scale,
             warmup_steps=max(1, steps // 10),
         )
         return keras.optimizers.AdamW(schedule)
-
-    if name == "sgd_0.05_m0.9":
-        return keras.optimizers.SGD(0.05, momentum=0.9)
-    if name == "sgd_resnet":
-        # He et al.'s CIFAR recipe (momentum 0.9, weight decay 5e-4) at the
-        # rate for batch 32, without its step decay.
-        return keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     kind, _, rate = name.partition("_")
     kinds = {k.lower(): k for k in ("Adam", "AdamW", "RMSprop", "Lion", "Nadam")}
     if kind in kinds and rate:
-        return getattr(keras.optimizers, kinds[kind])(float(rate))
+        return getattr(keras.optimizers, kinds[kind])(float(rate) * scale)
     raise ValueError(f"Unknown optimizer {name!r}.")
 
 
