@@ -52,7 +52,7 @@ SETUPS = {
         "mnist1d", "mnist1d_transformer", "adam_3e-3", 32, 1500, 20.0
     ),
     # A decoder with causal attention on a synthetic language task, under a Transformer's
-    # usual recipe: AdamW, a linear warm-up over 10% of the fit, then cosine decay to 0.
+    # usual recipe: AdamW, a linear warm-up over 10% of the fit, then cosine decay.
     "lookup_decoder_adamw": Setup(
         "lookup64", "causal_decoder", "adamw_cosine_1e-3", 32, 2000, 20.0
     ),
@@ -92,7 +92,8 @@ def make_optimizer(name, steps=None, scale=1.0):
     """A fresh Keras optimizer of a setup at `scale` times its rate: `sgd_0.05_m0.9`,
     `sgd_resnet`, `KIND_RATE` (`adam_1e-3`: Adam at rate 1e-3; also adamw, rmsprop, lion
     and nadam), or `adamw_cosine_RATE` (warm-up over 10% of the fit's `steps` to RATE,
-    then cosine decay to 0 at its last step, as a user sets it for the `fit` they plan)."""
+    then Keras's `CosineDecay` over `steps` more, 2.5% of RATE at the fit's last step, as a
+    user sets it for the `fit` they plan)."""
     import keras
 
     if name == "sgd_0.05_m0.9":
