@@ -40,16 +40,10 @@ def worker_rate(name, workers, synchronous, optimizer):
     run's end on, under the outer rule `name`: its `+RULE` suffix, else the strategy's
     `lr_scaling="auto"` for `default` (with the setup's `optimizer`), else 1."""
     from tf_asgd.rules import worker_rate
-    from tf_asgd.runtime import optimizer_options
 
     base, _, rule = name.partition("+")
     if rule in ("", "auto"):
-        adaptive = optimizer_options.is_adaptive(setups.make_optimizer(optimizer))
-        rule = (
-            worker_rate.auto_worker_rate(synchronous, adaptive=adaptive)
-            if base == "default"
-            else "none"
-        )
+        rule = setups.auto_worker_rate(optimizer, synchronous) if base == "default" else "none"
     if rule.startswith("anneal:"):
         return float(workers), float(rule.split(":")[1])
     if rule not in worker_rate.WORKER_RATE_RULES:

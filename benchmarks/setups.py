@@ -119,6 +119,22 @@ def make_optimizer(name, steps=None, scale=1.0):
     raise ValueError(f"Unknown optimizer {name!r}.")
 
 
+def auto_worker_rate(name, synchronous=False):
+    """The rule the strategy's `lr_scaling="auto"` resolves to for optimizer `name` where the
+    PS averages the pushes (or in synchronous rounds): its kind and whether its rate is a
+    schedule decide it, as in `AsyncParameterServerStrategy`."""
+    from tf_asgd import internals
+    from tf_asgd.rules import worker_rate
+    from tf_asgd.runtime import optimizer_options
+
+    optimizer = make_optimizer(name, steps=1)  # the kind and the rate's type, not its length
+    return worker_rate.auto_worker_rate(
+        synchronous,
+        adaptive=optimizer_options.is_adaptive(optimizer),
+        scheduled=internals.has_rate_schedule(optimizer),
+    )
+
+
 def build_model(name, data):
     """A fresh `tf_asgd.models` model for the data's input shape."""
     import inspect

@@ -152,18 +152,16 @@ def parse_outer(spec):
 def _outer_options(outer, workers, optimizer):
     """The strategy's keyword arguments for an `--outer-rates` value on `workers` workers;
     under `rise` the setup's `optimizer` sets the workers' rate."""
-    from tf_asgd.rules import outer_optimizers, worker_rate
-    from tf_asgd.runtime import optimizer_options
+    from tf_asgd.rules import outer_optimizers
 
     if outer == "default":
         return {}
     if outer == "sync":
         return {"synchronous": True}
     if outer == "rise":
-        adaptive = optimizer_options.is_adaptive(setups.make_optimizer(optimizer))
         return {
             "outer_optimizer": outer_optimizers.default_outer_optimizer(workers),
-            "lr_scaling": worker_rate.auto_worker_rate(adaptive=adaptive),
+            "lr_scaling": setups.auto_worker_rate(optimizer),
         }
     rate, of_limit = parse_outer(outer)
     if of_limit:
