@@ -394,8 +394,11 @@ def run_setup(setup, data, seed, args):
                 scale,
             )
         else:
-            multiple = 1 if method == "lr_only" else n
-            points = large_batch(setup, data, multiple, SCALINGS[scaling](n), seed, steps, every)
+            multiple, length = (1 if method == "lr_only" else n), steps
+            if method == "large_batch" and args.large_batch_samples:
+                # That share of plain's samples, as --outer-steps sizes the copies' runs.
+                length = every * max(1, round(steps * args.large_batch_samples / n / every))
+            points = large_batch(setup, data, multiple, SCALINGS[scaling](n), seed, length, every)
         if target is None:
             target = points[-1][1] - 0.01
             base_steps = metrics.first_reaching(points, target, key=0, accuracy=1)
@@ -563,6 +566,13 @@ def main(argv=None):
         type=float,
         default=0.5,
         help="sync_outer/async_outer run this share of plain's samples (steps x N / plain's)",
+    )
+    p.add_argument(
+        "--large-batch-samples",
+        type=float,
+        default=None,
+        help="large_batch runs this share of plain's samples (default: plain's steps, N times "
+        "its samples: the ceiling in device time)",
     )
     p.add_argument(
         "--rates",

@@ -121,18 +121,11 @@ def make_optimizer(name, steps=None, scale=1.0):
 
 def auto_worker_rate(name, synchronous=False):
     """The rule the strategy's `lr_scaling="auto"` resolves to for optimizer `name` where the
-    PS averages the pushes (or in synchronous rounds): its kind and whether its rate is a
-    schedule decide it, as in `AsyncParameterServerStrategy`."""
-    from tf_asgd import internals
-    from tf_asgd.rules import worker_rate
+    PS averages the pushes (or in synchronous rounds), as in `AsyncParameterServerStrategy`."""
     from tf_asgd.runtime import optimizer_options
 
-    optimizer = make_optimizer(name, steps=1)  # the kind and the rate's type, not its length
-    return worker_rate.auto_worker_rate(
-        synchronous,
-        adaptive=optimizer_options.is_adaptive(optimizer),
-        scheduled=internals.has_rate_schedule(optimizer),
-    )
+    # The kind and the rate's type decide it, not the schedule's length.
+    return optimizer_options.auto_worker_rate(make_optimizer(name, steps=1), synchronous)
 
 
 def build_model(name, data):

@@ -733,11 +733,8 @@ class AsyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStr
             return "none"
         if self.lr_scaling != "auto":
             return self.lr_scaling
-        return worker_rate.auto_worker_rate(
-            self.synchronous,
-            outer_given=self.outer_optimizer is not None,
-            adaptive=optimizer_options.is_adaptive(optimizer),
-            scheduled=internals.has_rate_schedule(optimizer),
+        return optimizer_options.auto_worker_rate(
+            optimizer, self.synchronous, outer_given=self.outer_optimizer is not None
         )
 
     def _outer_optimizer_for(self, optimizer):

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tf_asgd import internals
 from tf_asgd.errors import UnsupportedFeatureError
+from tf_asgd.rules import worker_rate
 from tf_asgd.runtime.push import device_of, raw, read, shards
 
 
@@ -46,6 +47,22 @@ def is_adaptive(optimizer):
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     return any(isinstance(inner, getattr(keras.optimizers, name)) for name in _ADAPTIVE)
+
+
+def auto_worker_rate(optimizer, synchronous=False, outer_given=False):
+    """The rule `lr_scaling="auto"` resolves to for `optimizer`: its kind (`is_adaptive`)
+    and whether its rate is a schedule decide it (`worker_rate.auto_worker_rate`).
+
+    Example:
+        >>> auto_worker_rate(keras.optimizers.Adam()), auto_worker_rate(keras.optimizers.SGD())
+        ('anneal', 'sqrt')
+    """
+    return worker_rate.auto_worker_rate(
+        synchronous,
+        outer_given=outer_given,
+        adaptive=is_adaptive(optimizer),
+        scheduled=internals.has_rate_schedule(optimizer),
+    )
 
 
 # Adam's kin that keep a second-moment estimate with a `beta_2`.
