@@ -487,6 +487,18 @@ def test_ceiling_suite(tmp_path):
     _png(tmp_path / "accuracy_vs_steps.png")
 
 
+def test_ceiling_large_batch_at_plain_samples(tmp_path):
+    # Plain's 100 steps of batch B against the batch 2 x B for plain's samples: 50 steps,
+    # rounded to the held-out grid of 20 (as --outer-steps sizes the copies' runs).
+    _run("ceiling", "--quick", "--steps", "100", "--methods", "large_batch", "--scalings",
+         "linear", "--large-batch-samples", "1", "--out", str(tmp_path))  # fmt: skip
+    curves = _csv(tmp_path / "curves.csv", ["method", "step", "accuracy"])
+    steps = {
+        m: [int(r["step"]) for r in curves if r["method"] == m] for m in ("plain", "large_batch")
+    }
+    assert steps == {"plain": [20, 40, 60, 80, 100], "large_batch": [20, 40]}
+
+
 def test_ceiling_outer_rounds_and_the_best_rate_ceiling(tmp_path):
     """`sync_outer` through `OuterSGD(1/N)` is local SGD's averaging; `--rates` gives each
     batch size its best rate, batch B's best at 1x."""
