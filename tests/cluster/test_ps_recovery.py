@@ -53,7 +53,7 @@ def test_a_ps_killed_mid_fit_and_restarted_is_recovered_and_fit_completes(
     2 s later: `fit` completes every epoch with no user action; one recovery, logged with
     its rollback; every window of the fit is applied exactly once (`version` equals the
     pushes applied, and the applied window ids are the fit's ids, each once); held-out
-    accuracy within 3 points of a fault-free run on the same cluster (two fault-free
+    accuracy at most 3 points below a fault-free run on the same cluster (two fault-free
     runs differ by up to about 1, more under load)."""
     with local_cluster(2, 2, own=True, shared_process=False) as cluster:
         pids = cluster.pids()
@@ -86,8 +86,10 @@ def test_a_ps_killed_mid_fit_and_restarted_is_recovered_and_fit_completes(
         _, fault_free = _fit(free, digits)
         # Two fault-free runs of one seed differ by up to about a point (asynchronous
         # training is not deterministic), more on a loaded machine: 2.2 points once with
-        # the suite's other cluster beside it. The 3-seed grid is results/ps_recovery's.
-        assert abs(faulted - fault_free) <= 0.03, (faulted, fault_free)
+        # the suite's other cluster beside it, and a fault-free run once ended 3.1 below
+        # the faulted one. What the recovery must not do is cost accuracy, so the check is
+        # one-sided. The 3-seed grid is results/ps_recovery's.
+        assert fault_free - faulted <= 0.03, (faulted, fault_free)
         assert faulted > 0.9
     assert not [p for p in pids.values() if alive(p)]
 
@@ -274,7 +276,7 @@ def test_a_ps_lost_in_synchronous_mode_is_recovered_and_its_rounds_run_again_who
 
         free = dense_digits_model(strategy, seed=4)
         _, fault_free = _fit(free, digits)
-        assert abs(faulted - fault_free) <= 0.02, (faulted, fault_free)
+        assert fault_free - faulted <= 0.02, (faulted, fault_free)  # the recovery costs none
         assert faulted > 0.9
 
 
